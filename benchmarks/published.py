@@ -1,0 +1,63 @@
+"""Predicted vs published throughput for every usable row of shared/reference/published-runs.json.
+
+Each run's own configuration is evaluated; the published metric is converted to step time with
+the source's FLOP convention (benchmarks/published_rows.py). Prints per-row error and the mean
+absolute percentage error (MAPE) of throughput per group and over the goal groups.
+
+Usage: python benchmarks/published.py [--all-groups] [--csv out.csv]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.published_rows import GOAL_GROUPS, load_rows  # noqa: E402
+from planner.api import evaluate  # noqa: E402
+from planner.errors import PlannerError  # noqa: E402
+from planner.trace import trace  # noqa: E402
+from planner.zoo.spec import parse_spec  # noqa: E402
+from planner.models import resolve_model  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--all-groups", action="store_true", help="also rows outside the goal groups")
+    parser.add_argument("--csv", help="write the per-row table here")
+    args = parser.parse_args()
+    rows, skipped = load_rows(None if args.all_groups else GOAL_GROUPS)
+    errors: dict[str, list[float]] = {}
+    lines = []
+    print(f"{'run':58s} {'pred s':>9s} {'pub s':>9s} {'tput err':>9s} {'MFU':>6s} fits")
+    for row in rows:
+        try:
+            source = resolve_model(parse_spec(row.spec, f"{row.id}.yaml"))
+            graph = trace(source, seq_len=row.seq_len)
+            est = evaluate(graph, row.cluster, row.config, global_batch=row.global_batch)
+        except PlannerError as error:
+            print(f"{row.id:58s} skipped: {error.message}")
+            continue
+        err = row.published_step_s / est.step_time_s - 1.0
+        errors.setdefault(row.group, []).append(abs(err))
+        flag = " <-- >25%" if abs(err) > 0.25 else ""
+        print(f"{row.id:58s} {est.step_time_s:9.3f} {row.published_step_s:9.3f} {err:+9.1%} {est.mfu:6.1%} {est.fits}{flag}")
+        lines.append(f"{row.id},{row.group},{est.step_time_s},{row.published_step_s},{err},{est.mfu},{est.fits}")
+    print()
+    goal = []
+    for group, values in errors.items():
+        print(f"{group:32s} rows {len(values):3d}  MAPE {statistics.mean(values):6.1%}  max {max(values):6.1%}")
+        if group in GOAL_GROUPS:
+            goal += values
+    if goal:
+        print(f"{'goal groups':32s} rows {len(goal):3d}  MAPE {statistics.mean(goal):6.1%}  max {max(goal):6.1%}  over 25%: {sum(v > 0.25 for v in goal)}")
+    for run_id, reason in skipped:
+        print(f"skipped {run_id}: {reason}")
+    if args.csv:
+        Path(args.csv).write_text("id,group,pred_step_s,published_step_s,throughput_error,mfu,fits\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""Time of one op on one device: a roofline with a size-dependent matmul efficiency, or a measured table.
+
+An op is reduced to `OpWork`: its kind, FLOPs and device-memory bytes. Its time is
+
+    max(flops / (peak[dtype] * efficiency), bytes / (mem_bw * mem_bw_efficiency)) + LAUNCH_OVERHEAD_S
+
+where `efficiency` is the device's matmul efficiency curve at the op's FLOPs (scaled for attention),
+and memory-kind ops (elementwise, norms, embedding lookups) have no compute term. An `OpTable` of
+measured times, when given, overrides the roofline for the ops it covers.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from functools import lru_cache
+
+import numpy as np
+
+from costmodel.errors import ProfileError
+from costmodel.hardware import DeviceSpec
+
+# Per-kernel launch cost added to every op. Eager PyTorch pays the CUDA kernel launch path on every
+# op; the commonly quoted end-to-end figure is about 4-6 us per launch (NVIDIA developer blog
+# "Getting Started with CUDA Graphs", 2019, measures launch-bound kernels at several us each).
+# We take the middle of that range. Charging it on every op is conservative: asynchronous launches
+# hide it whenever the GPU is busy. A measured `OpTable` replaces it for the ops it covers.
+LAUNCH_OVERHEAD_S = 5e-6
+
+# Matmul efficiency curve used when a device profile has none: (op FLOPs, fraction of peak).
+# Source: Calculon (calculon-ai/calculon, systems/a100_80g.json, matrix.gflops_efficiency.float16):
+# >=1 GFLOP 0.60, >=16 GFLOP 0.90, >=128 GFLOP 0.95. Calculon steps between thresholds; we
+# interpolate in log10(FLOPs) and clamp outside the points.
+DEFAULT_MATMUL_EFFICIENCY_CURVE: tuple[tuple[float, float], ...] = (
+    (1e9, 0.60),
+    (16e9, 0.90),
+    (128e9, 0.95),
+)
+
+# Flash attention reaches a lower fraction of peak than a GEMM of the same FLOPs. FlashAttention-2
+# (Dao 2023, arXiv 2307.08691) reports up to 73% of A100 peak in the forward pass and up to 63% in
+# the backward pass, against the 80-90% that optimised GEMMs reach (midpoint 85%). Ratios to the
+# matmul efficiency at the same FLOPs: forward 0.73 / 0.85 = 0.86, backward 0.63 / 0.85 = 0.74.
+ATTENTION_FWD_EFFICIENCY_RATIO = 0.86
+ATTENTION_BWD_EFFICIENCY_RATIO = 0.74
+
+# Distinct (work, device, dtype) prices kept by the roofline cache; a search over thousands of
+# configs touches a few thousand distinct ops.
+_CACHE_SIZE = 1 << 16
+
+
+class WorkKind(StrEnum):
+    """How an op uses the device.
+
+    MATMUL: GEMM on the tensor cores. ATTENTION / ATTENTION_BWD: fused (flash) attention forward /
+    backward, priced as a matmul at a lower efficiency; callers give forward and backward FLOPs as
+    separate works. MEMORY: elementwise, norm, embedding lookup: bound by memory bandwidth.
+    """
+
+    MATMUL = "matmul"
+    ATTENTION = "attention"
+    ATTENTION_BWD = "attention_bwd"
+    MEMORY = "memory"
+
+
+_EFFICIENCY_RATIO = {
+    WorkKind.MATMUL: 1.0,
+    WorkKind.ATTENTION: ATTENTION_FWD_EFFICIENCY_RATIO,
+    WorkKind.ATTENTION_BWD: ATTENTION_BWD_EFFICIENCY_RATIO,
+}
+
+
+@dataclass(frozen=True)
+class OpWork:
+    """The work of one op, hardware-free.
+
+    Attributes:
+        kind: how the op uses the device.
+        flops: FLOPs of the op.
+        bytes: bytes read plus written from device memory.
+        key: optional identity for a measured-table lookup, e.g. "matmul:4096x4096x4096:bf16".
+    """
+
+    kind: WorkKind
+    flops: float
+    bytes: float
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if self.flops < 0 or self.bytes < 0:
+            raise ValueError(f"OpWork {self.key or self.kind}: flops and bytes must be >= 0, "
+                             f"got flops={self.flops}, bytes={self.bytes}")
+
+
+def peak_flops_per_s(device: DeviceSpec, dtype: str) -> float:
+    """Dense peak of `device` for `dtype`.
+
+    Raises:
+        ProfileError: the device profile has no peak for that dtype.
+    """
+    try:
+        return device.peak_flops_per_s[dtype]
+    except KeyError:
+        available = ", ".join(sorted(device.peak_flops_per_s)) or "none"
+        raise ProfileError(f"device {device.name} has no peak_flops_per_s for dtype '{dtype}' "
+                           f"(available: {available}); pick one of those or add it to the profile") from None
+
+
+@lru_cache(maxsize=256)
+def _log_curve(curve: tuple[tuple[float, float], ...], owner: str) -> tuple[np.ndarray, np.ndarray]:
+    """Validates a (size, value) curve and returns (log10(size), value) arrays for np.interp."""
+    sizes = [size for size, _ in curve]
+    if not curve or min(sizes) <= 0 or any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise ProfileError(f"{owner}: points must be non-empty with sizes > 0 and strictly ascending, got {curve}")
+    return np.log10(sizes), np.array([value for _, value in curve])
+
+
+def _interp_log10(x: float, curve: tuple[tuple[float, float], ...], owner: str) -> float:
+    """Value of `curve` at `x`, linear in log10(x), clamped to the end values outside the curve."""
+    log_sizes, values = _log_curve(curve, owner)
+    if x <= 0:
+        return float(values[0])
+    return float(np.interp(math.log10(x), log_sizes, values))
+
+
+@lru_cache(maxsize=256)
+def _checked_efficiency_curve(curve: tuple[tuple[float, float], ...],
+                              device_name: str) -> tuple[tuple[float, float], ...]:
+    """Returns `curve` after checking that its sizes ascend and its efficiencies lie in (0, 1]."""
+    _log_curve(curve, f"device {device_name} matmul_efficiency")
+    for _, efficiency in curve:
+        if not 0 < efficiency <= 1:
+            raise ProfileError(f"device {device_name}: matmul_efficiency values must be in (0, 1], got {efficiency}")
+    return curve
+
+
+def _device_curve(device: DeviceSpec) -> tuple[tuple[float, float], ...]:
+    """The device's validated efficiency curve, or DEFAULT_MATMUL_EFFICIENCY_CURVE when it has none."""
+    return _checked_efficiency_curve(device.matmul_efficiency or DEFAULT_MATMUL_EFFICIENCY_CURVE, device.name)
+
+
+def matmul_efficiency(device: DeviceSpec, flops: float) -> float:
+    """Achievable fraction of peak for a GEMM of `flops` FLOPs on `device`.
+
+    Interpolates `device.matmul_efficiency` linearly in log10(flops) and clamps at its end points;
+    uses DEFAULT_MATMUL_EFFICIENCY_CURVE when the device has no curve.
+
+    Raises:
+        ProfileError: the curve is empty, has a size <= 0, is not strictly ascending, or has an
+            efficiency outside (0, 1].
+    """
+    return _interp_log10(flops, _device_curve(device), f"device {device.name} matmul_efficiency")
+
+
+@lru_cache(maxsize=_CACHE_SIZE)
+def _roofline_time_s(work: OpWork, device_name: str, peak_flops_per_s: float, mem_bytes_per_s: float,
+                     curve: tuple[tuple[float, float], ...]) -> float:
+    """Roofline time of `work`; every argument that changes the answer is part of the cache key."""
+    compute_s = 0.0
+    if work.kind is not WorkKind.MEMORY and work.flops > 0:
+        efficiency = _interp_log10(work.flops, curve, f"device {device_name} matmul_efficiency")
+        compute_s = work.flops / (peak_flops_per_s * efficiency * _EFFICIENCY_RATIO[work.kind])
+    return max(compute_s, work.bytes / mem_bytes_per_s) + LAUNCH_OVERHEAD_S
+
+
+@dataclass(frozen=True)
+class OpTable:
+    """Measured op times for one device and dtype, overriding the roofline where they apply.
+
+    Attributes:
+        device: DeviceSpec.name the times were measured on.
+        dtype: dtype they were measured in.
+        times_s_by_key: measured time of an op, by `OpWork.key`.
+        matmul_times_s: (FLOPs, measured time) of GEMMs, strictly ascending in FLOPs; a matmul
+            without a key match is priced at the achieved FLOP/s interpolated in log10(FLOPs)
+            between its nearest measured sizes (clamped outside them).
+    """
+
+    device: str
+    dtype: str
+    times_s_by_key: Mapping[str, float] = field(default_factory=dict, hash=False)
+    matmul_times_s: tuple[tuple[float, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        times = list(self.times_s_by_key.values()) + [t for _, t in self.matmul_times_s]
+        if any(t <= 0 for t in times):
+            raise ProfileError(f"op table for {self.device}: every measured time must be > 0 s")
+        if self.matmul_times_s:
+            _log_curve(self._matmul_rates(), f"op table for {self.device} matmul_times_s")
+
+    def _matmul_rates(self) -> tuple[tuple[float, float], ...]:
+        """(FLOPs, achieved FLOP/s) of the measured GEMMs."""
+        return tuple((flops, flops / time_s) for flops, time_s in self.matmul_times_s)
+
+    def lookup(self, work: OpWork) -> float | None:
+        """Measured time of `work` in seconds, or None when the table does not cover it."""
+        if work.key in self.times_s_by_key:
+            return self.times_s_by_key[work.key]
+        if work.kind is WorkKind.MATMUL and self.matmul_times_s and work.flops > 0:
+            rate_flops_per_s = _interp_log10(work.flops, self._matmul_rates(),
+                                             f"op table for {self.device} matmul_times_s")
+            return work.flops / rate_flops_per_s
+        return None
+
+    def to_dict(self) -> dict:
+        """Plain-data form for JSON or YAML."""
+        return {
+            "device": self.device,
+            "dtype": self.dtype,
+            "times_s_by_key": dict(self.times_s_by_key),
+            "matmul_times_s": [{"flops": flops, "time_s": time_s} for flops, time_s in self.matmul_times_s],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> OpTable:
+        """Inverse of `to_dict`.
+
+        Raises:
+            ProfileError: a field is missing or of the wrong type.
+        """
+        try:
+            return cls(
+                device=str(data["device"]),
+                dtype=str(data["dtype"]),
+                times_s_by_key={str(k): float(v) for k, v in data.get("times_s_by_key", {}).items()},
+                matmul_times_s=tuple((float(p["flops"]), float(p["time_s"]))
+                                     for p in data.get("matmul_times_s", ())),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ProfileError(f"op table: bad or missing field ({exc!r}); expected keys device, dtype, "
+                               f"times_s_by_key {{key: seconds}}, matmul_times_s [{{flops, time_s}}]") from None
+
+
+def _check_table(table: OpTable, device: DeviceSpec, dtype: str) -> None:
+    if (table.device, table.dtype) != (device.name, dtype):
+        raise ProfileError(f"op table was measured on {table.device}/{table.dtype} but is used for "
+                           f"{device.name}/{dtype}; pass the table measured on that device and dtype")
+
+
+def op_time_s(work: OpWork, device: DeviceSpec, dtype: str = "bf16", table: OpTable | None = None) -> float:
+    """Time of one op on one device in seconds.
+
+    Args:
+        work: the op's kind, FLOPs and bytes.
+        device: the device it runs on.
+        dtype: compute dtype, a key of `device.peak_flops_per_s`.
+        table: measured times for this device and dtype; they win over the roofline where they apply.
+
+    Returns:
+        The measured time when `table` covers the op, else the roofline time plus LAUNCH_OVERHEAD_S.
+
+    Raises:
+        ProfileError: unknown dtype, a malformed efficiency curve, or a table from another device/dtype.
+    """
+    return layer_time_s((work,), device, dtype, table)
+
+
+def layer_time_s(works: Sequence[OpWork], device: DeviceSpec, dtype: str = "bf16",
+                 table: OpTable | None = None) -> float:
+    """Sum of `op_time_s` over `works`, resolving the device's rates once (the search's hot path).
+
+    Raises:
+        ProfileError: as `op_time_s`.
+    """
+    peak = peak_flops_per_s(device, dtype)
+    mem_bytes_per_s = device.mem_bw_bytes_per_s * device.mem_bw_efficiency
+    curve = _device_curve(device)
+    if table is not None:
+        _check_table(table, device, dtype)
+    total_s = 0.0
+    for work in works:
+        op_s = table.lookup(work) if table is not None else None
+        if op_s is None:
+            op_s = _roofline_time_s(work, device.name, peak, mem_bytes_per_s, curve)
+        total_s += op_s
+    return total_s

@@ -1,0 +1,267 @@
+"""Bytes per device for one pipeline stage: model states under ZeRO, activations, buffers, overhead.
+
+Model states follow Rajbhandari et al. 2020 ("ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", §3.1 and §5): mixed-precision Adam keeps 2 bytes of half-precision weights,
+2 bytes of half-precision gradients and K = 12 bytes of fp32 optimizer state (master weights,
+momentum, variance) per parameter. ZeRO stage 1 shards the optimizer states over the data-parallel
+group, stage 2 also the gradients, stage 3 (FSDP) also the weights.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from enum import StrEnum
+from typing import NamedTuple
+
+MIB = 1024**2
+
+# Measured elsewhere, not on this project's machines. CUDA context of one PyTorch process: a tiny
+# tensor makes a process use 723 MiB with eager module loading (discuss.pytorch.org/t/73021);
+# lazy loading (CUDA >= 11.7, torch >= 2.0 default) brings it to about 0.3-0.6 GiB on A100/H100.
+# Rerun on a GPU: `torch.zeros(1, device="cuda")`, then compare `nvidia-smi --query-compute-apps=
+# used_memory` with `torch.cuda.memory_reserved()`.
+CUDA_CONTEXT_BYTES = 512 * MIB
+
+# Empirical. The caching allocator rounds and splits blocks, so reserved memory exceeds allocated
+# memory; in steady-state LLM training `max_memory_reserved / max_memory_allocated` is typically
+# 1.02-1.10 (PyTorch "CUDA memory management" notes; larger without `expandable_segments`). Rerun:
+# the ratio of `torch.cuda.max_memory_reserved()` to `torch.cuda.max_memory_allocated()` after a
+# few training steps.
+ALLOCATOR_FRAGMENTATION_FRACTION = 0.05
+
+# Megatron-LM accumulates bf16 gradients in an fp32 `main_grad` buffer
+# (`accumulate_allreduce_grads_in_fp32`, forced on with `--bf16`): 4 bytes per parameter instead of
+# the ZeRO paper's 2, i.e. 18 bytes of model state per parameter without ZeRO.
+FP32_GRAD_BYTES_PER_PARAM = 4
+
+
+class Optimizer(StrEnum):
+    ADAM_MIXED = "adam-mixed"
+    ADAM_FP32 = "adam-fp32"
+
+
+class StateBytes(NamedTuple):
+    """Model-state bytes on one device (or per parameter, in `STATE_BYTES_PER_PARAM`)."""
+
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+
+
+STATE_BYTES_PER_PARAM = {
+    # ZeRO paper §3.1: bf16/fp16 weights 2 + grads 2 + fp32 master, momentum, variance 4 + 4 + 4.
+    Optimizer.ADAM_MIXED: StateBytes(2.0, 2.0, 12.0),
+    # fp32 training: weights 4 + grads 4 + momentum and variance 4 + 4 (no separate master copy).
+    Optimizer.ADAM_FP32: StateBytes(4.0, 4.0, 8.0),
+}
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one device, by category.
+
+    Attributes:
+        weights_bytes: parameters (ZeRO-3: the local shard plus the gathered working copies).
+        grads_bytes: gradients.
+        optimizer_bytes: optimizer states (for mixed precision, the fp32 master weights too).
+        activations_bytes: activations saved for backward, over all micro-batches in flight.
+        comm_buffers_bytes: communication buffers (gradient buckets, all-gather outputs, NCCL).
+        temp_bytes: transient workspace at the peak (e.g. logits, attention scratch).
+        overhead_bytes: CUDA context plus allocator fragmentation.
+    """
+
+    weights_bytes: float = 0.0
+    grads_bytes: float = 0.0
+    optimizer_bytes: float = 0.0
+    activations_bytes: float = 0.0
+    comm_buffers_bytes: float = 0.0
+    temp_bytes: float = 0.0
+    overhead_bytes: float = 0.0
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
+        return MemoryBreakdown(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def to_dict(self) -> dict[str, float]:
+        """The categories and `total_bytes`, in bytes (JSON-ready)."""
+        return {**asdict(self), "total_bytes": self.total_bytes}
+
+
+def model_state_bytes(
+    params: float,
+    zero: int,
+    shard_group: int,
+    *,
+    optimizer: Optimizer | str = Optimizer.ADAM_MIXED,
+    weight_bytes_per_param: float | None = None,
+    grad_bytes_per_param: float | None = None,
+    gathered_params: float = 0.0,
+) -> StateBytes:
+    """Weights, gradients and optimizer states on one device under a ZeRO stage.
+
+    Rajbhandari et al. 2020 §5: ZeRO-1 divides the optimizer states by the shard group, ZeRO-2 also
+    the gradients, ZeRO-3 also the weights. Under ZeRO-3 each device also holds the unsharded
+    copies of the parameters it is computing with (FSDP all-gathers a layer, and prefetches the
+    next one): `gathered_params` of them, at `weight_bytes_per_param`, counted with the weights.
+    The unsharded gradient bucket waiting for its reduce-scatter (ZeRO-2/3) is a communication
+    buffer, which `stage_memory` takes separately.
+
+    Args:
+        params: parameters held by this device before ZeRO (already divided by TP/EP).
+        zero: ZeRO stage, 0-3.
+        shard_group: devices the states are sharded over (the data-parallel group, or the
+            expert-data-parallel group for expert parameters).
+        optimizer: which optimizer and precision; sets the default bytes per parameter.
+        weight_bytes_per_param: overrides the optimizer's weight bytes (e.g. 1 for fp8 weights).
+        grad_bytes_per_param: overrides the optimizer's gradient bytes (`FP32_GRAD_BYTES_PER_PARAM`
+            for Megatron-style fp32 gradient accumulation).
+        gathered_params: ZeRO-3 only: parameters all-gathered at once on this device.
+
+    Returns:
+        `StateBytes(weights_bytes, grads_bytes, optimizer_bytes)`.
+
+    Raises:
+        ValueError: on a negative count, an unknown ZeRO stage or optimizer, a shard group below 1,
+            or `gathered_params` without ZeRO-3.
+
+    Example::
+
+        >>> model_state_bytes(7e9, zero=1, shard_group=8)
+        StateBytes(weights_bytes=14000000000.0, grads_bytes=14000000000.0, optimizer_bytes=10500000000.0)
+    """
+    per_param = STATE_BYTES_PER_PARAM[_optimizer(optimizer)]
+    weight_bytes = per_param.weights_bytes if weight_bytes_per_param is None else weight_bytes_per_param
+    grad_bytes = per_param.grads_bytes if grad_bytes_per_param is None else grad_bytes_per_param
+    _check_non_negative(
+        params=params, gathered_params=gathered_params, weight_bytes_per_param=weight_bytes,
+        grad_bytes_per_param=grad_bytes,
+    )
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero={zero!r}: must be 0, 1, 2 or 3")
+    if not isinstance(shard_group, int) or shard_group < 1:
+        raise ValueError(f"shard_group={shard_group!r}: must be a positive integer (the data-parallel group size)")
+    if gathered_params and zero != 3:
+        raise ValueError(f"gathered_params={gathered_params}: only ZeRO-3 gathers parameters; pass 0 for zero={zero}")
+    return StateBytes(
+        weights_bytes=params * weight_bytes / (shard_group if zero >= 3 else 1) + gathered_params * weight_bytes,
+        grads_bytes=params * grad_bytes / (shard_group if zero >= 2 else 1),
+        optimizer_bytes=params * per_param.optimizer_bytes / (shard_group if zero >= 1 else 1),
+    )
+
+
+def stage_memory(
+    *,
+    params: float,
+    activation_bytes_per_microbatch: float,
+    in_flight: float,
+    expert_params: float = 0.0,
+    tp: int = 1,
+    ep: int = 1,
+    expert_tp: int = 1,
+    zero: int = 0,
+    dense_shard_group: int = 1,
+    expert_shard_group: int = 1,
+    gathered_params: float = 0.0,
+    comm_buffer_bytes: float = 0.0,
+    temp_bytes: float = 0.0,
+    optimizer: Optimizer | str = Optimizer.ADAM_MIXED,
+    weight_bytes_per_param: float | None = None,
+    grad_bytes_per_param: float | None = None,
+    context_bytes: float = CUDA_CONTEXT_BYTES,
+    fragmentation_fraction: float = ALLOCATOR_FRAGMENTATION_FRACTION,
+) -> MemoryBreakdown:
+    """Peak bytes on one device of one pipeline stage.
+
+    Rules:
+
+    - Dense parameters (`params - expert_params`) are divided by `tp` (Megatron tensor
+      parallelism shards every large weight; the replicated norms and biases are under 0.1% of a
+      transformer's parameters and are divided too).
+    - Expert parameters are divided by `ep` and by `expert_tp` when experts are tensor-parallel
+      (Megatron-Core `expert_tensor_parallel_size`).
+    - ZeRO shards dense states over `dense_shard_group` and expert states over
+      `expert_shard_group`; the caller passes both sizes. In Megatron-Core the distributed
+      optimizer shards over the data-parallel group including context parallelism (`dp * cp`) and
+      expert states over the expert-data-parallel group (`dp * cp * tp / (ep * expert_tp)`).
+    - Activations: `activation_bytes_per_microbatch * in_flight`, where the caller's per-micro-batch
+      bytes are for this stage's layers, already divided by TP/SP/CP, and `in_flight` comes from
+      `costmodel.pipeline.in_flight_microbatches`.
+    - Overhead: `context_bytes` (CUDA context, `CUDA_CONTEXT_BYTES`) plus `fragmentation_fraction`
+      of everything else (caching-allocator fragmentation, `ALLOCATOR_FRAGMENTATION_FRACTION`).
+
+    Args:
+        params: the stage's parameters, experts included, before any sharding.
+        activation_bytes_per_microbatch: saved activations of one micro-batch on this device.
+        in_flight: micro-batches whose activations are alive at the peak.
+        expert_params: the part of `params` in MoE experts.
+        tp: tensor-parallel degree.
+        ep: expert-parallel degree.
+        expert_tp: tensor-parallel degree inside each expert.
+        zero: ZeRO stage, 0-3.
+        dense_shard_group: devices dense states are sharded over.
+        expert_shard_group: devices expert states are sharded over.
+        gathered_params: ZeRO-3 only: parameters all-gathered at once on this device.
+        comm_buffer_bytes: communication buffers at the peak.
+        temp_bytes: transient workspace at the peak.
+        optimizer: optimizer and precision.
+        weight_bytes_per_param: overrides the optimizer's weight bytes.
+        grad_bytes_per_param: overrides the optimizer's gradient bytes.
+        context_bytes: per-process CUDA context.
+        fragmentation_fraction: allocator fragmentation as a fraction of all other bytes.
+
+    Returns:
+        The per-category breakdown.
+
+    Raises:
+        ValueError: on negative sizes, degrees below 1, or `expert_params > params`.
+
+    Example::
+
+        >>> stage_memory(params=7e9, activation_bytes_per_microbatch=0, in_flight=0,
+        ...              context_bytes=0, fragmentation_fraction=0).total_bytes
+        112000000000.0
+    """
+    _check_non_negative(
+        params=params, expert_params=expert_params, activation_bytes_per_microbatch=activation_bytes_per_microbatch,
+        in_flight=in_flight, comm_buffer_bytes=comm_buffer_bytes, temp_bytes=temp_bytes, context_bytes=context_bytes,
+        fragmentation_fraction=fragmentation_fraction,
+    )
+    for name, degree in (("tp", tp), ("ep", ep), ("expert_tp", expert_tp)):
+        if not isinstance(degree, int) or degree < 1:
+            raise ValueError(f"{name}={degree!r}: must be a positive integer")
+    if expert_params > params:
+        raise ValueError(f"expert_params={expert_params}: must not exceed params={params} (params includes experts)")
+    precision = {
+        "optimizer": optimizer,
+        "weight_bytes_per_param": weight_bytes_per_param,
+        "grad_bytes_per_param": grad_bytes_per_param,
+    }
+    dense = model_state_bytes(
+        (params - expert_params) / tp, zero, dense_shard_group, gathered_params=gathered_params, **precision
+    )
+    experts = model_state_bytes(expert_params / (ep * expert_tp), zero, expert_shard_group, **precision)
+    breakdown = MemoryBreakdown(
+        weights_bytes=dense.weights_bytes + experts.weights_bytes,
+        grads_bytes=dense.grads_bytes + experts.grads_bytes,
+        optimizer_bytes=dense.optimizer_bytes + experts.optimizer_bytes,
+        activations_bytes=activation_bytes_per_microbatch * in_flight,
+        comm_buffers_bytes=comm_buffer_bytes,
+        temp_bytes=temp_bytes,
+    )
+    overhead = context_bytes + fragmentation_fraction * breakdown.total_bytes
+    return breakdown + MemoryBreakdown(overhead_bytes=overhead)
+
+
+def _optimizer(optimizer: Optimizer | str) -> Optimizer:
+    try:
+        return Optimizer(optimizer)
+    except ValueError:
+        raise ValueError(f"optimizer={optimizer!r}: use one of {[o.value for o in Optimizer]}") from None
+
+
+def _check_non_negative(**values: float) -> None:
+    for name, value in values.items():
+        if value < 0:
+            raise ValueError(f"{name}={value}: must be >= 0")

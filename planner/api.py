@@ -1,0 +1,96 @@
+"""The Python API: `plan`, `evaluate` and `make_config`, shared by the CLI and user code."""
+from __future__ import annotations
+
+from costmodel.errors import ProfileError
+from costmodel.hardware import Cluster, load_cluster
+from planner.config import ParallelConfig, Schedule
+from planner.errors import invalid
+from planner.graph import ModelGraph
+from planner.plan import Estimate, Plan
+
+
+def _graph(model, seq_len: int | None) -> ModelGraph:
+    from planner.trace import trace
+
+    if isinstance(model, ModelGraph):
+        return model
+    return trace(model, seq_len=seq_len)
+
+
+def _cluster(cluster) -> Cluster:
+    try:
+        return load_cluster(cluster)
+    except ProfileError as error:
+        raise invalid(str(error)) from None
+
+
+def make_config(constraints: dict | ParallelConfig, num_devices: int, global_batch: int) -> ParallelConfig:
+    """A full ParallelConfig from the degrees a user gave: dp fills the devices, micro-batches fill the batch.
+
+    Args:
+        constraints: tp and pp at least; dp, cp, ep, vpp, micro_batch, zero, recompute, schedule optional.
+        num_devices: devices of the cluster.
+        global_batch: sequences per optimizer step.
+
+    Raises:
+        PlannerError: INVALID_INPUT naming the degree that does not fit.
+    """
+    if isinstance(constraints, ParallelConfig):
+        return constraints
+    values = dict(constraints)
+    tp, pp, cp = values.get("tp", 1), values.get("pp", 1), values.get("cp", 1)
+    model_parallel = tp * pp * cp
+    if num_devices % model_parallel:
+        raise invalid(f"tp*pp*cp = {tp}*{pp}*{cp} = {model_parallel}: must divide the cluster's {num_devices} devices")
+    dp = values.get("dp", num_devices // model_parallel)
+    micro_batch = values.get("micro_batch", 1)
+    if global_batch % (dp * micro_batch):
+        raise invalid(f"global_batch={global_batch}: must be a multiple of dp*micro_batch = {dp}*{micro_batch}")
+    vpp = values.get("vpp", 1)
+    schedule = values.get("schedule", Schedule.INTERLEAVED if vpp > 1 else Schedule.ONE_F_ONE_B)
+    return ParallelConfig(
+        dp=dp, tp=tp, pp=pp, cp=cp, ep=values.get("ep", 1), vpp=vpp, micro_batch=micro_batch,
+        num_microbatches=global_batch // (dp * micro_batch), zero=values.get("zero", 0),
+        recompute=values.get("recompute", "none"), schedule=schedule,
+    )
+
+
+def evaluate(model, cluster, config: dict | ParallelConfig, *, global_batch: int, seq_len: int | None = None,
+             dtype: str = "bf16") -> Estimate:
+    """Predict step time, throughput, MFU and per-stage memory of one configuration.
+
+    Example::
+
+        >>> est = evaluate("gpt3-1.3b", "a100-80g:1x8", {"tp": 2, "pp": 1}, global_batch=64, seq_len=2048)
+        >>> est.config.dp, est.fits
+        (4, True)
+    """
+    from planner.estimate import Evaluator
+
+    graph = _graph(model, seq_len)
+    hardware = _cluster(cluster)
+    full = make_config(config, hardware.num_devices, global_batch)
+    return Evaluator(graph, hardware, dtype).estimate(full, global_batch)
+
+
+def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype: str = "bf16", **constraints) -> Plan:
+    """Search the plan with the highest throughput that fits in memory.
+
+    Args:
+        model: zoo name, spec file, "package.module:factory", or a traced ModelGraph.
+        cluster: cluster name, cluster file, "DEVICE:NODESxGPUS", or a Cluster.
+        global_batch: sequences per optimizer step.
+        seq_len: tokens per sequence (default: the model's).
+        dtype: compute dtype.
+        **constraints: fix a choice (tp=8, zero=3, schedule="1f1b", ...), bound one (max_tp=...,
+            max_pp=...), mem_headroom (fraction of memory kept free), top (alternatives kept).
+
+    Raises:
+        PlannerError: INVALID_INPUT for bad input, INSUFFICIENT_MEMORY when nothing fits (the
+            message says what would).
+    """
+    from planner.search import search
+
+    graph = _graph(model, seq_len)
+    hardware = _cluster(cluster)
+    return search(graph, hardware, global_batch=global_batch, dtype=dtype, cluster_name=str(cluster if isinstance(cluster, str) else hardware.name), **constraints)

@@ -1,0 +1,100 @@
+"""ParallelConfig: one point of the search space, validated on creation."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+
+from planner.errors import invalid
+from planner.graph import Recompute
+
+
+class Schedule(StrEnum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    ZERO_BUBBLE = "zb"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees, micro-batching, ZeRO stage, recompute policy and pipeline schedule.
+
+    `dp * tp * pp * cp` equals the device count; expert parallelism `ep` lives inside `dp * cp`
+    (experts are sharded over ep ranks of the data-parallel group). `vpp` is the number of virtual
+    pipeline chunks per device (interleaved schedule only). `micro_batch` is sequences per
+    micro-batch per data-parallel rank and `num_microbatches` how many of them one step runs.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    vpp: int = 1
+    micro_batch: int = 1
+    num_microbatches: int = 1
+    zero: int = 0
+    recompute: Recompute = Recompute.NONE
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    sequence_parallel: bool = True
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "micro_batch", "num_microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise invalid(f"{name}={value!r}: must be a positive integer")
+        if self.zero not in (0, 1, 2, 3):
+            raise invalid(f"zero={self.zero!r}: must be 0, 1, 2 or 3")
+        object.__setattr__(self, "recompute", Recompute(self.recompute))
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
+        if (self.dp * self.cp) % self.ep:
+            raise invalid(f"ep={self.ep}: must divide dp*cp={self.dp * self.cp} (experts are sharded inside the data-parallel group)")
+        if self.vpp > 1 and self.schedule != Schedule.INTERLEAVED:
+            raise invalid(f"vpp={self.vpp}: virtual pipeline stages need schedule=interleaved")
+        if self.schedule == Schedule.INTERLEAVED and self.pp == 1:
+            raise invalid("schedule=interleaved: needs pp > 1")
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.micro_batch * self.num_microbatches
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["recompute"] = str(self.recompute)
+        out["schedule"] = str(self.schedule)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ParallelConfig":
+        return cls(**data)
+
+    def short(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        if self.vpp > 1:
+            parts.append(f"v{self.vpp}")
+        parts += [f"mb{self.micro_batch}x{self.num_microbatches}", f"z{self.zero}", str(self.recompute), str(self.schedule)]
+        return " ".join(parts)

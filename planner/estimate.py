@@ -1,0 +1,369 @@
+"""Evaluate one ParallelConfig: step time, throughput, MFU and memory per pipeline stage.
+
+Step time = pipeline time of the stages (each stage's forward and backward per micro-batch:
+compute, recompute, exposed tensor/context/expert-parallel communication, exposed FSDP gathers)
++ exposed data-parallel gradient reduction + the optimizer step. Overlap is modelled explicitly:
+
+- DP gradient reduction (ZeRO 0-2) overlaps with the backward of the last micro-batch;
+- FSDP (ZeRO-3) gathers of the next layer overlap with the current layer's compute, per micro-batch;
+- TP/SP collectives are exposed (they sit between dependent matmuls);
+- the CP ring overlaps with attention (`layer_cost`); EP all-to-all is exposed;
+- pipeline p2p sits on the critical path of the schedule (`costmodel.pipeline`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from costmodel import memory as memory_model
+from costmodel import pipeline
+from costmodel.comm import Collective, CommGroup, collective_time_s
+from costmodel.compute import OpTable, peak_flops_per_s
+from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
+from planner.config import ParallelConfig, Schedule
+from planner.errors import PlannerError, invalid
+from planner.graph import LayerKind, ModelGraph, Recompute
+from planner.layer_cost import LayerContext, LayerCost, price_layer
+from planner.mesh import axis_group, mesh_groups
+from planner.plan import Estimate, StagePlan
+from planner.stages import StageProblem, split_dp
+from planner.tp_plan import tp_plan_for
+
+# Mixed-precision Adam touches, per parameter and step, fp32 master weight, two fp32 moments and
+# the fp32 gradient (read 16 B) and writes master + moments + the bf16 weight copy (14 B).
+# Counted from torch.optim.AdamW's fused update; bandwidth bound.
+OPTIMIZER_BYTES_PER_PARAM = 30
+
+# Gradients are reduced in fp32: Megatron-LM accumulates and all-reduces main_grad in fp32 for
+# bf16 training (`accumulate_allreduce_grads_in_fp32`), and torchtitan's FSDP2 mixed precision
+# uses reduce_dtype=float32.
+GRAD_REDUCE_BYTES_PER_PARAM = 4
+
+# FSDP keeps the unsharded parameters of the layer it computes and of the one it prefetches
+# (FSDP2 default forward prefetch of one layer).
+ZERO3_GATHERED_LAYERS = 2
+
+
+# Columns of the per-layer table one device type yields for one configuration (one micro-batch).
+COLUMNS = ("fwd_s", "bwd_s", "compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s",
+           "fsdp_exposed_s", "dense_params", "expert_params", "static_bytes", "act_bytes", "out_bytes")
+COL = {name: i for i, name in enumerate(COLUMNS)}
+
+
+def stage_devices(cluster: Cluster, pp: int) -> list[tuple[DeviceSpec, NodeSpec]]:
+    """The device and node of each pipeline stage (pp is the outermost mesh axis).
+
+    Raises:
+        PlannerError: a stage would span node groups of different device types.
+    """
+    per_stage = cluster.num_devices // pp
+    bounds = []
+    start = 0
+    for group in cluster.groups:
+        size = group.count * group.node.devices_per_node
+        bounds.append((start, start + size, group.node))
+        start += size
+    out = []
+    for stage in range(pp):
+        first, last = stage * per_stage, (stage + 1) * per_stage - 1
+        nodes = {node for lo, hi, node in bounds if lo <= first < hi or lo <= last < hi or (first < lo and hi <= last + 1)}
+        devices = {node.device.name for node in nodes}
+        if len(devices) > 1:
+            raise invalid(f"pp={pp}: stage {stage} spans device types {sorted(devices)}; choose pp so each stage sits on one node group")
+        node = next(node for lo, hi, node in bounds if lo <= first < hi)
+        out.append((node.device, node))
+    return out
+
+
+class Evaluator:
+    """Prices configurations of one model on one cluster, caching per-layer costs across configs.
+
+    Args:
+        graph: the traced model.
+        cluster: the hardware.
+        dtype: compute dtype ("bf16", "fp16", "fp8").
+        table: measured op times that override the roofline.
+    """
+
+    def __init__(self, graph: ModelGraph, cluster: Cluster, dtype: str = "bf16", table: OpTable | None = None):
+        self.graph = graph
+        self.cluster = cluster
+        self.dtype = dtype
+        self.table = table
+        self._layer_cache: dict = {}
+        self._table_cache: dict = {}
+
+    def dtype_for(self, device: DeviceSpec) -> str:
+        """The compute dtype on `device`: the requested one, or fp16 where a device lacks bf16 (V100)."""
+        if self.dtype in device.peak_flops_per_s:
+            return self.dtype
+        if self.dtype == "bf16" and "fp16" in device.peak_flops_per_s:
+            return "fp16"
+        raise invalid(f"--dtype {self.dtype}: {device.name} has no {self.dtype} peak; use one of {sorted(device.peak_flops_per_s)}")
+
+    def check(self, config: ParallelConfig, global_batch: int) -> None:
+        """Raises PlannerError(INVALID_INPUT) naming why `config` cannot exist for this model and cluster."""
+        dims, graph = self.graph.dims, self.graph
+        if config.devices != self.cluster.num_devices:
+            raise invalid(
+                f"dp*tp*pp*cp = {config.dp}*{config.tp}*{config.pp}*{config.cp} = {config.devices}: must equal the cluster's {self.cluster.num_devices} devices"
+            )
+        if dims.heads and dims.heads % config.tp:
+            raise invalid(f"tp={config.tp}: must divide the {dims.heads} attention heads")
+        if dims.kv_heads and config.tp > 1 and dims.kv_heads % config.tp and config.tp % dims.kv_heads:
+            raise invalid(f"tp={config.tp}: must divide, or be a multiple of, the {dims.kv_heads} key/value heads")
+        if config.tp > 1 and not any(layer.ops for layer in graph.layers):
+            raise invalid(f"tp={config.tp}: the model was traced at module level (no op graph), so only tp=1 is supported")
+        if config.ep > 1 and (not dims.experts or dims.experts % config.ep):
+            raise invalid(f"ep={config.ep}: must divide the model's {dims.experts} experts" if dims.experts else f"ep={config.ep}: the model has no experts; use ep=1")
+        if graph.seq_len % config.cp:
+            raise invalid(f"cp={config.cp}: must divide seq_len={graph.seq_len}")
+        chunks = config.pp * config.vpp
+        if chunks > len(graph.layers):
+            raise invalid(f"pp*vpp={chunks}: more pipeline chunks than the model's {len(graph.layers)} layers")
+        if global_batch % (config.dp * config.micro_batch):
+            raise invalid(f"global_batch={global_batch}: must be a multiple of dp*micro_batch = {config.dp}*{config.micro_batch}")
+        if config.global_batch != global_batch:
+            raise invalid(f"num_microbatches={config.num_microbatches}: dp*micro_batch*num_microbatches must equal global_batch={global_batch}")
+        if config.schedule == Schedule.INTERLEAVED and config.num_microbatches % config.pp:
+            raise invalid(f"num_microbatches={config.num_microbatches}: the interleaved schedule needs a multiple of pp={config.pp}")
+        if config.pp > 1 and config.schedule == Schedule.GPIPE and config.num_microbatches < config.pp:
+            raise invalid(f"num_microbatches={config.num_microbatches}: GPipe needs at least pp={config.pp} micro-batches")
+
+    def layer_cost(self, index: int, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, recompute: Recompute) -> LayerCost:
+        layer = self.graph.layers[index]
+        key = (layer.signature or layer.name, device.name, node.devices_per_node, config.tp, config.cp, config.ep,
+               config.micro_batch, recompute, config.sequence_parallel)
+        cost = self._layer_cache.get(key)
+        if cost is None:
+            groups = mesh_groups(config, node.devices_per_node)
+            ctx = LayerContext(
+                device=device, node=node, dtype=self.dtype_for(device), tp=config.tp, cp=config.cp, ep=config.ep,
+                batch_scale=config.micro_batch / self.graph.micro_batch, recompute=recompute,
+                sequence_parallel=config.sequence_parallel, tp_group=groups.tp, cp_group=groups.cp,
+                ep_group=groups.ep, top_k=self.graph.dims.top_k, hidden=self.graph.dims.hidden, table=self.table,
+            )
+            cost = price_layer(layer, tp_plan_for(layer, config.tp, device, node, ctx.dtype), ctx)
+            self._layer_cache[key] = cost
+        return cost
+
+
+    def policies(self, config: ParallelConfig, recompute_per_layer: tuple[Recompute, ...] | None = None) -> tuple[Recompute, ...]:
+        """Recompute policy per layer: the config's policy on blocks, none on embedding and head."""
+        if recompute_per_layer is not None:
+            return tuple(recompute_per_layer)
+        return tuple(config.recompute if layer.kind == LayerKind.BLOCK else Recompute.NONE for layer in self.graph.layers)
+
+    def layer_table(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, policies: tuple[Recompute, ...]) -> np.ndarray:
+        """[L, len(COLUMNS)] per-layer seconds and bytes of one micro-batch on `device` (cached)."""
+        key = (device.name, node.devices_per_node, config.tp, config.cp, config.ep, config.dp, config.micro_batch,
+               config.zero, config.sequence_parallel, policies)
+        table = self._table_cache.get(key)
+        if table is not None:
+            return table
+        groups = mesh_groups(config, node.devices_per_node)
+        expert_group = expert_data_group(config, node)
+        rows = []
+        for index, layer in enumerate(self.graph.layers):
+            cost = self.layer_cost(index, config, device, node, policies[index])
+            dense = (layer.params - layer.expert_params) / config.tp
+            expert = layer.expert_params / (config.ep * config.tp)
+            static = sum(memory_model.model_state_bytes(dense, config.zero, config.dp * config.cp)) + sum(
+                memory_model.model_state_bytes(expert, config.zero, expert_group.size))
+            exposed = 0.0
+            if config.zero == 3:
+                gather_s = (collective_time_s(Collective.ALL_GATHER, dense * 2, groups.dp_cp, node)
+                            + collective_time_s(Collective.ALL_GATHER, expert * 2, expert_group, node))
+                scatter_s = (collective_time_s(Collective.REDUCE_SCATTER, dense * GRAD_REDUCE_BYTES_PER_PARAM, groups.dp_cp, node)
+                             + collective_time_s(Collective.REDUCE_SCATTER, expert * GRAD_REDUCE_BYTES_PER_PARAM, expert_group, node))
+                exposed = max(0.0, gather_s - cost.fwd_s) + max(0.0, gather_s + scatter_s - cost.bwd_s - cost.recompute_s)
+            fwd = cost.fwd_s + cost.tp_comm_s / 2 + cost.cp_comm_s / 3 + cost.ep_comm_s / 2
+            rows.append((
+                fwd, cost.total_s + exposed - fwd, cost.fwd_s + cost.bwd_s, cost.recompute_s, cost.tp_comm_s,
+                cost.cp_comm_s, cost.ep_comm_s, exposed, dense, expert, static, cost.act_bytes,
+                layer.out_bytes * config.micro_batch / self.graph.micro_batch,
+            ))
+        table = np.array(rows, dtype=float)
+        self._table_cache[key] = table
+        return table
+
+    def stage_problem(self, config: ParallelConfig, policy_sets: list[tuple[Recompute, ...]], headroom: float = 0.0) -> StageProblem:
+        """The stage-split instance of `config`: one column per candidate per-layer policy set."""
+        chunks = config.pp * config.vpp
+        per_device = stage_devices(self.cluster, config.pp)
+        refs = [self.layer_table(config, *per_device[0], policies) for policies in policy_sets]
+        ref_total = float(refs[0][:, COL["fwd_s"]].sum() + refs[0][:, COL["bwd_s"]].sum())
+        speeds, caps, in_flight = [], [], []
+        for chunk in range(chunks):
+            stage = chunk % config.pp
+            device, node = per_device[stage]
+            own = self.layer_table(config, device, node, policy_sets[0])
+            speeds.append(ref_total / float(own[:, COL["fwd_s"]].sum() + own[:, COL["bwd_s"]].sum()))
+            usable = device.mem_bytes * (1 - headroom) / (1 + memory_model.ALLOCATOR_FRAGMENTATION_FRACTION)
+            caps.append(max(0.0, (usable - memory_model.CUDA_CONTEXT_BYTES) / config.vpp))
+            in_flight.append(pipeline.in_flight_microbatches(str(config.schedule), config.pp, stage, config.num_microbatches, config.vpp)
+                             if config.pp > 1 else 1.0)
+        column = lambda name: np.stack([ref[:, COL[name]] for ref in refs], axis=1)  # noqa: E731
+        return StageProblem(
+            layer_time_s=column("fwd_s") + column("bwd_s"), layer_static_bytes=column("static_bytes"),
+            layer_act_bytes=column("act_bytes"), num_stages=chunks, in_flight=np.array(in_flight),
+            mem_cap_bytes=np.array(caps), stage_speed=np.array(speeds), num_microbatches=config.num_microbatches,
+        )
+
+    def split(self, config: ParallelConfig, policies: tuple[Recompute, ...], headroom: float = 0.0) -> tuple[tuple[int, ...], bool]:
+        """Layer cut points of the pp*vpp pipeline chunks from the exact memory-aware DP.
+
+        Returns:
+            (boundaries, memory_aware): memory_aware is False when no split fits and the split
+            returned only balances time.
+        """
+        if config.pp * config.vpp == 1:
+            return (0, len(self.graph.layers)), True
+        problem = self.stage_problem(config, [policies], headroom)
+        try:
+            return split_dp(problem).boundaries, True
+        except PlannerError:
+            unbounded = dataclasses.replace(problem, mem_cap_bytes=np.full(problem.num_stages, np.inf))
+            return split_dp(unbounded).boundaries, False
+
+    def estimate(
+        self,
+        config: ParallelConfig,
+        global_batch: int,
+        *,
+        recompute_per_layer: tuple[Recompute, ...] | None = None,
+        boundaries: tuple[int, ...] | None = None,
+        headroom: float = 0.0,
+    ) -> Estimate:
+        """Predicted step time, throughput, MFU and per-stage memory of `config`.
+
+        Args:
+            config: the parallel configuration (validated against the model and cluster).
+            global_batch: sequences per optimizer step.
+            recompute_per_layer: a recompute policy per layer overriding `config.recompute`.
+            boundaries: pp*vpp+1 layer cut points; the exact memory-aware split when None.
+            headroom: fraction of each device's memory to keep free.
+
+        Raises:
+            PlannerError: INVALID_INPUT when the configuration cannot exist.
+        """
+        self.check(config, global_batch)
+        graph, m = self.graph, config.num_microbatches
+        per_device = stage_devices(self.cluster, config.pp)
+        policies = self.policies(config, recompute_per_layer)
+        if boundaries is None:
+            boundaries, _ = self.split(config, policies, headroom)
+        chunk_stage = [c % config.pp for c in range(config.pp * config.vpp)]
+        seq_split = config.cp * (config.tp if config.sequence_parallel else 1)
+
+        sums, stage_plans, breakdowns = [], [], []
+        dp_exposed_s = optimizer_s = p2p_s = 0.0
+        for stage in range(config.pp):
+            device, node = per_device[stage]
+            table = self.layer_table(config, device, node, policies)
+            layer_ids = [i for c, s in enumerate(chunk_stage) if s == stage for i in range(boundaries[c], boundaries[c + 1])]
+            rows = table[layer_ids]
+            total = rows.sum(axis=0)
+            sums.append(total)
+            groups = mesh_groups(config, node.devices_per_node)
+            if config.pp > 1:
+                boundary_bytes = rows[-1, COL["out_bytes"]] / seq_split
+                p2p_s = max(p2p_s, collective_time_s(Collective.P2P, boundary_bytes, groups.pp, node, self.cluster.oversubscription))
+            dense, expert = total[COL["dense_params"]], total[COL["expert_params"]]
+            dp_exposed_s = max(dp_exposed_s, self._dp_exposed_s(config, node, groups, dense, expert, total[COL["bwd_s"]]))
+            shard = config.dp * config.cp if config.zero >= 1 else 1
+            optimizer_s = max(optimizer_s, (dense + expert) / shard * OPTIMIZER_BYTES_PER_PARAM
+                              / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency))
+            in_flight = pipeline.in_flight_microbatches(str(config.schedule), config.pp, stage, m, config.vpp) if config.pp > 1 else 1.0
+            largest = float((rows[:, COL["dense_params"]] + rows[:, COL["expert_params"]]).max())
+            breakdown = memory_model.stage_memory(
+                params=dense + expert, expert_params=expert, activation_bytes_per_microbatch=total[COL["act_bytes"]],
+                in_flight=in_flight, zero=config.zero, dense_shard_group=config.dp * config.cp,
+                expert_shard_group=expert_data_group(config, node).size,
+                gathered_params=ZERO3_GATHERED_LAYERS * largest if config.zero == 3 else 0.0,
+            )
+            breakdowns.append((device, breakdown))
+            first, last = layer_ids[0], layer_ids[-1]
+            stage_plans.append(StagePlan(
+                index=stage, first_layer=first, last_layer=last,
+                layer_names=tuple(graph.layers[i].name for i in layer_ids),
+                fqns=tuple(f for i in layer_ids for f in graph.layers[i].fqns),
+                ranks=(stage * config.devices // config.pp, (stage + 1) * config.devices // config.pp - 1),
+                device=device.name, fwd_s=float(total[COL["fwd_s"]]), bwd_s=float(total[COL["bwd_s"]]),
+                memory={**breakdown.to_dict(), "capacity_bytes": device.mem_bytes},
+            ))
+
+        fwd_s = [float(t[COL["fwd_s"]]) for t in sums]
+        bwd_s = [float(t[COL["bwd_s"]]) for t in sums]
+        if config.pp > 1:
+            pipe_s = pipeline.step_time_s(str(config.schedule), fwd_s, bwd_s, m, config.vpp, p2p_s)
+        else:
+            pipe_s = m * (fwd_s[0] + bwd_s[0])
+        step_s = pipe_s + dp_exposed_s + optimizer_s
+        slowest = max(sums, key=lambda t: t[COL["fwd_s"]] + t[COL["bwd_s"]])
+        busy_s = m * float(slowest[COL["fwd_s"]] + slowest[COL["bwd_s"]])
+        time_breakdown = {
+            "compute_s": m * float(slowest[COL["compute_s"]]),
+            "recompute_s": m * float(slowest[COL["recompute_s"]]),
+            "tp_comm_s": m * float(slowest[COL["tp_comm_s"]]),
+            "cp_comm_s": m * float(slowest[COL["cp_comm_s"]]),
+            "ep_comm_s": m * float(slowest[COL["ep_comm_s"]]),
+            "fsdp_comm_exposed_s": m * float(slowest[COL["fsdp_exposed_s"]]),
+            "pp_bubble_s": max(0.0, pipe_s - busy_s),
+            "dp_comm_exposed_s": dp_exposed_s,
+            "optimizer_s": optimizer_s,
+        }
+        return self._assemble(config, global_batch, step_s, pipe_s, time_breakdown, breakdowns, tuple(stage_plans), headroom)
+
+    def lower_bound_s(self, config: ParallelConfig) -> float:
+        """A step time no schedule can beat: every device busy m * (its share of the layer work)."""
+        policies = self.policies(config)
+        best = min(
+            float(self.layer_table(config, device, node, policies)[:, [COL["fwd_s"], COL["bwd_s"]]].sum())
+            for device, node in {d.name: (d, n) for d, n in stage_devices(self.cluster, config.pp)}.values()
+        )
+        return config.num_microbatches * best / config.pp
+
+    def _dp_exposed_s(self, config: ParallelConfig, node: NodeSpec, groups, dense: float, expert: float, bwd_s: float) -> float:
+        """Gradient reduction (and ZeRO-1/2 parameter gather) left after the last micro-batch's backward."""
+        if config.zero == 3 or config.dp * config.cp == 1:
+            return 0.0
+        expert_group = expert_data_group(config, node)
+        over = self.cluster.oversubscription
+        kind = Collective.ALL_REDUCE if config.zero == 0 else Collective.REDUCE_SCATTER
+        reduce_s = (collective_time_s(kind, dense * GRAD_REDUCE_BYTES_PER_PARAM, groups.dp_cp, node, over)
+                    + collective_time_s(kind, expert * GRAD_REDUCE_BYTES_PER_PARAM, expert_group, node, over))
+        gather_s = 0.0
+        if config.zero in (1, 2):
+            gather_s = (collective_time_s(Collective.ALL_GATHER, dense * 2, groups.dp_cp, node, over)
+                        + collective_time_s(Collective.ALL_GATHER, expert * 2, expert_group, node, over))
+        return max(0.0, reduce_s - bwd_s) + gather_s
+
+    def _assemble(self, config, global_batch, step_s, pipe_s, time_breakdown, breakdowns, stage_plans, headroom) -> Estimate:
+        graph = self.graph
+        model_flops = (graph.fwd_flops + graph.bwd_flops) * global_batch / graph.micro_batch
+        peak = float(np.mean([peak_flops_per_s(d, self.dtype_for(d)) for d, _ in breakdowns]))
+        tflops = model_flops / step_s / self.cluster.num_devices / 1e12
+        memory, fits = [], True
+        for plan, (device, breakdown) in zip(stage_plans, breakdowns):
+            fits &= breakdown.total_bytes <= device.mem_bytes * (1 - headroom)
+            memory.append({"stage": plan.index, "device": device.name, "capacity_bytes": device.mem_bytes, **breakdown.to_dict()})
+        return Estimate(
+            step_time_s=step_s,
+            tokens_per_s=global_batch * graph.seq_len / step_s,
+            tflops_per_gpu=tflops,
+            mfu=tflops * 1e12 / peak,
+            peak_memory_bytes=max(b.total_bytes for _, b in breakdowns),
+            fits=bool(fits),
+            time_breakdown=time_breakdown,
+            memory=memory,
+            stages=stage_plans,
+            bubble_fraction=time_breakdown["pp_bubble_s"] / pipe_s if pipe_s > 0 else 0.0,
+            config=config,
+        )
+
+
+def expert_data_group(config: ParallelConfig, node: NodeSpec) -> CommGroup:
+    """The group that shares (and reduces gradients of) the same experts: dp*cp/ep ranks, ep*tp apart."""
+    return axis_group(max(1, config.dp * config.cp // config.ep), config.tp * config.ep, node.devices_per_node)

@@ -1,0 +1,150 @@
+"""Hardware-free facts about a model: layers (the pipeline-cut units) and their ops.
+
+Every number is measured by PyTorch during tracing (`planner.trace`) for one micro-batch of
+`ModelGraph.micro_batch` sequences of `ModelGraph.seq_len` tokens; the cost model scales FLOPs and
+activation bytes linearly with the micro-batch it prices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Recompute(StrEnum):
+    """Activation recompute policy of a layer.
+
+    NONE keeps every tensor autograd saves; SELECTIVE recomputes the attention core (scores,
+    softmax, attention-weighted values) so only its inputs and output stay; FULL keeps only the
+    layer input and reruns the whole forward during backward.
+    """
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class LayerKind(StrEnum):
+    EMBEDDING = "embedding"
+    BLOCK = "block"
+    HEAD = "head"
+    OTHER = "other"
+
+
+class OpKind(StrEnum):
+    MATMUL = "matmul"          # linear / mm / bmm: FLOPs dominate
+    ATTENTION = "attention"    # scaled-dot-product attention core
+    EMBEDDING = "embedding"    # table lookup
+    NORM = "norm"              # layer/RMS norm
+    ELEMENTWISE = "elementwise"
+    LOSS = "loss"
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class Op:
+    """One node of the traced op graph.
+
+    Attributes:
+        name: fx node name, unique within the graph.
+        fqn: fully qualified name of the module the op belongs to ("" for the root).
+        target: what the op calls (e.g. "linear", "scaled_dot_product_attention", "add").
+        kind: coarse class used by the cost model and the sharding ILP.
+        inputs: names of the producer ops (graph edges).
+        out_shape: shape of the (first) output tensor.
+        out_bytes: bytes of the outputs.
+        fwd_flops: forward FLOPs of this op for the traced micro-batch.
+        param_shapes: shapes of the parameters this op reads (e.g. the Linear weight).
+        attrs: op-specific facts the sharding ILP needs, e.g. {"heads": 32, "kv_heads": 8} for
+            attention, {"in_features": 4096, "out_features": 11008} for a linear.
+    """
+
+    name: str
+    fqn: str
+    target: str
+    kind: OpKind
+    inputs: tuple[str, ...] = ()
+    out_shape: tuple[int, ...] = ()
+    out_bytes: int = 0
+    fwd_flops: float = 0.0
+    param_shapes: tuple[tuple[int, ...], ...] = ()
+    attrs: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A pipeline-cut unit: the embedding, one repeated block, or the final norm + head + loss.
+
+    Attributes:
+        name: display name, e.g. "embed", "layers.3", "head".
+        kind: LayerKind.
+        fqns: module FQNs covered by this layer (what a pipeline stage lists).
+        params: parameter count.
+        param_bytes: bytes of the parameters in the traced dtype.
+        expert_params: parameters that belong to MoE experts (sharded by expert parallelism).
+        fwd_flops, bwd_flops: FLOPs of one forward / backward for the traced micro-batch.
+        saved_bytes: bytes autograd keeps for backward, per recompute policy.
+        out_bytes: bytes of the activation passed to the next layer.
+        signature: structural key; identical blocks share it and were measured once.
+        ops: the op-level graph of this layer.
+    """
+
+    name: str
+    kind: LayerKind
+    fqns: tuple[str, ...]
+    params: int
+    param_bytes: int
+    fwd_flops: float
+    bwd_flops: float
+    saved_bytes: dict[Recompute, int]
+    out_bytes: int
+    signature: str = ""
+    expert_params: int = 0
+    ops: tuple[Op, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Architecture facts that decide which parallel degrees are legal (heads for TP, experts for EP)."""
+
+    hidden: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    layers: int = 0
+    vocab: int = 0
+    ffn_hidden: int = 0
+    experts: int = 0
+    top_k: int = 0
+
+
+@dataclass(frozen=True)
+class ModelGraph:
+    """Everything the planner knows about a model, measured once and reusable across clusters.
+
+    `trace_method` is how the graph was captured ("fx", "export" or "module"); `notes` says why
+    earlier methods failed and any other caveat of the measurement.
+    """
+
+    name: str
+    seq_len: int
+    micro_batch: int
+    dtype: str
+    trace_method: str
+    layers: tuple[Layer, ...]
+    dims: ModelDims = ModelDims()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    @property
+    def fwd_flops(self) -> float:
+        return sum(layer.fwd_flops for layer in self.layers)
+
+    @property
+    def bwd_flops(self) -> float:
+        return sum(layer.bwd_flops for layer in self.layers)
+
+    @property
+    def blocks(self) -> tuple[Layer, ...]:
+        return tuple(layer for layer in self.layers if layer.kind == LayerKind.BLOCK)

@@ -1,0 +1,226 @@
+"""Price one layer for one micro-batch on one device, under a tensor- and context-parallel split.
+
+The traced op graph is turned into cost-model work: matmuls and attention by their FLOPs,
+everything else by the bytes it moves. Tensor parallelism divides the ops its layout shards
+(`TpPlan`) and adds the layout's collectives; context parallelism divides every op by `cp` and adds
+the ring exchange of keys and values, overlapped with the attention kernels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from costmodel.comm import Collective, CommGroup, collective_time_s
+from costmodel.compute import OpTable, OpWork, WorkKind, layer_time_s
+from costmodel.hardware import DeviceSpec, NodeSpec
+from planner.graph import Layer, Op, OpKind, Recompute
+
+# Megatron-style tensor parallelism without sequence parallelism leaves the layer norms, dropouts
+# and residual adds replicated: Korthikanti et al. 2022, Table 2 gives s*b*h*(10 + 24/t) of the
+# 34*s*b*h a GPT layer saves, i.e. 10/34 of the activations are not divided by t.
+UNSPLIT_ACTIVATION_FRACTION_WITHOUT_SP = 10 / 34
+
+# Backward of a matmul is two GEMMs (input gradient and weight gradient) of the forward's FLOPs.
+MATMUL_BWD_GEMMS = 2
+
+# Memory-bound ops read their inputs and write their output; a backward elementwise op reads the
+# output gradient and the saved input and writes the input gradient: twice the forward traffic.
+MEMORY_BWD_TRAFFIC_RATIO = 2.0
+
+
+@dataclass(frozen=True)
+class TpPlan:
+    """How tensor parallelism splits one layer.
+
+    Attributes:
+        tp: the tensor-parallel degree.
+        split_ops: names of ops whose FLOPs and bytes are divided by tp.
+        collectives: (collective, bytes) per forward at the traced micro-batch; backward runs the
+            conjugate collectives of the same sizes.
+    """
+
+    tp: int
+    split_ops: frozenset[str] = frozenset()
+    collectives: tuple[tuple[Collective, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Seconds and bytes of one micro-batch of one layer on one device."""
+
+    fwd_s: float
+    bwd_s: float
+    recompute_s: float
+    tp_comm_s: float
+    cp_comm_s: float
+    ep_comm_s: float
+    act_bytes: float
+
+    @property
+    def total_s(self) -> float:
+        return self.fwd_s + self.bwd_s + self.recompute_s + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """Everything about the configuration that changes a layer's price."""
+
+    device: DeviceSpec
+    node: NodeSpec
+    dtype: str
+    tp: int
+    cp: int
+    ep: int
+    batch_scale: float
+    recompute: Recompute
+    sequence_parallel: bool
+    tp_group: CommGroup
+    cp_group: CommGroup
+    ep_group: CommGroup
+    top_k: int = 0
+    hidden: int = 0
+    table: OpTable | None = None
+
+
+# Ops that only reinterpret a tensor's shape or strides: no kernel, no memory traffic.
+VIEW_TARGETS = frozenset({
+    "view", "reshape", "unflatten", "flatten", "transpose", "permute", "t", "unsqueeze", "squeeze",
+    "expand", "getitem", "size", "split", "chunk", "narrow", "select", "slice", "unbind", "detach", "alias",
+})
+
+
+def _op_works(op: Op, ctx: LayerContext, split: int) -> tuple[list[OpWork], list[OpWork]]:
+    """Forward and backward work of one op, divided by its tensor-parallel split and by cp."""
+    return _works(op, ctx.batch_scale / (split * ctx.cp))
+
+
+def _works(op: Op, share: float) -> tuple[list[OpWork], list[OpWork]]:
+    """Forward and backward work of `share` of one op of the traced micro-batch."""
+    if op.target in VIEW_TARGETS and op.fwd_flops == 0:
+        return [], []
+    flops = op.fwd_flops * share
+    if op.kind == OpKind.ATTENTION:
+        return [OpWork(WorkKind.ATTENTION, flops, 0.0)], [OpWork(WorkKind.ATTENTION_BWD, 2 * flops, 0.0)]
+    if op.kind == OpKind.MATMUL or (flops > 0 and op.kind == OpKind.OTHER):
+        io_bytes = op.out_bytes * share
+        gemm = OpWork(WorkKind.MATMUL, flops, io_bytes)
+        return [gemm], [gemm] * MATMUL_BWD_GEMMS
+    traffic = op.out_bytes * (1 + len(op.inputs)) * share
+    return [OpWork(WorkKind.MEMORY, 0.0, traffic)], [OpWork(WorkKind.MEMORY, 0.0, MEMORY_BWD_TRAFFIC_RATIO * traffic)]
+
+
+def op_time_s(op: Op, device: DeviceSpec, dtype: str, shards: int, table: OpTable | None = None) -> float:
+    """Forward+backward seconds of one op of the traced micro-batch with its work split `shards` ways."""
+    fwd, bwd = _works(op, 1.0 / shards)
+    return layer_time_s(fwd + bwd, device, dtype, table) if fwd or bwd else 0.0
+
+
+def _split_of(op: Op, plan: TpPlan, ctx: LayerContext) -> int:
+    if op.name in plan.split_ops:
+        return plan.tp
+    memory_bound = op.kind not in (OpKind.MATMUL, OpKind.ATTENTION)
+    return plan.tp if memory_bound and ctx.sequence_parallel else 1
+
+
+def _layer_level_works(layer: Layer, ctx: LayerContext, split: int) -> tuple[list[OpWork], list[OpWork]]:
+    """A layer traced without an op graph: its FLOPs priced as one matmul."""
+    share = ctx.batch_scale / (split * ctx.cp)
+    return [OpWork(WorkKind.MATMUL, layer.fwd_flops * share, 0.0)], [OpWork(WorkKind.MATMUL, layer.bwd_flops * share, 0.0)]
+
+
+def _activation_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:
+    saved = layer.saved_bytes[ctx.recompute] * ctx.batch_scale / ctx.cp
+    if tp == 1:
+        return saved
+    if ctx.sequence_parallel or ctx.recompute == Recompute.FULL:
+        return saved / tp
+    unsplit = UNSPLIT_ACTIVATION_FRACTION_WITHOUT_SP
+    return saved * (unsplit + (1 - unsplit) / tp)
+
+
+def _cp_comm_s(layer: Layer, ctx: LayerContext, attention_fwd_s: float, attention_bwd_s: float) -> float:
+    """Exposed ring exchange of K and V (forward) and of dK and dV (backward) under context parallelism."""
+    if ctx.cp == 1:
+        return 0.0
+    exposed = 0.0
+    for op in layer.ops:
+        if op.kind != OpKind.ATTENTION:
+            continue
+        heads = op.attrs.get("heads", 1) or 1
+        kv_heads = op.attrs.get("kv_heads", heads) or heads
+        kv_bytes = 2 * op.out_bytes * kv_heads / heads * ctx.batch_scale / ctx.tp
+        ring_s = collective_time_s(Collective.ALL_GATHER, kv_bytes, ctx.cp_group, ctx.node)
+        exposed += max(0.0, ring_s - attention_fwd_s) + max(0.0, 2 * ring_s - attention_bwd_s)
+    return exposed
+
+
+def _ep_comm_s(layer: Layer, ctx: LayerContext) -> float:
+    """Exposed all-to-all dispatch and combine of an MoE layer, forward and backward."""
+    if ctx.ep == 1 or layer.expert_params == 0:
+        return 0.0
+    tokens = ctx.batch_scale * layer_tokens(layer) / (ctx.cp * (ctx.tp if ctx.sequence_parallel else 1))
+    per_rank_bytes = tokens * ctx.top_k * ctx.hidden * bytes_per_element(ctx.dtype)
+    one_s = collective_time_s(Collective.ALL_TO_ALL, per_rank_bytes, ctx.ep_group, ctx.node)
+    return 4 * one_s
+
+
+def layer_tokens(layer: Layer) -> float:
+    """Tokens of the traced micro-batch, read from the layer's first op output shape (batch x seq)."""
+    for op in layer.ops:
+        if len(op.out_shape) >= 2:
+            return float(op.out_shape[0] * op.out_shape[1])
+    return 0.0
+
+
+def bytes_per_element(dtype: str) -> int:
+    return {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}[dtype]
+
+
+def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
+    """Seconds and activation bytes of one micro-batch of `layer` under `ctx`.
+
+    Args:
+        layer: the traced layer (its numbers are for the traced micro-batch; `ctx.batch_scale`
+            rescales them to the priced micro-batch).
+        plan: which ops tensor parallelism splits and the collectives it adds.
+        ctx: device, dtype, degrees and communication groups.
+
+    Returns:
+        LayerCost with compute split into forward, backward and recompute, and the exposed
+        communication of each parallelism.
+    """
+    if layer.ops:
+        fwd_works: list[OpWork] = []
+        bwd_works: list[OpWork] = []
+        attention_fwd: list[OpWork] = []
+        attention_bwd: list[OpWork] = []
+        for op in layer.ops:
+            fwd, bwd = _op_works(op, ctx, _split_of(op, plan, ctx))
+            fwd_works += fwd
+            bwd_works += bwd
+            if op.kind == OpKind.ATTENTION:
+                attention_fwd += fwd
+                attention_bwd += bwd
+    else:
+        fwd_works, bwd_works = _layer_level_works(layer, ctx, plan.tp)
+        attention_fwd, attention_bwd = [], []
+    fwd_s = layer_time_s(fwd_works, ctx.device, ctx.dtype, ctx.table)
+    bwd_s = layer_time_s(bwd_works, ctx.device, ctx.dtype, ctx.table)
+    attention_fwd_s = layer_time_s(attention_fwd, ctx.device, ctx.dtype, ctx.table) if attention_fwd else 0.0
+    attention_bwd_s = layer_time_s(attention_bwd, ctx.device, ctx.dtype, ctx.table) if attention_bwd else 0.0
+    tp_fwd_s = sum(
+        collective_time_s(kind, size * ctx.batch_scale / ctx.cp, ctx.tp_group, ctx.node) for kind, size in plan.collectives
+    )
+    recompute_s = {
+        Recompute.NONE: 0.0,
+        Recompute.SELECTIVE: attention_fwd_s,
+        Recompute.FULL: fwd_s + tp_fwd_s,
+    }[ctx.recompute]
+    return LayerCost(
+        fwd_s=fwd_s,
+        bwd_s=bwd_s,
+        recompute_s=recompute_s,
+        tp_comm_s=2 * tp_fwd_s,
+        cp_comm_s=_cp_comm_s(layer, ctx, attention_fwd_s, attention_bwd_s),
+        ep_comm_s=_ep_comm_s(layer, ctx),
+        act_bytes=_activation_bytes(layer, ctx, plan.tp),
+    )

@@ -1,0 +1,223 @@
+"""Plan, Estimate and StagePlan: what the planner returns, serialisable and versioned."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from planner.config import ParallelConfig
+from planner.errors import invalid
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: which layers (and module FQNs) run on which global ranks."""
+
+    index: int
+    first_layer: int
+    last_layer: int
+    layer_names: tuple[str, ...]
+    fqns: tuple[str, ...]
+    ranks: tuple[int, int]
+    device: str
+    fwd_s: float
+    bwd_s: float
+    memory: dict
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["layers"] = [self.first_layer, self.last_layer]
+        out["ranks"] = list(self.ranks)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "StagePlan":
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs["layer_names"] = tuple(kwargs["layer_names"])
+        kwargs["fqns"] = tuple(kwargs["fqns"])
+        kwargs["ranks"] = tuple(kwargs["ranks"])
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted performance and memory of one configuration on one cluster.
+
+    `time_breakdown` holds seconds per step by cause (compute, recompute, each exposed
+    communication kind, pipeline bubble, optimizer); `memory` one breakdown per pipeline stage
+    (the largest device of that stage) with its capacity.
+    """
+
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    peak_memory_bytes: float
+    fits: bool
+    time_breakdown: dict
+    memory: list
+    stages: tuple[StagePlan, ...] = ()
+    bubble_fraction: float = 0.0
+    config: ParallelConfig | None = None
+
+    def to_dict(self) -> dict:
+        out = {
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "mfu": self.mfu,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "fits": self.fits,
+            "bubble_fraction": self.bubble_fraction,
+            "time_breakdown": dict(self.time_breakdown),
+            "memory": list(self.memory),
+            "stages": [s.to_dict() for s in self.stages],
+        }
+        if self.config is not None:
+            out["config"] = self.config.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Estimate":
+        return cls(
+            step_time_s=data["step_time_s"],
+            tokens_per_s=data["tokens_per_s"],
+            tflops_per_gpu=data["tflops_per_gpu"],
+            mfu=data["mfu"],
+            peak_memory_bytes=data["peak_memory_bytes"],
+            fits=data["fits"],
+            time_breakdown=data["time_breakdown"],
+            memory=data["memory"],
+            stages=tuple(StagePlan.from_dict(s) for s in data.get("stages", [])),
+            bubble_fraction=data.get("bubble_fraction", 0.0),
+            config=ParallelConfig.from_dict(data["config"]) if "config" in data else None,
+        )
+
+
+@dataclass(frozen=True)
+class Alternative:
+    config: ParallelConfig
+    step_time_s: float
+    tokens_per_s: float
+    peak_memory_bytes: float
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {
+            "config": self.config.to_dict(),
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "note": self.note,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen configuration with its stages, per-module layouts, memory plan and estimate.
+
+    Example::
+
+        >>> import planner
+        >>> plan = planner.plan("gpt3-125m", "a100-80g:1x8", global_batch=64, seq_len=1024)
+        >>> plan.config.devices
+        8
+        >>> planner.Plan.from_json(plan.to_json()) == plan
+        True
+    """
+
+    model: str
+    cluster: str
+    global_batch: int
+    seq_len: int
+    dtype: str
+    config: ParallelConfig
+    estimate: Estimate
+    layouts: dict = field(default_factory=dict)
+    memory_plan: dict = field(default_factory=dict)
+    search: dict = field(default_factory=dict)
+    alternatives: tuple[Alternative, ...] = ()
+    rejected: tuple[dict, ...] = ()
+    layer_names: tuple[str, ...] = ()
+
+    @property
+    def stages(self) -> tuple[StagePlan, ...]:
+        return self.estimate.stages
+
+    def to_dict(self) -> dict:
+        out = {
+            "schema_version": SCHEMA_VERSION,
+            "model": self.model,
+            "cluster": self.cluster,
+            "global_batch": self.global_batch,
+            "seq_len": self.seq_len,
+            "dtype": self.dtype,
+        }
+        estimate = self.estimate.to_dict()
+        out.update({k: v for k, v in estimate.items() if k != "stages"})
+        out["config"] = self.config.to_dict()
+        out["stages"] = estimate["stages"]
+        out["layouts"] = dict(self.layouts)
+        out["memory_plan"] = dict(self.memory_plan)
+        out["search"] = dict(self.search)
+        out["alternatives"] = [a.to_dict() for a in self.alternatives]
+        out["rejected"] = list(self.rejected)
+        out["layer_names"] = list(self.layer_names)
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise invalid(f"plan schema_version={version!r}: this paraplan reads version {SCHEMA_VERSION}; re-run `paraplan plan`")
+        estimate = Estimate.from_dict(data)
+        return cls(
+            model=data["model"],
+            cluster=data["cluster"],
+            global_batch=data["global_batch"],
+            seq_len=data["seq_len"],
+            dtype=data["dtype"],
+            config=ParallelConfig.from_dict(data["config"]),
+            estimate=estimate,
+            layouts=data.get("layouts", {}),
+            memory_plan=data.get("memory_plan", {}),
+            search=data.get("search", {}),
+            alternatives=tuple(
+                Alternative(ParallelConfig.from_dict(a["config"]), a["step_time_s"], a["tokens_per_s"], a["peak_memory_bytes"], a.get("note", ""))
+                for a in data.get("alternatives", [])
+            ),
+            rejected=tuple(data.get("rejected", [])),
+            layer_names=tuple(data.get("layer_names", [])),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        elif path.suffix == ".json":
+            path.write_text(self.to_json())
+        else:
+            raise invalid(f"--out {path}: unknown extension; use .json, .yaml or .yml")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        path = Path(path)
+        if not path.exists():
+            raise invalid(f"plan file {path}: not found")
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            return cls.from_dict(yaml.safe_load(path.read_text()))
+        return cls.from_json(path.read_text())

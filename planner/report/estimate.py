@@ -1,0 +1,62 @@
+"""Rendering of an Estimate: the time and memory breakdown tables `paraplan evaluate` prints."""
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+
+from planner.plan import Estimate
+from planner.report.units import bar, fmt_bytes, fmt_seconds
+
+MEMORY_PARTS = ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "comm_buffers_bytes", "temp_bytes", "overhead_bytes")
+
+
+def estimate_json(estimate: Estimate) -> dict:
+    """The `evaluate --json` object (DESIGN.md contract)."""
+    return estimate.to_dict()
+
+
+def summary_table(estimate: Estimate, title: str) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    if estimate.config is not None:
+        table.add_row("config", estimate.config.short())
+    table.add_row("step time", fmt_seconds(estimate.step_time_s))
+    table.add_row("throughput", f"{estimate.tokens_per_s:,.0f} tokens/s")
+    table.add_row("model TFLOP/s per device", f"{estimate.tflops_per_gpu:.1f}")
+    table.add_row("MFU", f"{estimate.mfu:.1%}")
+    capacity = max(row["capacity_bytes"] for row in estimate.memory)
+    table.add_row("peak memory", f"{fmt_bytes(estimate.peak_memory_bytes)} of {fmt_bytes(capacity)}  {bar(estimate.peak_memory_bytes / capacity)}")
+    table.add_row("fits", "[green]yes[/green]" if estimate.fits else "[red]no[/red]")
+    return table
+
+
+def time_table(estimate: Estimate) -> Table:
+    table = Table(title="Step time breakdown (critical stage)", title_justify="left")
+    table.add_column("part")
+    table.add_column("time", justify="right")
+    table.add_column("share", justify="right")
+    for key, value in estimate.time_breakdown.items():
+        if value <= 0:
+            continue
+        table.add_row(key.removesuffix("_s").replace("_", " "), fmt_seconds(value), f"{value / estimate.step_time_s:.1%}")
+    return table
+
+
+def memory_table(estimate: Estimate) -> Table:
+    table = Table(title="Memory per device, by pipeline stage", title_justify="left")
+    table.add_column("stage", justify="right")
+    table.add_column("device")
+    for part in MEMORY_PARTS:
+        table.add_column(part.removesuffix("_bytes").replace("_", " "), justify="right")
+    table.add_column("total / capacity")
+    for row in estimate.memory:
+        table.add_row(
+            str(row["stage"]), row["device"], *(fmt_bytes(row.get(part, 0.0)) for part in MEMORY_PARTS),
+            f"{fmt_bytes(row['total_bytes'])}  {bar(row['total_bytes'] / row['capacity_bytes'], 12)}",
+        )
+    return table
+
+
+def render_estimate(estimate: Estimate, title: str = "Estimate") -> Group:
+    return Group(summary_table(estimate, title), time_table(estimate), memory_table(estimate))

@@ -1,0 +1,104 @@
+"""Rendering of a Plan: summary, mesh, stages, layout, memory plan, alternatives, rejections."""
+from __future__ import annotations
+
+from collections import Counter
+
+from rich.console import Group
+from rich.table import Table
+
+from planner.plan import Plan
+from planner.report.estimate import memory_table, summary_table, time_table
+from planner.report.units import bar, fmt_bytes, fmt_seconds
+
+
+def mesh_table(plan: Plan) -> Table:
+    config = plan.config
+    table = Table(title="Device mesh (outermost first; tp innermost, inside a node)", title_justify="left")
+    for axis in ("pp", "dp", "cp", "tp"):
+        table.add_column(axis, justify="right")
+    table.add_column("ep (inside dp x cp)", justify="right")
+    table.add_column("micro-batch x count", justify="right")
+    table.add_column("schedule")
+    table.add_column("ZeRO", justify="right")
+    table.add_row(str(config.pp), str(config.dp), str(config.cp), str(config.tp), str(config.ep),
+                  f"{config.micro_batch} x {config.num_microbatches}",
+                  f"{config.schedule}" + (f" (vpp {config.vpp})" if config.vpp > 1 else ""), str(config.zero))
+    return table
+
+
+def _layer_span(names: tuple[str, ...]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)})"
+
+
+def stage_table(plan: Plan) -> Table:
+    table = Table(title="Pipeline stages", title_justify="left")
+    table.add_column("stage", justify="right")
+    table.add_column("layers")
+    table.add_column("ranks")
+    table.add_column("device")
+    table.add_column("fwd+bwd / micro-batch", justify="right")
+    table.add_column("memory")
+    for stage in plan.stages:
+        memory = stage.memory
+        table.add_row(str(stage.index), _layer_span(stage.layer_names), f"{stage.ranks[0]}-{stage.ranks[1]}", stage.device,
+                      fmt_seconds(stage.fwd_s + stage.bwd_s),
+                      f"{fmt_bytes(memory['total_bytes'])} {bar(memory['total_bytes'] / memory['capacity_bytes'], 12)}")
+    return table
+
+
+def layout_table(plan: Plan) -> Table:
+    table = Table(title=f"Tensor-parallel layout (tp={plan.config.tp}, found by the sharding ILP; one block shown per signature)", title_justify="left")
+    table.add_column("module")
+    table.add_column("placement")
+    for fqn, placement in plan.layouts.items():
+        table.add_row(fqn, str(placement))
+    return table
+
+
+def memory_plan_table(plan: Plan) -> Table:
+    table = Table(title="Memory plan", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    memory = plan.memory_plan
+    table.add_row("ZeRO stage", str(memory.get("zero")))
+    for policy, layers in memory.get("recompute", {}).items():
+        table.add_row(f"recompute {policy}", f"{len(layers)} layers" + (f": {_layer_span(tuple(layers))}" if layers else ""))
+    table.add_row("offload", str(memory.get("offload")))
+    return table
+
+
+def alternatives_table(plan: Plan) -> Table:
+    table = Table(title="Top alternatives", title_justify="left")
+    table.add_column("config")
+    table.add_column("step time", justify="right")
+    table.add_column("vs best", justify="right")
+    table.add_column("peak memory", justify="right")
+    for alt in plan.alternatives:
+        table.add_row(alt.config.short(), fmt_seconds(alt.step_time_s), alt.note, fmt_bytes(alt.peak_memory_bytes))
+    return table
+
+
+def rejected_table(plan: Plan) -> Table:
+    counts = Counter(plan.search.get("rejected_counts", {}))
+    table = Table(title="Rejected options (examples per reason)", title_justify="left")
+    table.add_column("option")
+    table.add_column("why")
+    for row in plan.rejected:
+        table.add_row(row["what"], row["reason"])
+    table.caption = ", ".join(f"{key}: {count}" for key, count in counts.most_common())
+    return table
+
+
+def render_plan(plan: Plan, explain: bool = False) -> Group:
+    search = plan.search
+    title = (f"Plan for {plan.model} on {plan.cluster}: global batch {plan.global_batch} x {plan.seq_len} tokens "
+             f"({search.get('candidates_evaluated', 0)} of {search.get('candidates_total', 0)} candidates priced in {search.get('time_s', 0):.2f} s)")
+    parts = [summary_table(plan.estimate, title), mesh_table(plan), stage_table(plan), time_table(plan.estimate),
+             memory_table(plan.estimate), memory_plan_table(plan)]
+    if plan.layouts:
+        parts.append(layout_table(plan))
+    if plan.alternatives:
+        parts.append(alternatives_table(plan))
+    if explain:
+        parts.append(rejected_table(plan))
+    return Group(*parts)

@@ -1,0 +1,181 @@
+"""Enumerate the ParallelConfigs that can exist for a model on a cluster; keep a reason for each rejection.
+
+Degrees: tp divides the heads and stays inside a node (tp is innermost on the mesh, so a group
+spanning nodes would run every per-layer collective over the NICs) unless `allow_tp_across_nodes`;
+pp divides the devices left and never exceeds the layers; cp divides the sequence and is only
+offered from `CP_MIN_SEQ_LEN` tokens (below it attention is a small share of the work);
+ep divides the experts and dp*cp; dp is what is left. Micro-batches divide the per-replica batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from costmodel.hardware import Cluster
+from planner.config import ParallelConfig, Schedule
+from planner.errors import PlannerError
+from planner.graph import ModelGraph, Recompute
+
+# Context parallelism is offered from this sequence length up: Megatron-Core and torchtitan use
+# it for long-context training (8K+); at 4K and below attention is under ~15% of a large model's
+# FLOPs and cp only adds KV traffic.
+CP_MIN_SEQ_LEN = 8192
+
+# Largest micro-batch the search tries (sequences); bigger ones only raise activation memory once
+# GEMMs are saturated.
+MAX_MICRO_BATCH = 16
+
+# Virtual pipeline chunks per device the search tries with the interleaved schedule.
+VPP_CHOICES = (2, 3, 4)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A configuration (or family of them) that was ruled out, and why."""
+
+    what: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"what": self.what, "reason": self.reason}
+
+
+@dataclass
+class Space:
+    """Valid degree tuples and everything rejected on the way."""
+
+    degrees: list[tuple[int, int, int, int, int]] = field(default_factory=list)  # (dp, tp, pp, cp, ep)
+    rejected: list[Rejection] = field(default_factory=list)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fixed(constraints: dict, key: str, options: list[int], space: Space, label: str) -> list[int]:
+    """Apply a user's fixed value (`tp=8`) or bounds (`max_tp=4`, `min_tp=2`) to `options`."""
+    if key in constraints and constraints[key] is not None:
+        value = constraints[key]
+        if value not in options:
+            space.rejected.append(Rejection(f"{key}={value}", f"not possible here; options are {options}"))
+            return []
+        return [value]
+    low, high = constraints.get(f"min_{key}", 1), constraints.get(f"max_{key}", max(options or [1]))
+    kept = [o for o in options if low <= o <= high]
+    for o in options:
+        if o not in kept:
+            space.rejected.append(Rejection(f"{key}={o}", f"outside the user bound [{low}, {high}] on {label}"))
+    return kept
+
+
+def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) -> Space:
+    """Every (dp, tp, pp, cp, ep) that fits the cluster and model, with reasons for the rest."""
+    space = Space()
+    devices = cluster.num_devices
+    per_node = min(g.node.devices_per_node for g in cluster.groups)
+    dims = graph.dims
+    has_ops = any(layer.ops for layer in graph.layers)
+    tp_options = []
+    for tp in divisors(devices):
+        if tp > per_node and not constraints.get("allow_tp_across_nodes"):
+            if tp <= 64:
+                space.rejected.append(Rejection(f"tp={tp}", f"exceeds the {per_node} devices of a node (tp collectives would cross the NICs)"))
+            continue
+        if dims.heads and dims.heads % tp:
+            space.rejected.append(Rejection(f"tp={tp}", f"does not divide the {dims.heads} attention heads"))
+            continue
+        if dims.kv_heads and tp > 1 and dims.kv_heads % tp and tp % dims.kv_heads:
+            space.rejected.append(Rejection(f"tp={tp}", f"neither divides nor is a multiple of the {dims.kv_heads} key/value heads"))
+            continue
+        if tp > 1 and not has_ops:
+            space.rejected.append(Rejection(f"tp={tp}", "the model was traced at module level; tensor parallelism needs its op graph"))
+            continue
+        tp_options.append(tp)
+    tp_options = _fixed(constraints, "tp", tp_options, space, "tensor parallelism")
+    cp_all = [c for c in divisors(devices) if graph.seq_len % c == 0 and c <= 32]
+    cp_options = [c for c in cp_all if c == 1 or graph.seq_len >= CP_MIN_SEQ_LEN]
+    if len(cp_options) < len(cp_all) and "cp" not in constraints:
+        space.rejected.append(Rejection("cp>1", f"seq_len={graph.seq_len} is below {CP_MIN_SEQ_LEN}; context parallelism would only add traffic"))
+    if "cp" in constraints:
+        cp_options = cp_all
+    cp_options = _fixed(constraints, "cp", cp_options, space, "context parallelism")
+    layers = len(graph.layers)
+    for tp in tp_options:
+        for cp in cp_options:
+            if devices % (tp * cp):
+                continue
+            pp_all = [p for p in divisors(devices // (tp * cp)) if p <= layers]
+            for pp in _fixed(constraints, "pp", pp_all, space, "pipeline parallelism"):
+                dp = devices // (tp * cp * pp)
+                if "dp" in constraints and constraints["dp"] != dp:
+                    continue
+                for ep in _ep_options(graph, dp * cp, constraints, space):
+                    space.degrees.append((dp, tp, pp, cp, ep))
+    if not space.degrees:
+        raise PlannerError_no_degrees(space, constraints)
+    return space
+
+
+def _ep_options(graph: ModelGraph, dp_cp: int, constraints: dict, space: Space) -> list[int]:
+    experts = graph.dims.experts
+    if not experts:
+        return _fixed(constraints, "ep", [1], space, "expert parallelism")
+    return _fixed(constraints, "ep", [e for e in divisors(dp_cp) if experts % e == 0], space, "expert parallelism")
+
+
+def PlannerError_no_degrees(space: Space, constraints: dict) -> PlannerError:
+    from planner.errors import invalid
+
+    reasons = "; ".join(f"{r.what}: {r.reason}" for r in space.rejected[-3:])
+    fixed = {k: v for k, v in constraints.items() if k in ("tp", "pp", "dp", "cp", "ep")}
+    return invalid(f"no parallel degrees fit the constraints {fixed}: {reasons}")
+
+
+def micro_batches(per_replica_batch: int, constraints: dict) -> list[int]:
+    options = [b for b in divisors(per_replica_batch) if b <= MAX_MICRO_BATCH]
+    if "micro_batch" in constraints:
+        return [constraints["micro_batch"]] if per_replica_batch % constraints["micro_batch"] == 0 else []
+    return options
+
+
+def schedules(pp: int, layers: int, num_microbatches: int, constraints: dict) -> list[tuple[Schedule, int]]:
+    """(schedule, vpp) pairs that can run `num_microbatches` on `pp` stages of `layers` layers."""
+    if pp == 1:
+        return [(Schedule.ONE_F_ONE_B, 1)]
+    allowed = constraints.get("schedules") or ([constraints["schedule"]] if "schedule" in constraints else None)
+    out = [(Schedule.ONE_F_ONE_B, 1), (Schedule.ZERO_BUBBLE, 1)]
+    if num_microbatches >= pp:
+        out.append((Schedule.GPIPE, 1))
+    if num_microbatches % pp == 0:
+        vpps = [constraints["vpp"]] if "vpp" in constraints else list(VPP_CHOICES)
+        out += [(Schedule.INTERLEAVED, v) for v in vpps if v > 1 and pp * v <= layers]
+    if "vpp" in constraints:
+        out = [(s, v) for s, v in out if v == constraints["vpp"]]
+    if allowed:
+        out = [(s, v) for s, v in out if str(s) in {str(a) for a in allowed}]
+    return out
+
+
+def recompute_options(constraints: dict) -> list[Recompute]:
+    if "recompute" in constraints:
+        return [Recompute(constraints["recompute"])]
+    return [Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL]
+
+
+def zero_options(constraints: dict, dp_cp: int) -> list[int]:
+    if "zero" in constraints:
+        return [constraints["zero"]]
+    return [0, 1, 2, 3] if dp_cp > 1 else [0]
+
+
+def configs_for(degrees: tuple[int, int, int, int, int], graph: ModelGraph, global_batch: int, constraints: dict):
+    """Every ParallelConfig for one degree tuple: micro-batch, schedule/vpp, ZeRO stage, recompute."""
+    dp, tp, pp, cp, ep = degrees
+    if global_batch % dp:
+        return
+    for mb in micro_batches(global_batch // dp, constraints):
+        m = global_batch // (dp * mb)
+        for schedule, vpp in schedules(pp, len(graph.layers), m, constraints):
+            for zero in zero_options(constraints, dp * cp):
+                for recompute in recompute_options(constraints):
+                    yield ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp, micro_batch=mb,
+                                         num_microbatches=m, zero=zero, recompute=recompute, schedule=schedule)

@@ -1,0 +1,69 @@
+"""Tensor-parallel plan of a layer: the sharding ILP's layout turned into what the cost model needs.
+
+One layout is solved per (layer signature, tp, device, dtype) and reused by every identical block
+and every configuration of the search. Costs handed to the ILP are those of the traced micro-batch
+on the tp group inside one node (tp is innermost on the mesh).
+"""
+from __future__ import annotations
+
+from costmodel.comm import Collective, collective_time_s
+from costmodel.hardware import DeviceSpec, NodeSpec
+from planner.graph import Layer, Op
+from planner.layer_cost import TpPlan, op_time_s
+from planner.mesh import axis_group
+from planner.sharding import Layout, solve_layout
+
+# Solver limits for one layer's layout (a block has 20-60 ops; HiGHS solves it in well under 1 s).
+LAYOUT_TIME_LIMIT_S = 10.0
+LAYOUT_REL_GAP = 1e-4
+
+_CACHE: dict = {}
+
+
+def layout_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str) -> Layout:
+    """The sharding ILP's layout of `layer` at degree `tp` (cached by layer signature)."""
+    key = (layer.signature or layer.name, tp, device.name, node.devices_per_node, dtype)
+    layout = _CACHE.get(key)
+    if layout is None:
+        group = axis_group(tp, 1, node.devices_per_node)
+
+        def compute_time_s(op: Op, shards: int) -> float:
+            return op_time_s(op, device, dtype, shards)
+
+        def comm_time_s(kind, size_bytes: float) -> float:
+            return collective_time_s(Collective(str(kind)), size_bytes, group, node)
+
+        layout = solve_layout(layer.ops, tp, compute_time_s, comm_time_s, sequence_parallel=True,
+                              time_limit_s=LAYOUT_TIME_LIMIT_S, rel_gap=LAYOUT_REL_GAP)
+        _CACHE[key] = layout
+    return layout
+
+
+def tp_plan_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str) -> TpPlan:
+    """The TpPlan of `layer` at degree `tp` (replicated at tp=1 or for layers without ops)."""
+    if tp == 1 or not layer.ops:
+        return TpPlan(tp)
+    layout = layout_for(layer, tp, device, node, dtype)
+    return TpPlan(
+        tp=tp,
+        split_ops=frozenset(choice.name for choice in layout.choices if choice.strategy.compute_shards > 1),
+        collectives=tuple((Collective(str(call.kind)), call.bytes) for call in layout.collectives),
+    )
+
+
+def layouts_for(evaluator, config) -> dict[str, str]:
+    """Module FQN -> placement for one layer of each distinct structure (identical blocks share it)."""
+    if config.tp == 1:
+        return {}
+    from planner.estimate import stage_devices
+
+    device, node = stage_devices(evaluator.cluster, config.pp)[0]
+    dtype = evaluator.dtype_for(device)
+    out: dict[str, str] = {}
+    seen = set()
+    for layer in evaluator.graph.layers:
+        if not layer.ops or layer.signature in seen:
+            continue
+        seen.add(layer.signature)
+        out.update({fqn: str(p) for fqn, p in layout_for(layer, config.tp, device, node, dtype).per_fqn.items()})
+    return out

@@ -1,0 +1,169 @@
+"""Op times on hand-built devices; every expected number is derived in the comments."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, strategies as st
+
+from costmodel.compute import (
+    ATTENTION_BWD_EFFICIENCY_RATIO,
+    ATTENTION_FWD_EFFICIENCY_RATIO,
+    LAUNCH_OVERHEAD_S,
+    OpTable,
+    OpWork,
+    WorkKind,
+    layer_time_s,
+    matmul_efficiency,
+    op_time_s,
+)
+from costmodel.errors import ProfileError
+from costmodel.hardware import DeviceSpec, LinkTier
+
+LINK = LinkTier("test-link", "nvswitch", bw_bytes_per_s=400e9, latency_s=1e-6)
+NIC = LinkTier("test-nic", "ib", bw_bytes_per_s=50e9, latency_s=5e-6)
+# Efficiency 0.5 at 1 GFLOP rising to 0.9 at 100 GFLOP (log-linear in between).
+DEVICE = DeviceSpec(name="test-gpu", peak_flops_per_s={"bf16": 1e15, "fp32": 5e14}, mem_bytes=80e9,
+                    mem_bw_bytes_per_s=2.5e12, mem_bw_efficiency=0.8, devices_per_node=8, intra_link=LINK,
+                    nic=NIC, matmul_efficiency=((1e9, 0.5), (1e11, 0.9)))
+# Flat efficiency 1 and full memory bandwidth 2e12 B/s: ridge at 1e15 / 2e12 = 500 FLOP/byte.
+IDEAL = dataclasses.replace(DEVICE, name="ideal-gpu", mem_bw_bytes_per_s=2e12, mem_bw_efficiency=1.0,
+                            matmul_efficiency=((1.0, 1.0),))
+
+
+@pytest.mark.parametrize(("intensity", "expected_s"), [
+    (250.0, 4e9 / 2e12),    # 1e12 FLOPs, 4e9 bytes: memory 2e-3 s > compute 1e-3 s
+    (500.0, 1e-3),          # the ridge: both 1e-3 s
+    (1000.0, 1e-3),         # 1e9 bytes take 5e-4 s < compute 1e-3 s
+    (1e6, 1e-3),
+])
+def test_roofline_switches_at_ridge(intensity, expected_s):
+    work = OpWork(WorkKind.MATMUL, flops=1e12, bytes=1e12 / intensity)
+    assert op_time_s(work, IDEAL) == pytest.approx(expected_s + LAUNCH_OVERHEAD_S)
+
+
+@given(st.floats(1.0, 1e4))
+def test_roofline_flat_above_and_linear_below_ridge(intensity):
+    t = op_time_s(OpWork(WorkKind.MATMUL, flops=1e12, bytes=1e12 / intensity), IDEAL) - LAUNCH_OVERHEAD_S
+    if intensity >= 500:
+        assert t == pytest.approx(1e-3)
+    else:
+        assert t == pytest.approx(1e-3 * 500 / intensity)
+
+
+@pytest.mark.parametrize(("flops", "expected"), [
+    (1e9, 0.5), (1e11, 0.9),          # the curve points exactly
+    (1e10, 0.7),                      # log10 midpoint -> mean of 0.5 and 0.9
+    (1e8, 0.5), (1e13, 0.9), (0.0, 0.5),   # clamped outside
+])
+def test_efficiency_interpolation(flops, expected):
+    assert matmul_efficiency(DEVICE, flops) == pytest.approx(expected)
+
+
+def test_default_curve_when_device_has_none():
+    # DEFAULT_MATMUL_EFFICIENCY_CURVE (Calculon A100): 0.6 at 1e9, 0.9 at 16e9; 4e9 is the log midpoint.
+    bare = dataclasses.replace(DEVICE, matmul_efficiency=())
+    assert matmul_efficiency(bare, 16e9) == pytest.approx(0.9)
+    assert matmul_efficiency(bare, 4e9) == pytest.approx(0.75)
+
+
+@given(st.lists(st.floats(1.0, 1e15, allow_nan=False), min_size=2, max_size=2))
+def test_efficiency_monotone(flops_pair):
+    small, large = sorted(flops_pair)
+    assert matmul_efficiency(DEVICE, small) <= matmul_efficiency(DEVICE, large)
+
+
+def test_matmul_uses_efficiency_and_dtype_peak():
+    # 1e10 FLOPs at efficiency 0.7: bf16 1e10 / (1e15 * 0.7); fp32 peak is half -> twice the time.
+    work = OpWork(WorkKind.MATMUL, flops=1e10, bytes=1e6)
+    assert op_time_s(work, DEVICE) == pytest.approx(1e10 / 0.7e15 + LAUNCH_OVERHEAD_S)
+    assert op_time_s(work, DEVICE, "fp32") == pytest.approx(2e10 / 0.7e15 + LAUNCH_OVERHEAD_S)
+
+
+@pytest.mark.parametrize(("kind", "ratio"), [
+    (WorkKind.ATTENTION, ATTENTION_FWD_EFFICIENCY_RATIO),
+    (WorkKind.ATTENTION_BWD, ATTENTION_BWD_EFFICIENCY_RATIO),
+])
+def test_attention_is_a_slower_matmul(kind, ratio):
+    # Same 1e11 FLOPs (efficiency 0.9): 1e11 / (1e15 * 0.9 * ratio).
+    t = op_time_s(OpWork(kind, flops=1e11, bytes=1e6), DEVICE)
+    assert t == pytest.approx(1e11 / (1e15 * 0.9 * ratio) + LAUNCH_OVERHEAD_S)
+    assert ATTENTION_BWD_EFFICIENCY_RATIO < ATTENTION_FWD_EFFICIENCY_RATIO < 1
+
+
+def test_memory_kind_is_bandwidth_bound():
+    # 1e9 bytes at 2.5e12 * 0.8 = 2e12 B/s = 5e-4 s; its FLOPs do not count.
+    assert op_time_s(OpWork(WorkKind.MEMORY, flops=1e13, bytes=1e9), DEVICE) == \
+        pytest.approx(5e-4 + LAUNCH_OVERHEAD_S)
+
+
+def test_launch_overhead_alone_for_empty_op():
+    assert op_time_s(OpWork(WorkKind.MATMUL, flops=0.0, bytes=0.0), DEVICE) == LAUNCH_OVERHEAD_S
+    assert 4e-6 <= LAUNCH_OVERHEAD_S <= 6e-6
+
+
+def test_layer_time_is_sum_of_ops():
+    works = [OpWork(WorkKind.MATMUL, 1e10, 1e6), OpWork(WorkKind.ATTENTION, 1e11, 1e7),
+             OpWork(WorkKind.MEMORY, 0.0, 1e9)]
+    assert layer_time_s(works, DEVICE) == pytest.approx(sum(op_time_s(w, DEVICE) for w in works))
+
+
+TABLE = OpTable(device="test-gpu", dtype="bf16", times_s_by_key={"matmul:4096x4096x4096:bf16": 1.23e-3},
+                matmul_times_s=((1e9, 1e-5), (1e11, 5e-4)))   # achieved 1e14 and 2e14 FLOP/s
+
+
+def test_table_key_overrides_roofline():
+    work = OpWork(WorkKind.MATMUL, flops=2 * 4096**3, bytes=3 * 2 * 4096**2, key="matmul:4096x4096x4096:bf16")
+    assert op_time_s(work, DEVICE, table=TABLE) == 1.23e-3
+    assert op_time_s(work, DEVICE) != pytest.approx(1.23e-3)
+
+
+@pytest.mark.parametrize(("flops", "expected_s"), [
+    (1e10, 1e10 / 1.5e14),   # log10 midpoint: achieved rate (1e14 + 2e14) / 2
+    (1e11, 5e-4),            # a measured point
+    (1e12, 1e12 / 2e14),     # beyond the largest: its rate
+])
+def test_table_interpolates_matmul_rate(flops, expected_s):
+    assert op_time_s(OpWork(WorkKind.MATMUL, flops, 1e6), DEVICE, table=TABLE) == pytest.approx(expected_s)
+
+
+def test_table_misses_fall_back_to_roofline():
+    work = OpWork(WorkKind.MEMORY, 0.0, 1e9, key="unmeasured")
+    assert TABLE.lookup(work) is None
+    assert op_time_s(work, DEVICE, table=TABLE) == op_time_s(work, DEVICE)
+
+
+def test_table_round_trip():
+    assert OpTable.from_dict(TABLE.to_dict()) == TABLE
+
+
+@pytest.mark.parametrize("data", [
+    {"dtype": "bf16"},
+    {"device": "x", "dtype": "bf16", "matmul_times_s": [{"flops": 1e9}]},
+    {"device": "x", "dtype": "bf16", "times_s_by_key": {"k": -1.0}},
+    {"device": "x", "dtype": "bf16", "matmul_times_s": [{"flops": 1e10, "time_s": 1.0}, {"flops": 1e9, "time_s": 1.0}]},
+])
+def test_bad_table_is_rejected(data):
+    with pytest.raises(ProfileError):
+        OpTable.from_dict(data)
+
+
+def test_table_from_another_device_is_rejected():
+    with pytest.raises(ProfileError, match="measured on test-gpu/bf16 but is used for ideal-gpu/bf16"):
+        op_time_s(OpWork(WorkKind.MATMUL, 1e9, 1e6), IDEAL, table=TABLE)
+
+
+def test_unknown_dtype_names_device_and_choices():
+    with pytest.raises(ProfileError, match=r"test-gpu .*'fp8'.*available: bf16, fp32"):
+        op_time_s(OpWork(WorkKind.MATMUL, 1e9, 1e6), DEVICE, "fp8")
+
+
+@pytest.mark.parametrize("curve", [((1e11, 0.9), (1e9, 0.5)), ((1e9, 1.5),), ((0.0, 0.5),)])
+def test_bad_efficiency_curve_is_rejected(curve):
+    with pytest.raises(ProfileError, match="matmul_efficiency"):
+        matmul_efficiency(dataclasses.replace(DEVICE, name=f"bad-{curve}", matmul_efficiency=curve), 1e9)
+
+
+def test_negative_work_is_rejected():
+    with pytest.raises(ValueError, match="flops and bytes must be >= 0"):
+        OpWork(WorkKind.MATMUL, flops=-1.0, bytes=0.0)

@@ -1,0 +1,235 @@
+"""Tests for planner.stages: exact DP and MILP against brute force, plus hand-derived cases.
+
+Random instances use integer times and bytes and power-of-two speeds, so every sum and quotient is
+exact in floating point and the solvers can be compared with the brute force without tolerances
+for rounding at the memory cap.
+"""
+from __future__ import annotations
+
+import time
+from itertools import combinations, product
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.errors import PlannerError, PlannerErrorKind
+from planner.milp import SolveStatus
+from planner.stages import StageProblem, split_dp, split_ilp, split_uniform
+
+
+def one_f_one_b_in_flight(num_stages: int, num_microbatches: int) -> np.ndarray:
+    return np.minimum(num_stages - np.arange(num_stages), num_microbatches)
+
+
+def brute_force_objective_s(problem: StageProblem) -> float:
+    """Least (m-1)*max + sum over every contiguous split and every per-layer choice vector; inf if none fits."""
+    layers, stages = problem.num_layers, problem.num_stages
+    choice_vectors = np.array(list(product(range(problem.num_choices), repeat=layers)))
+    rows = np.arange(layers)
+    time_s = problem.layer_time_s[rows, choice_vectors]
+    static = problem.layer_static_bytes[rows, choice_vectors]
+    act = problem.layer_act_bytes[rows, choice_vectors]
+    best = np.inf
+    for cuts in combinations(range(1, layers), stages - 1):
+        bounds = (0, *cuts, layers)
+        stage_time = np.stack([time_s[:, bounds[s]:bounds[s + 1]].sum(axis=1) / problem.stage_speed[s] for s in range(stages)])
+        stage_mem = np.stack([
+            static[:, bounds[s]:bounds[s + 1]].sum(axis=1)
+            + problem.in_flight[s] * act[:, bounds[s]:bounds[s + 1]].sum(axis=1)
+            + problem.stage_overhead_bytes[s]
+            for s in range(stages)
+        ])
+        fits = np.all(stage_mem <= problem.mem_cap_bytes[:, None], axis=0)
+        if fits.any():
+            objective = (problem.num_microbatches - 1) * stage_time.max(axis=0) + stage_time.sum(axis=0)
+            best = min(best, float(objective[fits].min()))
+    return best
+
+
+@st.composite
+def stage_problems(draw, max_choices: int) -> StageProblem:
+    num_choices = draw(st.integers(1, max_choices))
+    num_layers = draw(st.integers(1, 6 if num_choices == 3 else 8))
+    num_stages = draw(st.integers(1, min(4, num_layers)))
+    num_microbatches = draw(st.integers(1, 8))
+    per_layer = lambda low, high: np.array(draw(st.lists(st.integers(low, high), min_size=num_layers * num_choices, max_size=num_layers * num_choices))).reshape(num_layers, num_choices)
+    per_stage = lambda values: np.array(draw(st.lists(values, min_size=num_stages, max_size=num_stages)), dtype=float)
+    return StageProblem(
+        layer_time_s=per_layer(0, 10),
+        layer_static_bytes=per_layer(0, 5),
+        layer_act_bytes=per_layer(0, 5),
+        num_stages=num_stages,
+        in_flight=one_f_one_b_in_flight(num_stages, num_microbatches),
+        mem_cap_bytes=per_stage(st.integers(1, 60)),
+        stage_speed=per_stage(st.sampled_from([0.5, 1.0, 2.0])),
+        num_microbatches=num_microbatches,
+        stage_overhead_bytes=per_stage(st.integers(0, 3)),
+    )
+
+
+def assert_valid_split(problem: StageProblem, split) -> None:
+    bounds = np.array(split.boundaries)
+    assert bounds[0] == 0 and bounds[-1] == problem.num_layers and np.all(np.diff(bounds) >= 1)
+    assert len(split.choices) == problem.num_layers
+    assert np.all(np.array(split.stage_mem_bytes) <= problem.mem_cap_bytes * (1 + 1e-9))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stage_problems(max_choices=1))
+def test_dp_matches_brute_force(problem):
+    expected = brute_force_objective_s(problem)
+    if np.isinf(expected):
+        with pytest.raises(PlannerError) as error:
+            split_dp(problem)
+        assert error.value.kind == PlannerErrorKind.INSUFFICIENT_MEMORY
+        return
+    split = split_dp(problem)
+    assert_valid_split(problem, split)
+    assert split.objective_s == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert (split.status, split.gap, split.method) == (SolveStatus.OPTIMAL, 0.0, "dp")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stage_problems(max_choices=3))
+def test_ilp_matches_brute_force_within_gap(problem):
+    expected = brute_force_objective_s(problem)
+    if np.isinf(expected):
+        with pytest.raises(PlannerError) as error:
+            split_ilp(problem)
+        assert error.value.kind == PlannerErrorKind.INSUFFICIENT_MEMORY
+        return
+    split = split_ilp(problem, time_limit_s=10.0, rel_gap=1e-4)
+    assert_valid_split(problem, split)
+    assert split.status == SolveStatus.OPTIMAL
+    assert expected - 1e-9 <= split.objective_s <= expected * (1 + split.gap) + 1e-6
+
+
+def test_dp_fits_memory_bound_case_that_uniform_overflows():
+    # 8 identical layers (1 s, 1 GiB static, 1 GiB activations per micro-batch), 4 stages, m = 8:
+    # 1F1B keeps in_flight = (4, 3, 2, 1) micro-batches, so k layers on stage s need k * (1 + in_flight_s) GiB.
+    # Uniform (2 per stage) needs (10, 8, 6, 4) GiB against a 9 GiB cap: stage 0 overflows.
+    # Caps allow at most (1, 2, 3, 4) layers per stage, so stage 0 gets 1 and the other 7 spread over
+    # stages 1-3 with a largest stage of 3 layers: step = (m - 1) * 3 + 8 = 29 s.
+    gib = 2.0**30
+    problem = StageProblem(
+        layer_time_s=np.ones(8), layer_static_bytes=np.full(8, gib), layer_act_bytes=np.full(8, gib),
+        num_stages=4, in_flight=one_f_one_b_in_flight(4, 8), mem_cap_bytes=np.full(4, 9 * gib),
+        stage_speed=np.ones(4), num_microbatches=8,
+    )
+    uniform = split_uniform(problem)
+    assert uniform.status == SolveStatus.INFEASIBLE
+    assert np.isnan(uniform.gap)
+    assert np.array(uniform.stage_mem_bytes) / gib == pytest.approx([10, 8, 6, 4])
+    split = split_dp(problem)
+    assert split.objective_s == pytest.approx(29.0)
+    assert split.layers_per_stage[0] == 1 and max(split.layers_per_stage) == 3
+    assert np.all(np.array(split.stage_mem_bytes) <= 9 * gib)
+
+
+def test_faster_stage_gets_more_layers():
+    # 12 layers of 1 s on two stages with speeds (1, 2), m = 4: k layers on stage 0 give
+    # T = (k, (12 - k) / 2); step = 3 * max + sum. k = 4 -> (4, 4): 20 s; k = 3 -> 21 s; k = 5 -> 23.5 s.
+    problem = StageProblem(
+        layer_time_s=np.ones(12), layer_static_bytes=np.zeros(12), layer_act_bytes=np.zeros(12),
+        num_stages=2, in_flight=one_f_one_b_in_flight(2, 4), mem_cap_bytes=np.ones(2),
+        stage_speed=np.array([1.0, 2.0]), num_microbatches=4,
+    )
+    split = split_dp(problem)
+    assert split.boundaries == (0, 4, 12)
+    assert split.stage_time_s == pytest.approx((4.0, 4.0))
+    assert split.objective_s == pytest.approx(20.0)
+
+
+def test_dp_walks_past_least_sum_and_least_max_splits():
+    # Layer times (3, 1, 1, 4), stage speeds (2, 1, 2), m = 4, no memory pressure. The three splits:
+    #   (0,1,2,4): T = (1.5, 1, 2.5), sum 5,   max 2.5 -> 3 * 2.5 + 5   = 12.5  (a least-sum split)
+    #   (0,1,3,4): T = (1.5, 2, 2),   sum 5.5, max 2   -> 3 * 2   + 5.5 = 11.5  (a least-max split)
+    #   (0,2,3,4): T = (2, 1, 2),     sum 5,   max 2   -> 3 * 2   + 5   = 11    (optimal: ties both)
+    # The DPs for least sum and least max each return the first of their tied splits, so only the
+    # bounded walk finds the optimum.
+    problem = StageProblem(
+        layer_time_s=np.array([3.0, 1.0, 1.0, 4.0]), layer_static_bytes=np.zeros(4), layer_act_bytes=np.zeros(4),
+        num_stages=3, in_flight=one_f_one_b_in_flight(3, 4), mem_cap_bytes=np.ones(3),
+        stage_speed=np.array([2.0, 1.0, 2.0]), num_microbatches=4,
+    )
+    split = split_dp(problem)
+    assert split.boundaries == (0, 2, 3, 4)
+    assert split.objective_s == pytest.approx(11.0)
+
+
+def test_ilp_recomputes_only_where_memory_binds():
+    # 4 identical layers, 2 stages, m = 4 (in_flight (2, 1)), cap 3 per stage.
+    # Choice 0 (keep activations): 1 s, 1 byte of activations; choice 1 (recompute): 1.5 s, 0.25 bytes.
+    # (2, 2) with one recomputed layer on stage 0: memory 2 * 1.25 = 2.5 and 2 * 1 = 2 fit;
+    # T = (2.5, 2) -> 3 * 2.5 + 4.5 = 12 s. The best one-choice splits: all kept -> (1, 3), T = (1, 3),
+    # 13 s; all recomputed -> (2, 2), T = (3, 3), 15 s. So per-layer choices win by 1 s.
+    problem = StageProblem(
+        layer_time_s=np.tile([1.0, 1.5], (4, 1)), layer_static_bytes=np.zeros((4, 2)),
+        layer_act_bytes=np.tile([1.0, 0.25], (4, 1)), num_stages=2, in_flight=one_f_one_b_in_flight(2, 4),
+        mem_cap_bytes=np.full(2, 3.0), stage_speed=np.ones(2), num_microbatches=4,
+    )
+    split = split_ilp(problem)
+    assert split.objective_s == pytest.approx(12.0)
+    assert split.boundaries == (0, 2, 4)
+    assert sorted(split.choices[:2]) == [0, 1] and split.choices[2:] == (0, 0)
+    kept_only = StageProblem(
+        layer_time_s=problem.layer_time_s[:, 0], layer_static_bytes=problem.layer_static_bytes[:, 0],
+        layer_act_bytes=problem.layer_act_bytes[:, 0], num_stages=2, in_flight=problem.in_flight,
+        mem_cap_bytes=problem.mem_cap_bytes, stage_speed=problem.stage_speed, num_microbatches=4,
+    )
+    assert split_dp(kept_only).objective_s == pytest.approx(13.0)
+
+
+def test_infeasible_message_says_what_would_fit():
+    # 2 layers of 3 GiB static on 2 stages with 2 GiB each: the best split needs 3 GiB on a stage (1.5x).
+    gib = 2.0**30
+    problem = StageProblem(
+        layer_time_s=np.ones(2), layer_static_bytes=np.full(2, 3 * gib), layer_act_bytes=np.zeros(2),
+        num_stages=2, in_flight=np.ones(2), mem_cap_bytes=np.full(2, 2 * gib), stage_speed=np.ones(2),
+        num_microbatches=1,
+    )
+    for solve in (split_dp, split_ilp):
+        with pytest.raises(PlannerError) as error:
+            solve(problem)
+        assert error.value.kind == PlannerErrorKind.INSUFFICIENT_MEMORY
+        assert "3.00 GiB" in error.value.message and "1.50x" in error.value.message
+
+
+def test_uniform_split_gives_extra_layers_to_first_stages():
+    problem = StageProblem(
+        layer_time_s=np.ones(10), layer_static_bytes=np.zeros(10), layer_act_bytes=np.zeros(10),
+        num_stages=4, in_flight=np.ones(4), mem_cap_bytes=np.ones(4), stage_speed=np.ones(4), num_microbatches=1,
+    )
+    split = split_uniform(problem)
+    assert split.layers_per_stage == (3, 3, 2, 2)
+    assert split.status == SolveStatus.FEASIBLE
+
+
+def test_invalid_inputs_name_the_field():
+    with pytest.raises(PlannerError, match="num_stages=3"):
+        StageProblem(np.ones(2), np.ones(2), np.ones(2), 3, np.ones(3), np.ones(3), np.ones(3), 1)
+    with pytest.raises(PlannerError, match="layer_act_bytes"):
+        StageProblem(np.ones(4), np.ones(4), np.ones(3), 2, np.ones(2), np.ones(2), np.ones(2), 1)
+    with pytest.raises(PlannerError, match="stage_speed"):
+        StageProblem(np.ones(4), np.ones(4), np.ones(4), 2, np.ones(2), np.ones(2), np.array([1.0, 0.0]), 1)
+    two_choices = StageProblem(np.ones((4, 2)), np.ones((4, 2)), np.ones((4, 2)), 2, np.ones(2), np.full(2, 9.0), np.ones(2), 1)
+    with pytest.raises(PlannerError, match="split_ilp"):
+        split_dp(two_choices)
+
+
+@pytest.mark.parametrize(("layers", "stages", "limit_s"), [(96, 8, 0.1), (128, 16, 0.5)])
+def test_dp_is_fast(layers, stages, limit_s):
+    rng = np.random.default_rng(0)
+    num_microbatches = 4 * stages
+    problem = StageProblem(
+        layer_time_s=rng.uniform(1e-3, 2e-3, layers), layer_static_bytes=rng.uniform(1e9, 2e9, layers),
+        layer_act_bytes=rng.uniform(2e8, 4e8, layers), num_stages=stages,
+        in_flight=one_f_one_b_in_flight(stages, num_microbatches), mem_cap_bytes=np.full(stages, 1.3 * (1.5e9 + 3e8 * stages) * layers / stages),
+        stage_speed=rng.choice([0.7, 1.0, 2.0], stages), num_microbatches=num_microbatches,
+    )
+    start_s = time.perf_counter()
+    split = split_dp(problem)
+    assert time.perf_counter() - start_s < limit_s
+    assert split.status == SolveStatus.OPTIMAL

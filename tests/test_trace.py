@@ -1,0 +1,328 @@
+"""planner.trace: capture fallbacks, layer split, FLOPs, saved-activation bytes, ops, rendering."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+from planner import measure
+from planner.errors import PlannerError, PlannerErrorKind
+from planner.graph import LayerKind, OpKind, Recompute
+from planner.models import resolve_model
+from planner.report.inspect import inspect_json, render_inspect
+from planner.source import ModelSource
+from planner.trace import EAGER_FALLBACK_MAX_PARAM_BYTES, trace
+from planner.zoo import build_model, zoo_specs
+from planner.zoo.spec import parse_spec
+
+FIXTURES = "tests.fixtures.custom_models"
+BF16_BYTES = 2
+FP32_BYTES = 4
+INT64_BYTES = 8
+
+
+def _tiny_gpt_spec(layers: int = 2):
+    return parse_spec({"arch": "gpt", "layers": layers, "hidden": 64, "heads": 4, "vocab": 128,
+                       "max_seq_len": 64}, "tiny-gpt.yaml")
+
+
+def _transformer_flops(layers: int, hidden: int, matmul_params_per_block: int, vocab: int,
+                       seq_len: int) -> float:
+    """Training FLOPs of one sequence, derived by hand (micro-batch 1).
+
+    Forward = 2 FLOPs per multiply-add for every matmul weight and token:
+    2 * tokens * (layers * matmul weights per block + hidden * vocab for the LM head), plus the
+    attention core per layer: QK^T and AV each 2 * s^2 * hidden FLOPs, with no causal halving
+    (FlopCounterMode prices the full s x s product). Biases, norms, softmax and the embedding
+    lookup are not matmuls and count 0. Backward = 2 x forward (input and weight gradients), so
+    training = 3 x forward.
+    """
+    forward = (2 * seq_len * (layers * matmul_params_per_block + hidden * vocab)
+               + layers * 2 * 2 * seq_len**2 * hidden)
+    return 3 * forward
+
+
+def test_gpt3_175b_training_flops_match_closed_form():
+    spec = zoo_specs()["gpt3-175b"]
+    h = spec.hidden
+    # q, k, v, o (4 h^2) + fc1, fc2 (2 * 4 h^2); the head shares the embedding weight but is
+    # still a matmul of hidden x vocab.
+    expected = _transformer_flops(spec.layers, h, 12 * h * h, spec.vocab, 2048)
+    graph = trace("gpt3-175b", seq_len=2048)
+    assert graph.fwd_flops + graph.bwd_flops == pytest.approx(expected, rel=0.01)
+    assert graph.bwd_flops == pytest.approx(2 * graph.fwd_flops, rel=0.01)
+
+
+def test_llama3_70b_training_flops_match_closed_form():
+    spec = zoo_specs()["llama3-70b"]
+    h, kv_width = spec.hidden, spec.kv_heads * spec.head_dim
+    # q and o (h x h), k and v (h x kv_heads * head_dim), gate/up/down (h x ffn each).
+    per_block = 2 * h * h + 2 * h * kv_width + 3 * h * spec.ffn_hidden
+    expected = _transformer_flops(spec.layers, h, per_block, spec.vocab, 8192)
+    graph = trace("llama3-70b", seq_len=8192)
+    assert graph.fwd_flops + graph.bwd_flops == pytest.approx(expected, rel=0.01)
+
+
+def test_gpt_block_saved_bytes_match_hand_count():
+    """Bytes one pre-LN GPT block keeps for backward in bf16 with flash attention.
+
+    With s tokens, b sequences, hidden h, a heads and fc1 width 4h, autograd keeps:
+      LN1 input (the block input x)               2 sbh
+      LN1 mean and rstd, (b, s, 1) each           2 * 2 sb   (bf16 on the CPU kernel)
+      LN1 output = input of q, k and v            2 sbh      (one storage, three users)
+      q, k, v as passed to attention              3 * 2 sbh
+      attention output = o_proj input             2 sbh      (same storage)
+      attention log-sum-exp, (b, a, s) fp32       4 abs
+      residual sum = LN2 input                    2 sbh
+      LN2 mean and rstd                           2 * 2 sb
+      LN2 output = fc1 input                      2 sbh
+      fc1 output = GELU input                     8 sbh
+      GELU output = fc2 input                     8 sbh
+    NONE = 32 sbh + 8 sb + 4 abs. SELECTIVE drops only the log-sum-exp (kept by the attention
+    core alone; q, k, v are core inputs and the output is also o_proj's input). FULL keeps the
+    block input, 2 sbh; the block output is 2 sbh.
+    """
+    s, b, h, a = 64, 2, 64, 4
+    graph = trace(f"{FIXTURES}:tiny_gpt_factory", seq_len=s, micro_batch=b)
+    sbh = s * b * h
+    none = 32 * sbh + 8 * s * b + FP32_BYTES * a * b * s
+    for block in graph.blocks:
+        assert block.saved_bytes == {Recompute.NONE: none,
+                                     Recompute.SELECTIVE: none - FP32_BYTES * a * b * s,
+                                     Recompute.FULL: BF16_BYTES * sbh}
+        assert block.out_bytes == BF16_BYTES * sbh
+
+
+def test_selective_never_exceeds_none_and_full_is_the_layer_input():
+    graph = trace("llama3-8b", seq_len=1024, micro_batch=2)
+    hidden_bytes = 2 * 1024 * graph.dims.hidden * BF16_BYTES
+    for layer in graph.layers:
+        assert layer.saved_bytes[Recompute.SELECTIVE] <= layer.saved_bytes[Recompute.NONE]
+    assert graph.layers[0].saved_bytes[Recompute.FULL] == 2 * 1024 * INT64_BYTES  # token ids
+    for block in graph.blocks:
+        assert block.saved_bytes[Recompute.FULL] == hidden_bytes
+    # The head's input is the last block's output plus the token ids it scores against.
+    assert graph.layers[-1].saved_bytes[Recompute.FULL] == hidden_bytes + 2 * 1024 * INT64_BYTES
+
+
+def test_layers_split_embedding_blocks_head_and_count_tied_weights_once():
+    graph = trace("gpt3-175b", seq_len=2048)
+    names = [layer.name for layer in graph.layers]
+    assert names == ["embed", *(f"layers.{i}" for i in range(96)), "head"]
+    assert [layer.kind for layer in (graph.layers[0], graph.layers[1], graph.layers[-1])] == [
+        LayerKind.EMBEDDING, LayerKind.BLOCK, LayerKind.HEAD]
+    assert graph.layers[-1].fqns == ("norm", "head", "loss")
+    assert graph.layers[5].fqns == ("layers.4",)
+    with torch.device("meta"):
+        model = build_model(zoo_specs()["gpt3-175b"], 2048)
+    assert graph.params == sum(p.numel() for p in model.parameters())
+    assert graph.layers[-1].params == 2 * 12288  # final LayerNorm only; head weight is tied
+
+
+def test_repeated_blocks_are_measured_once(monkeypatch):
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return original(*args, **kwargs)
+
+    original = measure.measure_piece
+    monkeypatch.setattr(measure, "measure_piece", counting)
+    graph = trace(resolve_model(_tiny_gpt_spec(layers=4)), seq_len=32)
+    assert len(calls) == 3  # embed, one block, head
+    blocks = graph.blocks
+    assert [b.name for b in blocks] == ["layers.0", "layers.1", "layers.2", "layers.3"]
+    assert len({b.signature for b in blocks}) == 1
+    assert {(b.fwd_flops, b.bwd_flops, b.saved_bytes[Recompute.NONE]) for b in blocks} == {
+        (blocks[0].fwd_flops, blocks[0].bwd_flops, blocks[0].saved_bytes[Recompute.NONE])}
+    assert blocks[3].ops[0].fqn.startswith("layers.3.")
+
+
+def test_ops_carry_shapes_heads_and_features():
+    graph = trace("llama3-70b", seq_len=512)
+    block = graph.layers[2]
+    attention = [op for op in block.ops if op.kind == OpKind.ATTENTION]
+    assert len(attention) == 1
+    assert attention[0].target == "scaled_dot_product_attention"
+    assert attention[0].attrs == {"heads": 64, "kv_heads": 8}
+    assert attention[0].out_shape == (1, 64, 512, 128)
+    # 2 * s^2 * head_dim * heads for each of QK^T and AV.
+    assert attention[0].fwd_flops == 2 * 2 * 512**2 * 8192
+    by_fqn = {op.fqn: op for op in block.ops if op.target == "linear"}
+    assert by_fqn["layers.1.attn.k_proj"].attrs == {"in_features": 8192, "out_features": 1024}
+    assert by_fqn["layers.1.mlp.gate_proj"].fwd_flops == 2 * 512 * 8192 * 28672
+    assert by_fqn["layers.1.mlp.down_proj"].param_shapes == ((8192, 28672),)
+    names = {op.name for layer in graph.layers for op in layer.ops}
+    assert all(set(op.inputs) <= names for op in block.ops)
+
+
+def test_moe_expert_parameters_are_separated():
+    spec = zoo_specs()["mixtral-8x7b"]
+    graph = trace("mixtral-8x7b", seq_len=256)
+    assert graph.blocks[0].expert_params == spec.experts * 3 * spec.hidden * spec.moe_ffn_hidden
+    assert graph.layers[0].expert_params == 0
+    assert graph.dims.experts == 8 and graph.dims.top_k == 2
+
+
+def test_resnet_traces_with_fx_and_counts_convolutions():
+    graph = trace(f"{FIXTURES}:resnet_factory")
+    assert graph.trace_method == "fx" and graph.notes == ()
+    assert [layer.name for layer in graph.layers] == [
+        "embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
+    # Stem: 3x3 conv 3 -> 16 channels over 2 images of 32 x 32: 2 * (3 * 9) * 16 * 1024 * 2.
+    stem_flops = 2 * 27 * 16 * 1024 * 2
+    assert graph.layers[0].fwd_flops == stem_flops
+    # The images are data: no input gradient, only the weight gradient (= forward).
+    assert graph.layers[0].bwd_flops == stem_flops
+    # blocks.0: two 3x3 convs 16 -> 16 at 32 x 32; backward = input + weight gradients.
+    assert graph.layers[1].fwd_flops == 2 * 2 * (16 * 9) * 16 * 1024 * 2
+    assert graph.layers[1].bwd_flops == 2 * graph.layers[1].fwd_flops
+
+
+def test_data_dependent_model_falls_back_to_module_level():
+    graph = trace(f"{FIXTURES}:dynamic_factory")
+    assert graph.trace_method == "module"
+    assert any(n.startswith("fx failed") and "control flow" in n for n in graph.notes)
+    assert any(n.startswith("export failed") and "data-dependent" in n for n in graph.notes)
+    # Zero inputs take the `down` branch: one Linear(16, 16) on 4 rows.
+    (layer,) = graph.layers
+    assert layer.name == "down" and layer.fwd_flops == 2 * 4 * 16 * 16
+    assert any("up" in n and "never used" in n for n in graph.notes)
+
+
+class _ShapeBranching(nn.Module):
+    """A zoo GPT behind Python control flow on a shape: torch.fx cannot follow it, export can."""
+
+    def __init__(self, seq_len: int | None = None):
+        super().__init__()
+        self.lm = build_model(_tiny_gpt_spec(), seq_len)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] > 1:
+            return self.lm(tokens)
+        return self.lm(tokens.repeat(1, 2))
+
+
+def test_export_fallback_measures_like_fx():
+    spec = _tiny_gpt_spec()
+    inputs = resolve_model(spec).example_inputs
+    exported = trace(ModelSource("branching", _ShapeBranching, inputs), seq_len=32)
+    assert exported.trace_method == "export"
+    assert exported.notes[0].startswith("fx failed in the root module")
+    traced = trace(ModelSource("plain", lambda seq_len=None: build_model(spec, seq_len), inputs),
+                   seq_len=32)
+    assert traced.trace_method == "fx"
+    assert [layer.name for layer in exported.layers] == [
+        "embed", "lm.layers.0", "lm.layers.1", "head"]
+    for ours, reference in zip(exported.layers, traced.layers):
+        assert (ours.params, ours.fwd_flops, ours.bwd_flops, ours.saved_bytes, ours.out_bytes) == (
+            reference.params, reference.fwd_flops, reference.bwd_flops, reference.saved_bytes,
+            reference.out_bytes)
+
+
+class _NeedsCuda(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.cuda()
+
+
+class _Untraceable(nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Linear(width, width),
+                                    nn.Sequential(nn.ReLU(), _NeedsCuda()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x).sum()
+
+
+def test_untraceable_module_is_named():
+    source = ModelSource("needs-cuda", lambda seq_len=None: _Untraceable(),
+                         lambda micro_batch, seq_len, device: (torch.zeros(micro_batch, 8,
+                                                                           device=device),))
+    with pytest.raises(PlannerError) as caught:
+        trace(source)
+    assert caught.value.kind == PlannerErrorKind.UNSUPPORTED_MODEL
+    message = caught.value.message
+    assert "\n" not in message
+    assert "module-level run failed in module `blocks.1.1`" in message
+    assert "CUDA" in message
+
+
+def test_too_large_untraceable_model_is_not_materialised():
+    width = 2 ** 14  # one 16384 x 16384 bf16 Linear: 512 MiB of weights
+    assert width * width * BF16_BYTES > EAGER_FALLBACK_MAX_PARAM_BYTES
+    source = ModelSource("big-needs-cuda", lambda seq_len=None: _Untraceable(width),
+                         lambda micro_batch, seq_len, device: (torch.zeros(micro_batch, width,
+                                                                           device=device),))
+    with pytest.raises(PlannerError) as caught:
+        trace(source)
+    assert "fx graph failed to run in module `blocks.1.1`" in caught.value.message
+    assert "limited to 256 MiB" in caught.value.message
+
+
+def test_dims_are_inferred_for_models_without_a_spec():
+    graph = trace(f"{FIXTURES}:tiny_gpt_factory", seq_len=64)
+    assert (graph.dims.hidden, graph.dims.heads, graph.dims.kv_heads, graph.dims.layers,
+            graph.dims.vocab, graph.dims.ffn_hidden) == (64, 4, 4, 2, 128, 256)
+
+
+def test_results_are_cached_and_bad_arguments_rejected():
+    assert trace("gpt3-125m", seq_len=256) is trace("gpt3-125m", seq_len=256)
+    with pytest.raises(PlannerError) as caught:
+        trace("gpt3-125m", dtype="int4")
+    assert caught.value.kind == PlannerErrorKind.INVALID_INPUT and "dtype" in caught.value.message
+    with pytest.raises(PlannerError):
+        trace("gpt3-125m", micro_batch=0)
+
+
+def test_inspect_json_contract_and_table():
+    graph = trace("gpt3-125m", seq_len=256)
+    data = json.loads(json.dumps(inspect_json(graph)))
+    assert {"model", "seq_len", "micro_batch", "trace_method", "params", "fwd_flops",
+            "bwd_flops", "layers"} <= data.keys()
+    assert data["params"] == graph.params and data["trace_method"] == "fx"
+    layer = data["layers"][1]
+    assert {"name", "kind", "params", "fwd_flops", "bwd_flops", "saved_bytes",
+            "out_bytes"} <= layer.keys()
+    assert layer["saved_bytes"].keys() == {"none", "selective", "full"}
+    assert sum(entry["fwd_flops"] for entry in data["layers"]) == data["fwd_flops"]
+    console = Console(record=True, width=160)
+    console.print(render_inspect(graph))
+    text = console.export_text()
+    assert "layers.0-11 (x12)" in text and "total" in text and "traced with fx" in text
+
+
+def test_module_level_fallback_measures_like_fx(monkeypatch):
+    spec = _tiny_gpt_spec()
+    source = resolve_model(spec)
+    traced = trace(source, seq_len=32, micro_batch=2)
+
+    def untraceable(*args, **kwargs):
+        raise RuntimeError("capture disabled for this test")
+
+    monkeypatch.setattr(torch.fx.Tracer, "trace", untraceable)
+    monkeypatch.setattr(torch.export, "export", untraceable)
+    eager = trace(resolve_model(spec), seq_len=32, micro_batch=2)
+    assert eager.trace_method == "module"
+    assert [layer.name for layer in eager.layers] == [layer.name for layer in traced.layers]
+    for ours, reference in zip(eager.layers, traced.layers):
+        assert (ours.params, ours.fwd_flops, ours.bwd_flops, ours.out_bytes) == (
+            reference.params, reference.fwd_flops, reference.bwd_flops, reference.out_bytes)
+        for policy in (Recompute.NONE, Recompute.SELECTIVE):
+            assert ours.saved_bytes[policy] == reference.saved_bytes[policy]
+
+
+def test_module_with_real_weights_is_traced_on_a_meta_copy():
+    spec = _tiny_gpt_spec()
+    real = build_model(spec, 64)  # float32 weights on the CPU
+    graph = trace(resolve_model(real), seq_len=64)
+    assert graph.notes == ("model given with real weights: traced on a meta copy",)
+    assert real.layers[0].attn.q_proj.weight.device == torch.device("cpu")
+    reference = trace(resolve_model(spec), seq_len=64)
+    for ours, built_on_meta in zip(graph.layers, reference.layers):
+        assert (ours.params, ours.fwd_flops, ours.bwd_flops, ours.saved_bytes) == (
+            built_on_meta.params, built_on_meta.fwd_flops, built_on_meta.bwd_flops,
+            built_on_meta.saved_bytes)
