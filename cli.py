@@ -37,6 +37,8 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool) -> None:
         parser.add_argument("--cluster", required=True, help="cluster name, cluster file, or DEVICE:NODESxGPUS")
         parser.add_argument("--global-batch", type=_positive("global-batch"), required=True, help="sequences per optimizer step")
         parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp8"])
+        parser.add_argument("--attention", default="flash", choices=["flash", "unfused"],
+                            help="attention kernel of the training code (unfused: scores materialised, pre-FlashAttention)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -102,10 +104,10 @@ def _run(args) -> int:
         console.print(render_hardware(args.name) if args.name else render_hardware_list())
         return 0
     if args.command == "inspect":
-        import planner
         from planner.report.inspect import inspect_json, render_inspect
+        from planner.tracing import trace
 
-        graph = planner.trace(args.model, seq_len=args.seq_len, micro_batch=args.micro_batch)
+        graph = trace(args.model, seq_len=args.seq_len, micro_batch=args.micro_batch)
         if args.json:
             _print_json(inspect_json(graph))
         else:
@@ -115,7 +117,8 @@ def _run(args) -> int:
         import planner
         from planner.report.estimate import estimate_json, render_estimate
 
-        result = planner.evaluate(args.model, args.cluster, _constraints(args), global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype)
+        result = planner.evaluate(args.model, args.cluster, _constraints(args), global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype,
+                                  attention=args.attention)
         if args.json:
             _print_json(estimate_json(result))
         else:
@@ -126,7 +129,7 @@ def _run(args) -> int:
         from planner.report.plan import render_plan
 
         result = planner.plan(
-            args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype,
+            args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, attention=args.attention,
             mem_headroom=args.mem_headroom, top=args.top, **_constraints(args),
         )
         if args.out:

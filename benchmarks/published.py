@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.published_rows import GOAL_GROUPS, load_rows  # noqa: E402
 from planner.api import evaluate  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
-from planner.trace import trace  # noqa: E402
+from planner.tracing import trace  # noqa: E402
 from planner.zoo.spec import parse_spec  # noqa: E402
 from planner.models import resolve_model  # noqa: E402
 
@@ -36,7 +36,7 @@ def main() -> None:
         try:
             source = resolve_model(parse_spec(row.spec, f"{row.id}.yaml"))
             graph = trace(source, seq_len=row.seq_len)
-            est = evaluate(graph, row.cluster, row.config, global_batch=row.global_batch)
+            est = evaluate(graph, row.cluster, row.config, global_batch=row.global_batch, attention=row.attention)
         except PlannerError as error:
             print(f"{row.id:58s} skipped: {error.message}")
             continue

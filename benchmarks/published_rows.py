@@ -26,7 +26,13 @@ FILL_RULES = {
     "model.ffn_hidden": "4 x hidden when absent (GPT)",
     "arch": "llama when the row has kv_heads or a non-4h FFN with a 'Llama' name, else gpt",
     "dtype": "fp16 on V100 (no bf16), bf16 otherwise; fp8 rows are skipped (fp8 GEMMs not modelled)",
+    "attention": "unfused for runs published before FlashAttention (May 2022) and the frameworks of that era "
+                 "(Megatron-LM 2020-2022, Megatron-DeepSpeed/BLOOM, metaseq/OPT, Alpa); flash otherwise",
 }
+
+# Groups whose software predates fused (flash) attention: the score tensor is materialised.
+UNFUSED_ATTENTION_GROUPS = ("megatron2020_tp_scaling", "megatron2021_weak", "megatron2021_zero3_vs_ptd",
+                            "korthikanti2022_table5", "korthikanti2022_abstract", "bloom", "opt", "alpa_osdi22")
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class Row:
     published_step_s: float
     metric: str
     unverified: bool
+    attention: str
 
 
 def _device(gpu: str) -> str | None:
@@ -135,8 +142,9 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
                   "zero": _zero(plan.get("zero_stage")), "recompute": _recompute(plan.get("recompute"))}
         if plan.get("vpp") and plan["vpp"] > 1:
             config["vpp"] = plan["vpp"]
+        attention = "unfused" if run["group"] in UNFUSED_ATTENTION_GROUPS else "flash"
         rows.append(Row(run["id"], run["group"], _spec(model), seq, cluster, config, gb, step[0], step[1],
-                        bool(run.get("unverified"))))
+                        bool(run.get("unverified")), attention))
     return rows, skipped
 
 

@@ -27,7 +27,7 @@ RU_MAXRSS_BYTES = 1024
 def measure_one(model: str, seq_len: int) -> dict:
     """Traces one model in this process; returns its timings and peak RSS."""
     start = time.perf_counter()
-    from planner.trace import trace
+    from planner.tracing import trace
     imported = time.perf_counter()
     graph = trace(model, seq_len=seq_len)
     done = time.perf_counter()

@@ -172,6 +172,13 @@ PROFILE_SUFFIXES = (".yaml", ".yml", ".json")
 # user guide). An assumption that sets the shape of the shipped efficiency curves; replace it with
 # a measured curve from `paraplan profile`.
 MATMUL_HALF_EFFICIENCY_TIME_S = 5.0e-6
+
+# Fraction of HBM peak bandwidth that bandwidth-bound training kernels (elementwise, norms,
+# softmax, optimizer) sustain, used when a profile gives no measured `mem_bw_efficiency`.
+# Fitted once to the public runs of benchmarks/published.py (all groups together, not per row);
+# inside the 70-90% of peak that streaming kernels reach on HBM GPUs (e.g. BabelStream triad on
+# A100-80GB: about 1.7 of 2.0 TB/s).
+DEFAULT_MEM_BW_EFFICIENCY = 0.8
 # The generated curve has points from 1 MFLOP to 100 TFLOP, two per decade.
 MATMUL_CURVE_MIN_FLOPS_LOG10 = 6
 MATMUL_CURVE_MAX_FLOPS_LOG10 = 14
@@ -441,7 +448,7 @@ def _parse_device(origin: _Origin, data: dict, default_name: str, dirs: tuple[Pa
         intra_link=_load_link(origin, "node.intra_link", node["intra_link"], dirs, base, INTRA_NODE_KINDS),
         nic=_load_link(origin, "nic", data["nic"], dirs, base, INTER_NODE_KINDS),
         matmul_efficiency=_matmul_curve(origin, data.get("matmul_efficiency", ()), peaks),
-        mem_bw_efficiency=_fraction(origin, "mem_bw_efficiency", data.get("mem_bw_efficiency", 1.0)),
+        mem_bw_efficiency=_fraction(origin, "mem_bw_efficiency", data.get("mem_bw_efficiency", DEFAULT_MEM_BW_EFFICIENCY)),
         price_per_hour=_optional_positive(origin, "price_per_hour", data),
         power_w=_optional_positive(origin, "power_w", data),
         source=_sources(origin, "", data.get("sources", {}), _DEVICE_KEYS),

@@ -14,10 +14,10 @@ import importlib
 _EXPORTS = {
     "plan": "planner.api",
     "evaluate": "planner.api",
-    "trace": "planner.trace",
+    "trace": "planner.tracing",
     "make_config": "planner.api",
-    "Plan": "planner.plan",
-    "Estimate": "planner.plan",
+    "Plan": "planner.result",
+    "Estimate": "planner.result",
     "ParallelConfig": "planner.config",
     "PlannerError": "planner.errors",
     "ModelGraph": "planner.graph",

@@ -6,11 +6,11 @@ from costmodel.hardware import Cluster, load_cluster
 from planner.config import ParallelConfig, Schedule
 from planner.errors import invalid
 from planner.graph import ModelGraph
-from planner.plan import Estimate, Plan
+from planner.result import Estimate, Plan
 
 
 def _graph(model, seq_len: int | None) -> ModelGraph:
-    from planner.trace import trace
+    from planner.tracing import trace
 
     if isinstance(model, ModelGraph):
         return model
@@ -56,7 +56,7 @@ def make_config(constraints: dict | ParallelConfig, num_devices: int, global_bat
 
 
 def evaluate(model, cluster, config: dict | ParallelConfig, *, global_batch: int, seq_len: int | None = None,
-             dtype: str = "bf16") -> Estimate:
+             dtype: str = "bf16", attention: str = "flash") -> Estimate:
     """Predict step time, throughput, MFU and per-stage memory of one configuration.
 
     Example::
@@ -70,10 +70,11 @@ def evaluate(model, cluster, config: dict | ParallelConfig, *, global_batch: int
     graph = _graph(model, seq_len)
     hardware = _cluster(cluster)
     full = make_config(config, hardware.num_devices, global_batch)
-    return Evaluator(graph, hardware, dtype).estimate(full, global_batch)
+    return Evaluator(graph, hardware, dtype, attention=attention).estimate(full, global_batch)
 
 
-def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype: str = "bf16", **constraints) -> Plan:
+def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype: str = "bf16", attention: str = "flash",
+         **constraints) -> Plan:
     """Search the plan with the highest throughput that fits in memory.
 
     Args:
@@ -82,6 +83,7 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
         global_batch: sequences per optimizer step.
         seq_len: tokens per sequence (default: the model's).
         dtype: compute dtype.
+        attention: attention kernel of the training code, "flash" or "unfused".
         **constraints: fix a choice (tp=8, zero=3, schedule="1f1b", ...), bound one (max_tp=...,
             max_pp=...), mem_headroom (fraction of memory kept free), top (alternatives kept).
 
@@ -93,4 +95,4 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
 
     graph = _graph(model, seq_len)
     hardware = _cluster(cluster)
-    return search(graph, hardware, global_batch=global_batch, dtype=dtype, cluster_name=str(cluster if isinstance(cluster, str) else hardware.name), **constraints)
+    return search(graph, hardware, global_batch=global_batch, dtype=dtype, attention=attention, cluster_name=str(cluster if isinstance(cluster, str) else hardware.name), **constraints)

@@ -24,9 +24,9 @@ from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
 from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, invalid
 from planner.graph import LayerKind, ModelGraph, Recompute
-from planner.layer_cost import LayerContext, LayerCost, price_layer
+from planner.layer_cost import AttentionKernel, LayerContext, LayerCost, price_layer
 from planner.mesh import axis_group, mesh_groups
-from planner.plan import Estimate, StagePlan
+from planner.result import Estimate, StagePlan
 from planner.stages import StageProblem, split_dp
 from planner.tp_plan import tp_plan_for
 
@@ -39,6 +39,9 @@ OPTIMIZER_BYTES_PER_PARAM = 30
 # bf16 training (`accumulate_allreduce_grads_in_fp32`), and torchtitan's FSDP2 mixed precision
 # uses reduce_dtype=float32.
 GRAD_REDUCE_BYTES_PER_PARAM = 4
+
+# Memory cap standing for "no limit" when a split only balances time (finite, as StageProblem requires).
+UNBOUNDED_BYTES = 1e30
 
 # FSDP keeps the unsharded parameters of the layer it computes and of the one it prefetches
 # (FSDP2 default forward prefetch of one layer).
@@ -84,9 +87,12 @@ class Evaluator:
         cluster: the hardware.
         dtype: compute dtype ("bf16", "fp16", "fp8").
         table: measured op times that override the roofline.
+        attention: the attention kernel the training code uses (flash by default).
     """
 
-    def __init__(self, graph: ModelGraph, cluster: Cluster, dtype: str = "bf16", table: OpTable | None = None):
+    def __init__(self, graph: ModelGraph, cluster: Cluster, dtype: str = "bf16", table: OpTable | None = None,
+                 attention: AttentionKernel | str = AttentionKernel.FLASH):
+        self.attention = AttentionKernel(attention)
         self.graph = graph
         self.cluster = cluster
         self.dtype = dtype
@@ -143,6 +149,7 @@ class Evaluator:
                 batch_scale=config.micro_batch / self.graph.micro_batch, recompute=recompute,
                 sequence_parallel=config.sequence_parallel, tp_group=groups.tp, cp_group=groups.cp,
                 ep_group=groups.ep, top_k=self.graph.dims.top_k, hidden=self.graph.dims.hidden, table=self.table,
+                attention=self.attention,
             )
             cost = price_layer(layer, tp_plan_for(layer, config.tp, device, node, ctx.dtype), ctx)
             self._layer_cache[key] = cost
@@ -224,7 +231,7 @@ class Evaluator:
         try:
             return split_dp(problem).boundaries, True
         except PlannerError:
-            unbounded = dataclasses.replace(problem, mem_cap_bytes=np.full(problem.num_stages, np.inf))
+            unbounded = dataclasses.replace(problem, mem_cap_bytes=np.full(problem.num_stages, UNBOUNDED_BYTES))
             return split_dp(unbounded).boundaries, False
 
     def estimate(

@@ -8,11 +8,31 @@ the ring exchange of keys and values, overlapped with the attention kernels.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from costmodel.comm import Collective, CommGroup, collective_time_s
 from costmodel.compute import OpTable, OpWork, WorkKind, layer_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
 from planner.graph import Layer, Op, OpKind, Recompute
+
+class AttentionKernel(StrEnum):
+    """How the attention core runs: fused flash attention (scores never leave on-chip memory), or
+    unfused (QK^T and AV as batched GEMMs with the a*s*s score tensor written to device memory and
+    passed through scale/mask/softmax/dropout kernels, as in Megatron-LM before FlashAttention)."""
+
+    FLASH = "flash"
+    UNFUSED = "unfused"
+
+
+# Unfused attention, bytes of device-memory traffic per score element (b*a*s*s) in the forward:
+# QK^T writes the scores (2), the fused scale-mask-softmax reads and writes them (4), dropout reads
+# them and writes its output and mask (2 + 2 + 1), AV reads the dropped-out probabilities (2).
+UNFUSED_FWD_BYTES_PER_SCORE = 13
+# The backward of each of those kernels moves about twice its forward bytes.
+UNFUSED_BWD_BYTES_PER_SCORE = 26
+# Bytes kept for backward per score element: softmax output (2), dropout mask (1) and dropout
+# output (2): the 5*a*s/h term of Korthikanti et al. 2022, Table 2.
+UNFUSED_SAVED_BYTES_PER_SCORE = 5
 
 # Megatron-style tensor parallelism without sequence parallelism leaves the layer norms, dropouts
 # and residual adds replicated: Korthikanti et al. 2022, Table 2 gives s*b*h*(10 + 24/t) of the
@@ -79,6 +99,7 @@ class LayerContext:
     top_k: int = 0
     hidden: int = 0
     table: OpTable | None = None
+    attention: AttentionKernel = AttentionKernel.FLASH
 
 
 # Ops that only reinterpret a tensor's shape or strides: no kernel, no memory traffic.
@@ -88,9 +109,22 @@ VIEW_TARGETS = frozenset({
 })
 
 
+def score_elements(op: Op) -> float:
+    """Elements of the attention score tensor (b * heads * s * s) of an attention op."""
+    batch, heads, seq = op.out_shape[0], op.out_shape[1], op.out_shape[2]
+    return float(batch * heads * seq * seq)
+
+
 def _op_works(op: Op, ctx: LayerContext, split: int) -> tuple[list[OpWork], list[OpWork]]:
     """Forward and backward work of one op, divided by its tensor-parallel split and by cp."""
-    return _works(op, ctx.batch_scale / (split * ctx.cp))
+    share = ctx.batch_scale / (split * ctx.cp)
+    if op.kind == OpKind.ATTENTION and ctx.attention == AttentionKernel.UNFUSED:
+        scores = score_elements(op) * share
+        flops = op.fwd_flops * share
+        fwd = [OpWork(WorkKind.MATMUL, flops, 0.0), OpWork(WorkKind.MEMORY, 0.0, UNFUSED_FWD_BYTES_PER_SCORE * scores)]
+        bwd = [OpWork(WorkKind.MATMUL, 2 * flops, 0.0), OpWork(WorkKind.MEMORY, 0.0, UNFUSED_BWD_BYTES_PER_SCORE * scores)]
+        return fwd, bwd
+    return _works(op, share)
 
 
 def _works(op: Op, share: float) -> tuple[list[OpWork], list[OpWork]]:
@@ -129,6 +163,9 @@ def _layer_level_works(layer: Layer, ctx: LayerContext, split: int) -> tuple[lis
 
 def _activation_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:
     saved = layer.saved_bytes[ctx.recompute] * ctx.batch_scale / ctx.cp
+    if ctx.attention == AttentionKernel.UNFUSED and ctx.recompute == Recompute.NONE:
+        saved += sum(UNFUSED_SAVED_BYTES_PER_SCORE * score_elements(op) for op in layer.ops
+                     if op.kind == OpKind.ATTENTION) * ctx.batch_scale / (ctx.cp * ctx.cp)
     if tp == 1:
         return saved
     if ctx.sequence_parallel or ctx.recompute == Recompute.FULL:

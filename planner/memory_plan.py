@@ -11,7 +11,7 @@ from planner.config import ParallelConfig
 from planner.errors import PlannerError
 from planner.estimate import Evaluator
 from planner.graph import LayerKind, Recompute
-from planner.plan import Estimate
+from planner.result import Estimate
 from planner.stages import split_ilp
 
 # Wall-clock limit and relative gap of the per-layer recompute ILP.

@@ -17,7 +17,7 @@ from planner.errors import PlannerError, PlannerErrorKind, invalid
 from planner.estimate import Evaluator
 from planner.graph import ModelGraph
 from planner.memory_plan import memory_plan
-from planner.plan import Alternative, Plan
+from planner.result import Alternative, Plan
 from planner.space import Rejection, configs_for, enumerate_degrees
 
 # Constraint keys `plan` accepts besides the fixed choices; anything else is a typo.
@@ -46,8 +46,8 @@ def _reason_key(reason: str) -> str:
     return reason.split(":")[0]
 
 
-def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str = "bf16", cluster_name: str = "",
-           **constraints) -> Plan:
+def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str = "bf16", attention: str = "flash",
+           cluster_name: str = "", **constraints) -> Plan:
     """Best plan for `graph` on `cluster` (see the module docstring for how candidates are pruned).
 
     Raises:
@@ -62,7 +62,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     exhaustive = constraints.get("exhaustive", False)
     if global_batch < 1:
         raise invalid(f"global_batch={global_batch}: must be a positive integer")
-    evaluator = Evaluator(graph, cluster, dtype)
+    evaluator = Evaluator(graph, cluster, dtype, attention=attention)
     space = enumerate_degrees(graph, cluster, constraints)
     rejected: list[Rejection] = list(space.rejected)
     candidates: list[tuple[float, ParallelConfig]] = []

@@ -58,12 +58,13 @@ from ortools.math_opt.python import mathopt
 
 from planner.errors import PlannerError, PlannerErrorKind, invalid
 from planner.graph import Op, OpKind
-from planner.milp import SolveStatus, solve_milp
+from planner.milp import MilpResult, SolveStatus, solve_milp
 
 # Each forward conversion has a conjugate in backward moving the same bytes (all-reduce <-> identity
 # pairs of Megatron-LM's f/g operators, all-gather <-> reduce-scatter with sequence parallelism;
 # Shoeybi et al. 2019 Fig. 3, Korthikanti et al. 2022 Fig. 5), so a layer's forward+backward pays twice.
 COLLECTIVES_PER_CONVERSION = 2
+OBJECTIVE_FLOOR_S = 1e-12  # keeps the cost normalisation finite when every cost is 0
 BOUNDARY = "<boundary>"  # name of the pseudo-op holding the layout of the layer's input/output activation
 GIB_BYTES = 2**30  # only for rendering messages
 MS_PER_S = 1e3  # only for rendering `Layout.explain`
@@ -309,14 +310,21 @@ def solve_layout(
         for name, strategies in graph.strategies.items()
     }
     comm_cost = {key: comm_time_s(CONVERSIONS[key[1:]], graph.out_bytes[key[0]]) for key in conversions}
+    # Costs are divided by the largest one so the solver sees coefficients of order 1, not 1e-6 s.
+    scale_s = max([cost for costs in compute_cost.values() for cost in costs] + list(comm_cost.values()) + [OBJECTIVE_FLOOR_S])
     model.minimize(
-        mathopt.fast_sum(choose[name, s] * cost for name, costs in compute_cost.items() for s, cost in enumerate(costs))
-        + COLLECTIVES_PER_CONVERSION * mathopt.fast_sum(var * comm_cost[key] for key, var in conversions.items())
+        mathopt.fast_sum(
+            choose[name, s] * (cost / scale_s) for name, costs in compute_cost.items() for s, cost in enumerate(costs)
+        )
+        + COLLECTIVES_PER_CONVERSION * mathopt.fast_sum(var * (comm_cost[key] / scale_s) for key, var in conversions.items())
     )
     result = solve_milp(model, time_limit_s=time_limit_s, rel_gap=rel_gap, what=f"tp layout (tp={tp})")
     if result.status == SolveStatus.INFEASIBLE:  # all-replicated always fits the other constraints
         raise _param_budget_error(graph, param_budget)
-    chosen = {name: next(s for s in range(len(strategies)) if result.values[choose[name, s]] > 0.5) for name, strategies in graph.strategies.items()}
+    chosen = {
+        name: next(s for s in range(len(strategies)) if result.values[choose[name, s]] > 0.5)
+        for name, strategies in graph.strategies.items()
+    }
     return _make_layout(graph, chosen, compute_cost, comm_cost, conversions, result, time.perf_counter() - start_s)
 
 
@@ -374,10 +382,8 @@ def _add_module_tie_constraints(model: mathopt.Model, choose: dict, graph: _Laye
         placements = {strategy.placement for name in names for strategy in graph.strategies[name]}
         for other in names[1:]:
             for placement in placements:
-                model.add_linear_constraint(
-                    _placement_indicator(choose, graph, first, placement) == _placement_indicator(choose, graph, other, placement),
-                    name=f"tie[{fqn},{other},{placement}]",
-                )
+                same = _placement_indicator(choose, graph, first, placement) == _placement_indicator(choose, graph, other, placement)
+                model.add_linear_constraint(same, name=f"tie[{fqn},{other},{placement}]")
 
 
 def _add_param_memory_constraint(model: mathopt.Model, choose: dict, graph: _LayerGraph, budget: ParamBudget) -> None:
@@ -391,7 +397,8 @@ def _add_param_memory_constraint(model: mathopt.Model, choose: dict, graph: _Lay
 
 
 def _placement_indicator(choose: dict, graph: _LayerGraph, name: str, placement: Placement):
-    return mathopt.fast_sum(choose[name, s] for s, strategy in enumerate(graph.strategies[name]) if strategy.placement == placement)
+    strategies = graph.strategies[name]
+    return mathopt.fast_sum(choose[name, s] for s, strategy in enumerate(strategies) if strategy.placement == placement)
 
 
 @dataclass(frozen=True)
@@ -406,7 +413,9 @@ class _LayerGraph:
     tp: int
 
     @classmethod
-    def build(cls, ops: tuple[Op, ...], tp: int, sequence_parallel: bool, boundary: TensorLayout | None, input_bytes: float | None) -> _LayerGraph:
+    def build(
+        cls, ops: tuple[Op, ...], tp: int, sequence_parallel: bool, boundary: TensorLayout | None, input_bytes: float | None
+    ) -> _LayerGraph:
         if not isinstance(tp, int) or tp < 1:
             raise invalid(f"tp={tp!r}: must be a positive integer")
         if not ops:
@@ -417,7 +426,8 @@ class _LayerGraph:
         boundary_layouts = (R, Q) if sequence_parallel and tp > 1 else (R,)
         if boundary is not None:
             if boundary not in boundary_layouts:
-                raise invalid(f"boundary={boundary}: must be one of {[str(b) for b in boundary_layouts]} (S(sequence) needs sequence_parallel and tp > 1)")
+                allowed = ", ".join(boundary_layouts)
+                raise invalid(f"boundary={boundary}: must be one of {allowed} (S(sequence) needs sequence_parallel and tp > 1)")
             boundary_layouts = (boundary,)
         consumed = {name for op in ops for name in op.inputs}
         outputs = [op for op in ops if op.name not in consumed]
@@ -433,7 +443,8 @@ class _LayerGraph:
         out_bytes[BOUNDARY] = float(input_bytes if input_bytes is not None else max(op.out_bytes for op in outputs))
         strategies = {op.name: op_strategies(op, tp, sequence_parallel=sequence_parallel) for op in ops}
         strategies[BOUNDARY] = tuple(
-            Strategy(Placement.SEQUENCE if layout == Q else Placement.REPLICATE, (layout,), layout, 1, 1) for layout in boundary_layouts
+            Strategy(Placement.SEQUENCE if layout == Q else Placement.REPLICATE, (layout,), layout, 1, 1)
+            for layout in boundary_layouts
         )
         return cls(
             ops={op.name: op for op in ops} | {BOUNDARY: Op(BOUNDARY, "", "boundary", OpKind.OTHER)},
@@ -531,7 +542,8 @@ def _loss_strategies(op: Op, tp: int) -> tuple[Strategy, ...]:
 
 def _param_budget_error(graph: _LayerGraph, budget: ParamBudget) -> PlannerError:
     least_bytes = sum(
-        graph.params[name] * budget.bytes_per_param / max(s.param_shards for s in strategies) for name, strategies in graph.strategies.items()
+        graph.params[name] * budget.bytes_per_param / max(s.param_shards for s in strategies)
+        for name, strategies in graph.strategies.items()
     )
     return PlannerError(
         PlannerErrorKind.INSUFFICIENT_MEMORY,
@@ -540,9 +552,13 @@ def _param_budget_error(graph: _LayerGraph, budget: ParamBudget) -> PlannerError
     )
 
 
-def _make_layout(graph: _LayerGraph, chosen: dict, compute_cost: dict, comm_cost: dict, conversions: dict, result, solve_time_s: float) -> Layout:
+def _make_layout(
+    graph: _LayerGraph, chosen: dict, compute_cost: dict, comm_cost: dict, conversions: dict, result: MilpResult, solve_time_s: float
+) -> Layout:
     active = [key for key, var in conversions.items() if result.values[var] > 0.5]
-    collectives = tuple(CollectiveCall(CONVERSIONS[source, layout], graph.out_bytes[producer], producer, layout) for producer, source, layout in active)
+    collectives = tuple(
+        CollectiveCall(CONVERSIONS[source, layout], graph.out_bytes[producer], producer, layout) for producer, source, layout in active
+    )
     comm_by_producer = defaultdict(float)
     for key in active:
         comm_by_producer[key[0]] += COLLECTIVES_PER_CONVERSION * comm_cost[key]

@@ -14,7 +14,7 @@ from planner.graph import LayerKind, OpKind, Recompute
 from planner.models import resolve_model
 from planner.report.inspect import inspect_json, render_inspect
 from planner.source import ModelSource
-from planner.trace import EAGER_FALLBACK_MAX_PARAM_BYTES, trace
+from planner.tracing import EAGER_FALLBACK_MAX_PARAM_BYTES, trace
 from planner.zoo import build_model, zoo_specs
 from planner.zoo.spec import parse_spec
 

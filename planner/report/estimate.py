@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.console import Group
 from rich.table import Table
 
-from planner.plan import Estimate
+from planner.result import Estimate
 from planner.report.units import bar, fmt_bytes, fmt_seconds
 
 MEMORY_PARTS = ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "comm_buffers_bytes", "temp_bytes", "overhead_bytes")

@@ -6,7 +6,7 @@ from collections import Counter
 from rich.console import Group
 from rich.table import Table
 
-from planner.plan import Plan
+from planner.result import Plan
 from planner.report.estimate import memory_table, summary_table, time_table
 from planner.report.units import bar, fmt_bytes, fmt_seconds
 

@@ -55,6 +55,7 @@ from planner.errors import PlannerError, PlannerErrorKind, invalid
 from planner.graph import Layer, LayerKind, ModelDims, ModelGraph, Op, OpKind, Recompute
 from planner.models import resolve_model
 from planner.source import ModelSource
+from planner.zoo.spec import ModelSpec
 
 # Training dtype -> dtype the model is built and measured in. FP8 recipes (Transformer Engine,
 # torchao float8) cast to fp8 only inside the matmuls and keep weights and the activations
@@ -99,13 +100,14 @@ _KIND_BY_TARGET = {
 }
 
 
-def trace(source: ModelSource | str, *, seq_len: int | None = None, micro_batch: int = 1,
-          dtype: str = "bf16") -> ModelGraph:
+def trace(source: ModelSource | str | nn.Module | ModelSpec, *, seq_len: int | None = None,
+          micro_batch: int = 1, dtype: str = "bf16") -> ModelGraph:
     """Traces and measures a model for one micro-batch; results are cached.
 
     Args:
-        source: a ModelSource, or anything `planner.models.resolve_model` accepts as a string
-            (built-in name, spec file, "package.module:factory").
+        source: a ModelSource, or anything `planner.models.resolve_model` accepts (built-in
+            name, spec file, "package.module:factory", ModelSpec, nn.Module starting with an
+            embedding).
         seq_len: tokens per sequence; the source's default when None.
         micro_batch: sequences per forward.
         dtype: training dtype, one of MEASURE_DTYPES.
@@ -127,12 +129,13 @@ def trace(source: ModelSource | str, *, seq_len: int | None = None, micro_batch:
     return _trace_cached(source, seq_len or resolved.default_seq_len, micro_batch, dtype)
 
 
-def _resolve(source: ModelSource | str) -> ModelSource:
+def _resolve(source: ModelSource | str | nn.Module | ModelSpec) -> ModelSource:
     return source if isinstance(source, ModelSource) else resolve_model(source)
 
 
 @functools.lru_cache(maxsize=TRACE_CACHE_SIZE)
-def _trace_cached(key: ModelSource | str, seq_len: int, micro_batch: int, dtype: str) -> ModelGraph:
+def _trace_cached(key: ModelSource | str | nn.Module | ModelSpec, seq_len: int, micro_batch: int,
+                  dtype: str) -> ModelGraph:
     source = _resolve(key)
     with _default_dtype(MEASURE_DTYPES[dtype]):
         with _META:
@@ -594,8 +597,8 @@ def _module_layers(run: measure.EagerRun, model: nn.Module, grouping: _Grouping,
     layers = []
     for (kind, name), indices in _runs(range(len(run.calls)), keys):
         layer_units = tuple(dict.fromkeys(units[i] for i in indices if units[i] is not None))
-        fwd = sum(run.module_flops[u][0] for u in layer_units)
-        bwd = sum(run.module_flops[u][1] for u in layer_units)
+        fwd = float(sum(run.module_flops[u][0] for u in layer_units))
+        bwd = float(sum(run.module_flops[u][1] for u in layer_units))
         unattributed_fwd, unattributed_bwd = unattributed_fwd - fwd, unattributed_bwd - bwd
         first, last = indices[0], indices[-1]
         # Tensors saved before the first leaf call (index -1) belong to the first layer.
