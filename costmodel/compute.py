@@ -45,15 +45,6 @@ DEFAULT_MATMUL_EFFICIENCY_CURVE: tuple[tuple[float, float], ...] = (
 ATTENTION_FWD_EFFICIENCY_RATIO = 0.86
 ATTENTION_BWD_EFFICIENCY_RATIO = 0.74
 
-# Fraction of a device's matmul efficiency curve that GEMMs sustain inside a whole training step.
-# The curves are maximum achievable matmul FLOP/s (MAMF: the best of a sweep of isolated GEMM
-# shapes on an idle GPU); in training every GPU of a node runs at once under its power limit, so
-# clocks drop, and the step's GEMM shapes sit off the best-shape optimum. Fitted once to the public
-# runs of benchmarks/published.py (one value for every device and source, never per row); it puts
-# A100 large GEMMs at 0.87 x 0.85 = 74% of peak, inside the 70-80% that Megatron-LM and
-# llm-foundry report as per-GEMM throughput in full training runs.
-SUSTAINED_MATMUL_FRACTION = 0.85
-
 # Distinct (work, device, dtype) prices kept by the roofline cache; a search over thousands of
 # configs touches a few thousand distinct ops.
 _CACHE_SIZE = 1 << 16
@@ -159,16 +150,16 @@ def matmul_efficiency(device: DeviceSpec, flops: float) -> float:
         ProfileError: the curve is empty, has a size <= 0, is not strictly ascending, or has an
             efficiency outside (0, 1].
     """
-    return SUSTAINED_MATMUL_FRACTION * _interp_log10(flops, _device_curve(device), f"device {device.name} matmul_efficiency")
+    return device.matmul_sustained_fraction * _interp_log10(flops, _device_curve(device), f"device {device.name} matmul_efficiency")
 
 
 @lru_cache(maxsize=_CACHE_SIZE)
 def _roofline_time_s(work: OpWork, device_name: str, peak_flops_per_s: float, mem_bytes_per_s: float,
-                     curve: tuple[tuple[float, float], ...]) -> float:
+                     curve: tuple[tuple[float, float], ...], sustained: float) -> float:
     """Roofline time of `work`; every argument that changes the answer is part of the cache key."""
     compute_s = 0.0
     if work.kind is not WorkKind.MEMORY and work.flops > 0:
-        efficiency = SUSTAINED_MATMUL_FRACTION * _interp_log10(work.flops, curve, f"device {device_name} matmul_efficiency")
+        efficiency = sustained * _interp_log10(work.flops, curve, f"device {device_name} matmul_efficiency")
         compute_s = work.flops / (peak_flops_per_s * efficiency * _EFFICIENCY_RATIO[work.kind])
     return max(compute_s, work.bytes / mem_bytes_per_s) + LAUNCH_OVERHEAD_S
 
@@ -281,6 +272,6 @@ def layer_time_s(works: Sequence[OpWork], device: DeviceSpec, dtype: str = "bf16
     for work in works:
         op_s = table.lookup(work) if table is not None else None
         if op_s is None:
-            op_s = _roofline_time_s(work, device.name, peak, mem_bytes_per_s, curve)
+            op_s = _roofline_time_s(work, device.name, peak, mem_bytes_per_s, curve, device.matmul_sustained_fraction)
         total_s += op_s
     return total_s

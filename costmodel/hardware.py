@@ -100,6 +100,7 @@ class DeviceSpec:
     nic: LinkTier
     matmul_efficiency: tuple[tuple[float, float], ...] = ()
     mem_bw_efficiency: float = 1.0
+    matmul_sustained_fraction: float = 1.0
     price_per_hour: float = 0.0
     power_w: float = 0.0
     source: dict = field(default_factory=dict, compare=False, hash=False)
@@ -179,6 +180,15 @@ MATMUL_HALF_EFFICIENCY_TIME_S = 5.0e-6
 # inside the 70-90% of peak that streaming kernels reach on HBM GPUs (e.g. BabelStream triad on
 # A100-80GB: about 1.7 of 2.0 TB/s).
 DEFAULT_MEM_BW_EFFICIENCY = 0.8
+
+# Fraction of the matmul efficiency curve that GEMMs sustain inside a whole training step, used
+# when a profile gives no measured `matmul_sustained_fraction`. The curves are maximum achievable
+# matmul FLOP/s (MAMF: the best of a sweep of isolated GEMM shapes on an idle GPU); in training
+# every GPU of a node runs at once under its power limit, so clocks drop, and a step's GEMM shapes
+# sit off the best-shape optimum. Fitted once to the public runs of benchmarks/published.py (one
+# value for every device and source, never per row); it puts A100 large GEMMs at
+# 0.87 x 0.85 = 74% of peak. A profile measured by `paraplan profile` under load sets 1.0.
+DEFAULT_MATMUL_SUSTAINED_FRACTION = 0.85
 # The generated curve has points from 1 MFLOP to 100 TFLOP, two per decade.
 MATMUL_CURVE_MIN_FLOPS_LOG10 = 6
 MATMUL_CURVE_MAX_FLOPS_LOG10 = 14
@@ -192,7 +202,7 @@ _SHORTHAND = re.compile(r"(?P<device>[^:]+):(?P<nodes>[0-9]+)(?:[xX](?P<gpus>[0-
 _LINK_KEYS = ("name", "kind", "bw_bytes_per_s", "latency_s", "efficiency", "sources")
 _LINK_REQUIRED = ("kind", "bw_bytes_per_s", "latency_s")
 _DEVICE_KEYS = ("name", "description", "peak_flops_per_s", "mem_bytes", "mem_bw_bytes_per_s",
-                "matmul_efficiency", "mem_bw_efficiency", "node", "nic", "price_per_hour", "power_w",
+                "matmul_efficiency", "mem_bw_efficiency", "matmul_sustained_fraction", "node", "nic", "price_per_hour", "power_w",
                 "sources")
 _DEVICE_REQUIRED = ("peak_flops_per_s", "mem_bytes", "mem_bw_bytes_per_s", "node", "nic")
 _NODE_KEYS = ("devices_per_node", "intra_link")
@@ -449,6 +459,8 @@ def _parse_device(origin: _Origin, data: dict, default_name: str, dirs: tuple[Pa
         nic=_load_link(origin, "nic", data["nic"], dirs, base, INTER_NODE_KINDS),
         matmul_efficiency=_matmul_curve(origin, data.get("matmul_efficiency", ()), peaks),
         mem_bw_efficiency=_fraction(origin, "mem_bw_efficiency", data.get("mem_bw_efficiency", DEFAULT_MEM_BW_EFFICIENCY)),
+        matmul_sustained_fraction=_fraction(origin, "matmul_sustained_fraction",
+                                            data.get("matmul_sustained_fraction", DEFAULT_MATMUL_SUSTAINED_FRACTION)),
         price_per_hour=_optional_positive(origin, "price_per_hour", data),
         power_w=_optional_positive(origin, "power_w", data),
         source=_sources(origin, "", data.get("sources", {}), _DEVICE_KEYS),

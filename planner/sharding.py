@@ -15,7 +15,8 @@ Each op offers strategies (`op_strategies`): a placement (what `parallelize_modu
 module), the layout it needs for each input, the layout of its output, and how many ways its work
 and parameters are split. Linear: R -> R (replicate), R -> S(feature) (colwise), S(feature) -> P
 (rowwise). Attention core: R -> R, or S(feature) -> S(feature) on a slice of the heads. Norm: R or
-S(sequence). Elementwise and shape ops follow their input. Embedding: replicate or vocab-parallel
+S(sequence). Elementwise and shape ops follow their input, except reductions, softmax, top-k and
+index scatter/gather (`AXIS_COUPLED_TARGETS`), which run replicated. Embedding: replicate or vocab-parallel
 (-> P). Loss: replicate or vocab-parallel on S(feature) logits.
 
 ILP. Let V be the ops plus a boundary node B (the activation entering and leaving the layer: inputs
@@ -115,6 +116,17 @@ CONVERSIONS: dict[tuple[TensorLayout, TensorLayout], Collective] = {
 # parallelism). R -> S(feature) is impossible: feature-split activations only come out of colwise
 # linears and head-split attention, so the residual stream stays R or S(sequence) as in Megatron-LM.
 SLICES = {(R, Q)}
+
+# Targets that combine or move elements along an axis (reductions, softmax, top-k, scans, index
+# scatter/gather as in MoE token dispatch): on a split tensor they would need communication the
+# strategy does not price, or give wrong results, so they run replicated. Other elementwise and
+# shape ops follow their input's layout.
+AXIS_COUPLED_TARGETS = frozenset({
+    "softmax", "log_softmax", "logsumexp", "topk", "sort", "argsort", "argmax", "argmin", "max", "min", "amax",
+    "amin", "sum", "mean", "prod", "std", "var", "norm", "all", "any", "cumsum", "cumprod", "index_add",
+    "index_select", "index_put", "scatter", "scatter_add", "scatter_reduce", "gather", "nonzero", "bincount",
+    "one_hot", "masked_select", "unique",
+})
 
 ComputeTime = Callable[[Op, int], float]   # (op, ways its work is split) -> forward+backward seconds
 CommTime = Callable[[Collective, float], float]  # (collective, bytes of the whole tensor) -> seconds on the tp group
@@ -242,7 +254,7 @@ def op_strategies(op: Op, tp: int, *, sequence_parallel: bool) -> tuple[Strategy
         return _loss_strategies(op, tp)
     if op.kind == OpKind.NORM:
         return tuple(_follow(op, layout, tp) for layout in activation if layout != F)
-    if op.kind in (OpKind.ELEMENTWISE, OpKind.OTHER) and not op.param_shapes:
+    if op.kind in (OpKind.ELEMENTWISE, OpKind.OTHER) and not op.param_shapes and op.target not in AXIS_COUPLED_TARGETS:
         return tuple(_follow(op, layout, tp) for layout in activation)
     return (_follow(op, R, tp),)
 

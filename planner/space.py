@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from costmodel.hardware import Cluster
 from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError
+from planner.estimate import stage_devices
 from planner.graph import ModelGraph, Recompute
 
 # Context parallelism is offered from this sequence length up: Megatron-Core and torchtitan use
@@ -103,7 +104,7 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) ->
         for cp in cp_options:
             if devices % (tp * cp):
                 continue
-            pp_all = [p for p in divisors(devices // (tp * cp)) if p <= layers]
+            pp_all = [p for p in divisors(devices // (tp * cp)) if p <= layers and _stages_on_one_device_type(cluster, p, space)]
             for pp in _fixed(constraints, "pp", pp_all, space, "pipeline parallelism"):
                 dp = devices // (tp * cp * pp)
                 if "dp" in constraints and constraints["dp"] != dp:
@@ -113,6 +114,20 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) ->
     if not space.degrees:
         raise PlannerError_no_degrees(space, constraints)
     return space
+
+
+def _stages_on_one_device_type(cluster: Cluster, pp: int, space: Space) -> bool:
+    """Whether every pipeline stage of `pp` sits on one device type (a stage's devices run in lockstep)."""
+    if len(cluster.groups) == 1:
+        return True
+    try:
+        stage_devices(cluster, pp)
+    except PlannerError:
+        rejection = Rejection(f"pp={pp}", "a pipeline stage would span node groups of different device types")
+        if rejection not in space.rejected:
+            space.rejected.append(rejection)
+        return False
+    return True
 
 
 def _ep_options(graph: ModelGraph, dp_cp: int, constraints: dict, space: Space) -> list[int]:

@@ -210,6 +210,19 @@ def test_two_layer_mlp_goes_colwise_then_rowwise():
     assert [(call.kind, call.bytes) for call in layout.collectives] == [(Collective.ALL_REDUCE, 4096 * 1024 * BF16_BYTES)]
 
 
+def test_axis_coupled_ops_run_replicated():
+    # An MoE router: softmax and top-k over the expert axis are wrong on an expert-split tensor, so
+    # they must run replicated, whatever the router linear does.
+    router = linear("router", "x", 4096, 2048, 64, fqn="moe.router")
+    softmax = Op("softmax", "moe", "softmax", OpKind.ELEMENTWISE, ("router",), (4096, 64), 4096 * 64 * BF16_BYTES, 5.0 * 4096 * 64)
+    topk = Op("topk", "moe", "topk", OpKind.OTHER, ("softmax",), (4096, 6), 4096 * 6 * BF16_BYTES, 4096 * 64.0)
+    assert [s.placement for s in op_strategies(softmax, 4, sequence_parallel=True)] == [Placement.REPLICATE]
+    ops = [router, softmax, topk]
+    layout = solve_layout(ops, 4, roofline_compute_s, ring_comm_s(4))
+    assert layout.per_op["softmax"] == layout.per_op["topk"] == Placement.REPLICATE
+    assert_consistent(layout, ops)
+
+
 def brute_force_objective_s(ops: list[Op], tp: int, sequence_parallel: bool, compute, comm) -> float:
     """Least compute + 2 x conversion time over every strategy assignment (conversions counted once per producer and layout)."""
     names = {op.name for op in ops}

@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import time
 
 import pytest
 import torch
@@ -101,13 +100,10 @@ def test_llama2_7b_params_match_closed_form():
     assert _params(_meta_model("llama2-7b")) == expected
 
 
-def test_every_zoo_model_builds_on_meta_within_a_second():
-    _meta_model("gpt2")  # the first meta init op loads PyTorch's decompositions once per process
+def test_every_zoo_model_builds_on_meta():
+    # Build time is measured by benchmarks/trace_speed.py, not asserted here.
     for name in zoo_specs():
-        start = time.perf_counter()
         model = _meta_model(name)
-        elapsed_s = time.perf_counter() - start
-        assert elapsed_s < 1.0, f"{name} took {elapsed_s:.2f} s"
         assert all(p.device.type == "meta" for p in model.parameters())
 
 
