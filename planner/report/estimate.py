@@ -5,10 +5,7 @@ from rich.console import Group
 from rich.table import Table
 
 from planner.result import Estimate
-from planner.report.units import bar, fmt_bytes, fmt_seconds
-
-MEMORY_PARTS = ("weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "comm_buffers_bytes", "temp_bytes", "overhead_bytes")
-
+from planner.report.units import GIB, bar, fmt_bytes, fmt_seconds
 
 def estimate_json(estimate: Estimate) -> dict:
     """The `evaluate --json` object (DESIGN.md contract)."""
@@ -44,17 +41,15 @@ def time_table(estimate: Estimate) -> Table:
 
 
 def memory_table(estimate: Estimate) -> Table:
-    table = Table(title="Memory per device, by pipeline stage", title_justify="left")
-    table.add_column("stage", justify="right")
-    table.add_column("device")
-    for part in MEMORY_PARTS:
-        table.add_column(part.removesuffix("_bytes").replace("_", " "), justify="right")
-    table.add_column("total / capacity")
+    table = Table(title="Memory per device by pipeline stage (GiB)", title_justify="left")
+    for name in ("stage", "weights", "grads", "optim", "activ", "other", "total"):
+        table.add_column(name, justify="right")
+    table.add_column("of capacity")
     for row in estimate.memory:
-        table.add_row(
-            str(row["stage"]), row["device"], *(fmt_bytes(row.get(part, 0.0)) for part in MEMORY_PARTS),
-            f"{fmt_bytes(row['total_bytes'])}  {bar(row['total_bytes'] / row['capacity_bytes'], 12)}",
-        )
+        other = sum(row.get(part, 0.0) for part in ("comm_buffers_bytes", "temp_bytes", "overhead_bytes"))
+        values = (row["weights_bytes"], row["grads_bytes"], row["optimizer_bytes"], row["activations_bytes"], other, row["total_bytes"])
+        table.add_row(str(row["stage"]), *(f"{v / GIB:.1f}" for v in values), bar(row["total_bytes"] / row["capacity_bytes"], 10))
+    table.caption = "other = communication buffers + temporaries + CUDA context and allocator fragmentation"
     return table
 
 

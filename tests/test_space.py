@@ -1,0 +1,220 @@
+"""Tests for planner.space: the degree tuples and configurations the search may consider.
+
+Models here are fake ModelGraphs built from dimensions (no tracing): `enumerate_degrees` reads only
+the heads, key/value heads, experts, layer count, sequence length and whether layers carry an op
+graph. The expected degree sets are derived independently from the rules stated in the
+`planner.space` docstring, by filtering every divisor product with itertools.
+"""
+from __future__ import annotations
+
+from itertools import product
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from costmodel.hardware import load_cluster
+from planner.config import Schedule
+from planner.errors import PlannerError
+from planner.estimate import stage_devices
+from planner.graph import Layer, LayerKind, ModelDims, ModelGraph, Op, OpKind, Recompute
+from planner.space import CP_MIN_SEQ_LEN, MAX_MICRO_BATCH, VPP_CHOICES, configs_for, divisors, enumerate_degrees
+
+# Mixtral 8x7B (planner/zoo/specs/mixtral-8x7b.yaml): 32 blocks, 32 heads, 8 key/value heads, 8 experts.
+MIXTRAL_8X7B = ModelDims(hidden=4096, heads=32, kv_heads=8, layers=32, vocab=32000, ffn_hidden=14336, experts=8, top_k=2)
+# Largest context-parallel degree space.py offers (its `c <= 32` filter).
+CP_MAX = 32
+
+
+def fake_graph(dims: ModelDims, *, seq_len: int = 2048, with_ops: bool = True) -> ModelGraph:
+    """Embedding + dims.layers identical blocks + head, each with one matmul op (or none: a module-level trace)."""
+    ops = (Op(name="mm", fqn="", target="linear", kind=OpKind.MATMUL),) if with_ops else ()
+
+    def layer(name: str, kind: LayerKind) -> Layer:
+        return Layer(name=name, kind=kind, fqns=(name,), params=1000, param_bytes=2000, fwd_flops=1e9, bwd_flops=2e9,
+                     saved_bytes={policy: 1000 for policy in Recompute}, out_bytes=100, ops=ops)
+
+    layers = (layer("embed", LayerKind.EMBEDDING),) + tuple(layer(f"layers.{i}", LayerKind.BLOCK) for i in range(dims.layers))
+    return ModelGraph(name="fake", seq_len=seq_len, micro_batch=1, dtype="bf16", trace_method="fx" if with_ops else "module",
+                      layers=layers + (layer("head", LayerKind.HEAD),), dims=dims)
+
+
+def expected_degrees(dims: ModelDims, num_layers: int, seq_len: int, devices: int, per_node: int) -> set[tuple]:
+    """Every (dp, tp, pp, cp, ep) the space rules allow, by brute force over divisor products."""
+    out = set()
+    for tp, cp, pp in product(divisors(devices), repeat=3):
+        if devices % (tp * cp * pp):
+            continue
+        dp = devices // (tp * cp * pp)
+        tp_ok = tp <= per_node and dims.heads % tp == 0 and (tp == 1 or dims.kv_heads % tp == 0 or tp % dims.kv_heads == 0)
+        cp_ok = seq_len % cp == 0 and cp <= CP_MAX and (cp == 1 or seq_len >= CP_MIN_SEQ_LEN)
+        if not (tp_ok and cp_ok and pp <= num_layers):
+            continue
+        eps = [e for e in divisors(dp * cp) if dims.experts % e == 0] if dims.experts else [1]
+        out |= {(dp, tp, pp, cp, ep) for ep in eps}
+    return out
+
+
+@given(
+    nodes=st.sampled_from([1, 2, 3, 4, 8]),
+    per_node=st.sampled_from([1, 2, 4, 8]),
+    heads=st.sampled_from([4, 6, 12, 16, 32, 40, 96]),
+    kv_ratio=st.sampled_from([1, 2, 4, 8]),
+    blocks=st.integers(1, 24),
+    experts=st.sampled_from([0, 4, 6, 8, 64]),
+    seq_len=st.sampled_from([512, 2048, 8192, 12288, 32768]),
+)
+def test_degrees_are_exactly_the_valid_tuples(nodes, per_node, heads, kv_ratio, blocks, experts, seq_len):
+    kv_heads = heads // kv_ratio if heads % kv_ratio == 0 else heads
+    dims = ModelDims(hidden=heads * 64, heads=heads, kv_heads=kv_heads, layers=blocks, experts=experts, top_k=min(2, experts))
+    graph = fake_graph(dims, seq_len=seq_len)
+    cluster = load_cluster(f"a100-80g:{nodes}x{per_node}")
+    space = enumerate_degrees(graph, cluster, {})
+    got = set(space.degrees)
+    assert len(got) == len(space.degrees), "duplicate degree tuples"
+    assert got == expected_degrees(dims, len(graph.layers), seq_len, nodes * per_node, per_node)
+    for dp, tp, pp, cp, ep in got:
+        assert dp * tp * pp * cp == cluster.num_devices
+
+
+def test_tp_stays_inside_a_node_unless_allowed():
+    # gpt3-350m-like: 16 heads; on 2 nodes of 8 the only tp beyond a node that divides the heads is 16.
+    dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=24)
+    graph, cluster = fake_graph(dims), load_cluster("a100-80g:2x8")
+    default = enumerate_degrees(graph, cluster, {})
+    assert {tp for _, tp, *_ in default.degrees} == {1, 2, 4, 8}
+    assert any(r.what == "tp=16" and "8 devices of a node" in r.reason for r in default.rejected)
+    across = enumerate_degrees(graph, cluster, {"allow_tp_across_nodes": True})
+    assert {tp for _, tp, *_ in across.degrees} == {1, 2, 4, 8, 16}
+
+
+def test_tp_must_divide_heads_with_a_reason():
+    # gpt3-125m: 12 heads on 8 devices: tp=8 does not divide 12, so tp is 1, 2 or 4.
+    dims = ModelDims(hidden=768, heads=12, kv_heads=12, layers=12)
+    space = enumerate_degrees(fake_graph(dims), load_cluster("a100-80g:1x8"), {})
+    assert {tp for _, tp, *_ in space.degrees} == {1, 2, 4}
+    assert any(r.what == "tp=8" and "12 attention heads" in r.reason for r in space.rejected)
+
+
+def test_grouped_query_heads_allow_tp_that_divides_or_is_a_multiple_of_kv_heads():
+    # 24 heads, 8 kv heads on 8 devices: tp=1,2,4,8 all divide 24; 2, 4 and 8 divide 8 -> all allowed.
+    # 24 heads, 3 kv heads: tp=2 and 4 neither divide 3 nor are multiples of it; tp=1 and (24 % 8 == 0, 8 % 3 != 0) so 8 is out too.
+    devices = load_cluster("a100-80g:1x8")
+    gqa = enumerate_degrees(fake_graph(ModelDims(hidden=3072, heads=24, kv_heads=8, layers=4)), devices, {})
+    assert {tp for _, tp, *_ in gqa.degrees} == {1, 2, 4, 8}
+    odd = enumerate_degrees(fake_graph(ModelDims(hidden=3072, heads=24, kv_heads=3, layers=4)), devices, {})
+    assert {tp for _, tp, *_ in odd.degrees} == {1}
+    assert any(r.what == "tp=2" and "3 key/value heads" in r.reason for r in odd.rejected)
+
+
+def test_module_level_trace_allows_only_tp1():
+    dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=24)
+    space = enumerate_degrees(fake_graph(dims, with_ops=False), load_cluster("a100-80g:1x8"), {})
+    assert {tp for _, tp, *_ in space.degrees} == {1}
+    assert any("op graph" in r.reason for r in space.rejected)
+
+
+def test_expert_parallelism_divides_experts_and_the_data_parallel_group():
+    # Mixtral 8x7B on 32 devices: every ep divides the 8 experts and dp*cp, and ep=8 is reachable.
+    cluster = load_cluster("a100-80g:4x8")
+    space = enumerate_degrees(fake_graph(MIXTRAL_8X7B, seq_len=4096), cluster, {})
+    eps = set()
+    for dp, tp, pp, cp, ep in space.degrees:
+        assert MIXTRAL_8X7B.experts % ep == 0 and (dp * cp) % ep == 0, (dp, tp, pp, cp, ep)
+        eps.add(ep)
+    assert eps == {1, 2, 4, 8}
+    # dp=4 (tp=8, pp=1) leaves ep in {1, 2, 4}; ep=8 would need 8 data-parallel ranks.
+    assert {ep for dp, tp, pp, cp, ep in space.degrees if (dp, tp, pp) == (4, 8, 1)} == {1, 2, 4}
+
+
+def test_dense_models_have_ep1_only_and_fixed_ep_is_rejected():
+    dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=24)
+    space = enumerate_degrees(fake_graph(dims), load_cluster("a100-80g:1x8"), {})
+    assert {ep for *_, ep in space.degrees} == {1}
+    with pytest.raises(PlannerError, match="no parallel degrees"):
+        enumerate_degrees(fake_graph(dims), load_cluster("a100-80g:1x8"), {"ep": 2})
+
+
+def test_context_parallelism_only_for_long_sequences():
+    dims = ModelDims(hidden=4096, heads=32, kv_heads=8, layers=32)
+    cluster = load_cluster("h100-sxm:2x8")
+    short = enumerate_degrees(fake_graph(dims, seq_len=4096), cluster, {})
+    assert {cp for *_, cp, _ in short.degrees} == {1}
+    assert any(r.what == "cp>1" for r in short.rejected)
+    long = enumerate_degrees(fake_graph(dims, seq_len=CP_MIN_SEQ_LEN), cluster, {})
+    assert {cp for *_, cp, _ in long.degrees} == {1, 2, 4, 8, 16}
+    # A fixed cp is honoured below the threshold (the user asked for it).
+    forced = enumerate_degrees(fake_graph(dims, seq_len=4096), cluster, {"cp": 2})
+    assert {cp for *_, cp, _ in forced.degrees} == {2}
+
+
+def test_fixed_degrees_and_bounds():
+    dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=24)
+    graph, cluster = fake_graph(dims), load_cluster("a100-80g:4x8")
+    fixed = enumerate_degrees(graph, cluster, {"tp": 4, "pp": 2})
+    assert {(tp, pp) for _, tp, pp, *_ in fixed.degrees} == {(4, 2)}
+    bounded = enumerate_degrees(graph, cluster, {"min_tp": 2, "max_tp": 4, "max_pp": 4})
+    assert {tp for _, tp, *_ in bounded.degrees} == {2, 4}
+    assert max(pp for _, _, pp, *_ in bounded.degrees) == 4
+    assert any(r.what == "tp=8" and "user bound" in r.reason for r in bounded.rejected)
+    only_dp8 = enumerate_degrees(graph, cluster, {"dp": 8})
+    assert {dp for dp, *_ in only_dp8.degrees} == {8}
+    with pytest.raises(PlannerError, match="tp"):
+        enumerate_degrees(graph, cluster, {"tp": 3})
+
+
+def test_heterogeneous_pipeline_stages_sit_on_one_device_type():
+    # hetero-a100-v100-8n: 32 a100 then 32 v100 devices; pp=1 would put both types in one stage.
+    cluster = load_cluster("hetero-a100-v100-8n")
+    dims = ModelDims(hidden=2048, heads=16, kv_heads=16, layers=24)
+    space = enumerate_degrees(fake_graph(dims), cluster, {})
+    pps = {pp for _, _, pp, *_ in space.degrees}
+    assert 1 not in pps and 2 in pps
+    for pp in pps:
+        stage_devices(cluster, pp)  # raises if a stage spans device types
+    assert any(r.what == "pp=1" and "device types" in r.reason for r in space.rejected)
+
+
+@pytest.mark.parametrize("global_batch", [1, 24, 64, 96])
+def test_configs_cover_the_batch_and_respect_schedule_rules(global_batch):
+    dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=6)
+    graph, cluster = fake_graph(dims), load_cluster("a100-80g:1x8")
+    seen_interleaved = False
+    for degrees in enumerate_degrees(graph, cluster, {}).degrees:
+        dp, tp, pp, cp, ep = degrees
+        configs = list(configs_for(degrees, graph, global_batch, {}))
+        if global_batch % dp:
+            assert configs == []
+            continue
+        per_replica = global_batch // dp
+        expected_mbs = {b for b in divisors(per_replica) if b <= MAX_MICRO_BATCH}
+        assert {c.micro_batch for c in configs} == expected_mbs
+        for config in configs:
+            assert (config.dp, config.tp, config.pp, config.cp, config.ep) == degrees
+            assert config.devices == cluster.num_devices
+            assert config.global_batch == global_batch
+            assert config.zero == 0 or dp * cp > 1
+            if config.schedule == Schedule.INTERLEAVED:
+                seen_interleaved = True
+                assert config.vpp in VPP_CHOICES and config.num_microbatches % pp == 0
+                assert pp * config.vpp <= len(graph.layers)
+            if config.schedule == Schedule.GPIPE:
+                assert config.num_microbatches >= pp
+            if pp == 1:
+                assert config.schedule == Schedule.ONE_F_ONE_B
+        assert len(set(configs)) == len(configs)
+    assert seen_interleaved == (global_batch >= 2)
+
+
+def test_fixed_choices_narrow_configs():
+    dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=6)
+    graph = fake_graph(dims)
+    constraints = {"micro_batch": 2, "zero": 1, "recompute": "full", "schedule": "1f1b"}
+    configs = list(configs_for((2, 1, 4, 1, 1), graph, 32, constraints))
+    assert configs and all(
+        (c.micro_batch, c.zero, c.recompute, c.schedule) == (2, 1, Recompute.FULL, Schedule.ONE_F_ONE_B) for c in configs)
+    # Interleaved with vpp=2 only: 8 micro-batches per replica, a multiple of pp=4.
+    configs = list(configs_for((2, 1, 4, 1, 1), graph, 32, {"micro_batch": 2, "vpp": 2}))
+    assert {(c.schedule, c.vpp) for c in configs} == {(Schedule.INTERLEAVED, 2)}
+    # A micro-batch that does not divide the per-replica batch yields nothing.
+    assert list(configs_for((2, 1, 4, 1, 1), graph, 32, {"micro_batch": 3})) == []
