@@ -155,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     except ProfileError as error:
         sys.stderr.write(f"paraplan: {error}\n")
         return 2
+    except BrokenPipeError:
+        # the reader (e.g. `| head`) closed the pipe: nothing left to say
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -8,12 +8,17 @@ from planner.errors import invalid
 from planner.graph import ModelGraph
 from planner.result import Estimate, Plan
 
+# Keys `make_config` reads; anything else is a typo, reported rather than ignored.
+CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "recompute", "schedule")
+# Degrees `make_config` divides by before ParallelConfig validates them.
+_DIVISOR_KEYS = ("tp", "pp", "cp", "dp", "micro_batch")
+
 
 def _graph(model, seq_len: int | None) -> ModelGraph:
-    from planner.tracing import trace
-
     if isinstance(model, ModelGraph):
         return model
+    from planner.tracing import trace  # imports torch (about a second); a traced graph needs none
+
     return trace(model, seq_len=seq_len)
 
 
@@ -33,11 +38,17 @@ def make_config(constraints: dict | ParallelConfig, num_devices: int, global_bat
         global_batch: sequences per optimizer step.
 
     Raises:
-        PlannerError: INVALID_INPUT naming the degree that does not fit.
+        PlannerError: INVALID_INPUT naming the unknown key, or the degree or batch that does not fit.
     """
     if isinstance(constraints, ParallelConfig):
         return constraints
     values = dict(constraints)
+    for key in values:
+        if key not in CONFIG_KEYS:
+            raise invalid(f"config key {key!r}: unknown; use one of {', '.join(CONFIG_KEYS)}")
+    for key, value in (*((k, values.get(k, 1)) for k in _DIVISOR_KEYS), ("global_batch", global_batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise invalid(f"{key}={value!r}: must be a positive integer")
     tp, pp, cp = values.get("tp", 1), values.get("pp", 1), values.get("cp", 1)
     model_parallel = tp * pp * cp
     if num_devices % model_parallel:

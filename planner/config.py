@@ -45,8 +45,11 @@ class ParallelConfig:
                 raise invalid(f"{name}={value!r}: must be a positive integer")
         if self.zero not in (0, 1, 2, 3):
             raise invalid(f"zero={self.zero!r}: must be 0, 1, 2 or 3")
-        object.__setattr__(self, "recompute", Recompute(self.recompute))
-        object.__setattr__(self, "schedule", Schedule(self.schedule))
+        for name, kind in (("recompute", Recompute), ("schedule", Schedule)):
+            value = getattr(self, name)
+            if value not in {str(member) for member in kind}:
+                raise invalid(f"{name}={value!r}: use one of {', '.join(str(member) for member in kind)}")
+            object.__setattr__(self, name, kind(value))
         if (self.dp * self.cp) % self.ep:
             raise invalid(f"ep={self.ep}: must divide dp*cp={self.dp * self.cp} (experts are sharded inside the data-parallel group)")
         if self.vpp > 1 and self.schedule != Schedule.INTERLEAVED:

@@ -40,6 +40,11 @@ OPTIMIZER_BYTES_PER_PARAM = 30
 # uses reduce_dtype=float32.
 GRAD_REDUCE_BYTES_PER_PARAM = 4
 
+# Gradients are also kept in fp32 (Megatron's main_grad buffer; FSDP2 gradients on the fp32
+# sharded parameters): 2 + 4 + 12 = 18 bytes per parameter with mixed-precision Adam, the figure
+# behind Korthikanti et al. 2022, Figure 1.
+GRAD_BYTES_PER_PARAM = memory_model.FP32_GRAD_BYTES_PER_PARAM
+
 # Memory cap standing for "no limit" when a split only balances time (finite, as StageProblem requires).
 UNBOUNDED_BYTES = 1e30
 
@@ -176,8 +181,8 @@ class Evaluator:
             cost = self.layer_cost(index, config, device, node, policies[index])
             dense = (layer.params - layer.expert_params) / config.tp
             expert = layer.expert_params / (config.ep * config.tp)
-            static = sum(memory_model.model_state_bytes(dense, config.zero, config.dp * config.cp)) + sum(
-                memory_model.model_state_bytes(expert, config.zero, expert_group.size))
+            static = sum(memory_model.model_state_bytes(dense, config.zero, config.dp * config.cp, grad_bytes_per_param=GRAD_BYTES_PER_PARAM)) + sum(
+                memory_model.model_state_bytes(expert, config.zero, expert_group.size, grad_bytes_per_param=GRAD_BYTES_PER_PARAM))
             exposed = 0.0
             if config.zero == 3:
                 gather_s = (collective_time_s(Collective.ALL_GATHER, dense * 2, groups.dp_cp, node)
@@ -271,16 +276,16 @@ class Evaluator:
             table = self.layer_table(config, device, node, policies)
             layer_ids = [i for c, s in enumerate(chunk_stage) if s == stage for i in range(boundaries[c], boundaries[c + 1])]
             rows = table[layer_ids]
-            total = rows.sum(axis=0)
+            total = rows.sum(axis=0).tolist()  # Python floats: the Estimate must serialise (JSON, YAML)
             sums.append(total)
             groups = mesh_groups(config, node.devices_per_node)
             if config.pp > 1:
-                boundary_bytes = rows[-1, COL["out_bytes"]] / seq_split
+                boundary_bytes = float(rows[-1, COL["out_bytes"]]) / seq_split
                 p2p_s = max(p2p_s, collective_time_s(Collective.P2P, boundary_bytes, groups.pp, node, self.cluster.oversubscription))
             dense, expert = total[COL["dense_params"]], total[COL["expert_params"]]
-            dp_exposed_s = max(dp_exposed_s, self._dp_exposed_s(config, node, groups, dense, expert, total[COL["bwd_s"]]))
-            shard = config.dp * config.cp if config.zero >= 1 else 1
-            optimizer_s = max(optimizer_s, (dense + expert) / shard * OPTIMIZER_BYTES_PER_PARAM
+            dp_exposed_s = max(dp_exposed_s, self._dp_exposed_s(config, node, groups, dense, expert, total[COL["fwd_s"]], total[COL["bwd_s"]]))
+            dense_shard, expert_shard = (config.dp * config.cp, expert_data_group(config, node).size) if config.zero >= 1 else (1, 1)
+            optimizer_s = max(optimizer_s, (dense / dense_shard + expert / expert_shard) * OPTIMIZER_BYTES_PER_PARAM
                               / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency))
             in_flight = pipeline.in_flight_microbatches(str(config.schedule), config.pp, stage, m, config.vpp) if config.pp > 1 else 1.0
             largest = float((rows[:, COL["dense_params"]] + rows[:, COL["expert_params"]]).max())
@@ -289,6 +294,7 @@ class Evaluator:
                 in_flight=in_flight, zero=config.zero, dense_shard_group=config.dp * config.cp,
                 expert_shard_group=expert_data_group(config, node).size,
                 gathered_params=ZERO3_GATHERED_LAYERS * largest if config.zero == 3 else 0.0,
+                grad_bytes_per_param=GRAD_BYTES_PER_PARAM,
             )
             breakdowns.append((device, breakdown))
             first, last = layer_ids[0], layer_ids[-1]
@@ -332,8 +338,15 @@ class Evaluator:
         )
         return config.num_microbatches * best / config.pp
 
-    def _dp_exposed_s(self, config: ParallelConfig, node: NodeSpec, groups, dense: float, expert: float, bwd_s: float) -> float:
-        """Gradient reduction (and ZeRO-1/2 parameter gather) left after the last micro-batch's backward."""
+    def _dp_exposed_s(self, config: ParallelConfig, node: NodeSpec, groups, dense: float, expert: float,
+                      fwd_s: float, bwd_s: float) -> float:
+        """Data-parallel traffic not hidden behind compute, per step.
+
+        The gradient reduction (all-reduce, or reduce-scatter under ZeRO-1/2) runs bucket by bucket
+        during the backward of the last micro-batch; the ZeRO-1/2 parameter all-gather runs bucket
+        by bucket ahead of the next step's first forward (Megatron-Core's overlapped
+        param gather, FSDP's prefetch). Each is exposed by what exceeds its one-micro-batch window.
+        """
         if config.zero == 3 or config.dp * config.cp == 1:
             return 0.0
         expert_group = expert_data_group(config, node)
@@ -345,7 +358,7 @@ class Evaluator:
         if config.zero in (1, 2):
             gather_s = (collective_time_s(Collective.ALL_GATHER, dense * 2, groups.dp_cp, node, over)
                         + collective_time_s(Collective.ALL_GATHER, expert * 2, expert_group, node, over))
-        return max(0.0, reduce_s - bwd_s) + gather_s
+        return max(0.0, reduce_s - bwd_s) + max(0.0, gather_s - fwd_s)
 
     def _assemble(self, config, global_batch, step_s, pipe_s, time_breakdown, breakdowns, stage_plans, headroom) -> Estimate:
         graph = self.graph

@@ -115,7 +115,14 @@ def score_elements(op: Op) -> float:
     return float(batch * heads * seq * seq)
 
 
-def _op_works(op: Op, ctx: LayerContext, split: int) -> tuple[list[OpWork], list[OpWork]]:
+def input_bytes_of(layer: Layer) -> dict[str, float]:
+    """Bytes each op of `layer` reads: its producers' outputs (inputs from outside the layer count
+    as the size of the op's own output)."""
+    produced = {op.name: op.out_bytes for op in layer.ops}
+    return {op.name: float(sum(produced.get(name, op.out_bytes) for name in op.inputs)) for op in layer.ops}
+
+
+def _op_works(op: Op, ctx: LayerContext, split: int, input_bytes: float | None = None) -> tuple[list[OpWork], list[OpWork]]:
     """Forward and backward work of one op, divided by its tensor-parallel split and by cp."""
     share = ctx.batch_scale / (split * ctx.cp)
     if op.kind == OpKind.ATTENTION and ctx.attention == AttentionKernel.UNFUSED:
@@ -124,11 +131,15 @@ def _op_works(op: Op, ctx: LayerContext, split: int) -> tuple[list[OpWork], list
         fwd = [OpWork(WorkKind.MATMUL, flops, 0.0), OpWork(WorkKind.MEMORY, 0.0, UNFUSED_FWD_BYTES_PER_SCORE * scores)]
         bwd = [OpWork(WorkKind.MATMUL, 2 * flops, 0.0), OpWork(WorkKind.MEMORY, 0.0, UNFUSED_BWD_BYTES_PER_SCORE * scores)]
         return fwd, bwd
-    return _works(op, share)
+    return _works(op, share, input_bytes)
 
 
-def _works(op: Op, share: float) -> tuple[list[OpWork], list[OpWork]]:
-    """Forward and backward work of `share` of one op of the traced micro-batch."""
+def _works(op: Op, share: float, input_bytes: float | None = None) -> tuple[list[OpWork], list[OpWork]]:
+    """Forward and backward work of `share` of one op of the traced micro-batch.
+
+    `input_bytes` is what the op reads (its producers' outputs); when unknown each input is taken
+    to be the size of the output. Reductions such as the loss read far more than they write.
+    """
     if op.target in VIEW_TARGETS and op.fwd_flops == 0:
         return [], []
     flops = op.fwd_flops * share
@@ -138,7 +149,8 @@ def _works(op: Op, share: float) -> tuple[list[OpWork], list[OpWork]]:
         io_bytes = op.out_bytes * share
         gemm = OpWork(WorkKind.MATMUL, flops, io_bytes)
         return [gemm], [gemm] * MATMUL_BWD_GEMMS
-    traffic = op.out_bytes * (1 + len(op.inputs)) * share
+    read = op.out_bytes * len(op.inputs) if input_bytes is None else input_bytes
+    traffic = (op.out_bytes + read) * share
     return [OpWork(WorkKind.MEMORY, 0.0, traffic)], [OpWork(WorkKind.MEMORY, 0.0, MEMORY_BWD_TRAFFIC_RATIO * traffic)]
 
 
@@ -163,15 +175,17 @@ def _layer_level_works(layer: Layer, ctx: LayerContext, split: int) -> tuple[lis
 
 def _activation_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:
     saved = layer.saved_bytes[ctx.recompute] * ctx.batch_scale / ctx.cp
+    # Score tensors are split by heads, so tp divides them with or without sequence parallelism.
+    scores = 0.0
     if ctx.attention == AttentionKernel.UNFUSED and ctx.recompute == Recompute.NONE:
-        saved += sum(UNFUSED_SAVED_BYTES_PER_SCORE * score_elements(op) for op in layer.ops
+        scores = sum(UNFUSED_SAVED_BYTES_PER_SCORE * score_elements(op) for op in layer.ops
                      if op.kind == OpKind.ATTENTION) * ctx.batch_scale / (ctx.cp * ctx.cp)
     if tp == 1:
-        return saved
+        return saved + scores
     if ctx.sequence_parallel or ctx.recompute == Recompute.FULL:
-        return saved / tp
+        return (saved + scores) / tp
     unsplit = UNSPLIT_ACTIVATION_FRACTION_WITHOUT_SP
-    return saved * (unsplit + (1 - unsplit) / tp)
+    return saved * (unsplit + (1 - unsplit) / tp) + scores / tp
 
 
 def _cp_comm_s(layer: Layer, ctx: LayerContext, attention_fwd_s: float, attention_bwd_s: float) -> float:
@@ -230,8 +244,9 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         bwd_works: list[OpWork] = []
         attention_fwd: list[OpWork] = []
         attention_bwd: list[OpWork] = []
+        reads = input_bytes_of(layer)
         for op in layer.ops:
-            fwd, bwd = _op_works(op, ctx, _split_of(op, plan, ctx))
+            fwd, bwd = _op_works(op, ctx, _split_of(op, plan, ctx), reads[op.name])
             fwd_works += fwd
             bwd_works += bwd
             if op.kind == OpKind.ATTENTION:

@@ -1,0 +1,121 @@
+"""The Python API (planner.plan, planner.evaluate, planner.make_config) as user code calls it,
+and the rejection of configurations that cannot exist."""
+from __future__ import annotations
+
+import pytest
+
+import planner
+from costmodel.hardware import load_cluster
+from planner.config import ParallelConfig, Schedule
+from planner.errors import PlannerError, PlannerErrorKind
+from planner.graph import Recompute
+
+SMALL = "gpt3-125m"  # 12 layers, 12 heads, no experts: 14 pipeline layers with embedding and head
+NODE = "a100-80g:1x8"
+
+
+@pytest.fixture(scope="module")
+def small_graph():
+    return planner.trace(SMALL, seq_len=128)
+
+
+def test_make_config_fills_data_parallel_and_micro_batches():
+    # 16 devices / (tp 2 * pp 2) = dp 4; 64 sequences / (dp 4 * micro-batch 1) = 16 micro-batches.
+    config = planner.make_config({"tp": 2, "pp": 2}, 16, 64)
+    assert config == ParallelConfig(dp=4, tp=2, pp=2, num_microbatches=16)
+    # Virtual stages imply the interleaved schedule; 64 / (4 * 2) = 8 micro-batches of 2.
+    config = planner.make_config({"tp": 2, "pp": 2, "vpp": 2, "micro_batch": 2, "zero": 1, "recompute": "full"}, 16, 64)
+    assert (config.schedule, config.num_microbatches, config.zero, config.recompute) == (Schedule.INTERLEAVED, 8, 1, Recompute.FULL)
+    given = ParallelConfig(dp=8, num_microbatches=2)
+    assert planner.make_config(given, 8, 16) is given
+
+
+# (constraints, global batch, seq_len, text the message must start with: the field at fault)
+REJECTED = [
+    pytest.param({"tp": 8}, 16, 128, "tp=8", id="tp does not divide 12 heads"),
+    pytest.param({"tp": 2, "dp": 2}, 16, 128, "dp*tp*pp*cp", id="degrees do not cover the devices"),
+    pytest.param({"tp": 3}, 16, 128, "tp*pp*cp", id="degrees do not divide the devices"),
+    pytest.param({"cp": 8}, 16, 100, "cp=8", id="cp does not divide seq_len"),
+    pytest.param({"ep": 2}, 16, 128, "ep=2", id="ep without experts"),
+    pytest.param({}, 12, 128, "global_batch=12", id="batch not divisible by dp"),
+    pytest.param({"pp": 2, "vpp": 2}, 12, 128, "num_microbatches=3", id="interleaved with m % pp != 0"),
+    pytest.param({"pp": 2, "schedule": "gpipe"}, 4, 128, "num_microbatches=1", id="gpipe with m < pp"),
+    pytest.param({"pp": 8, "vpp": 2}, 16, 128, "pp*vpp=16", id="more chunks than layers"),
+    pytest.param({"zero": 4}, 16, 128, "zero=4", id="unknown zero stage"),
+    pytest.param({"micro_batch": 0}, 16, 128, "micro_batch=0", id="zero micro-batch"),
+    pytest.param({"tp": 0}, 16, 128, "tp=0", id="zero tp"),
+    pytest.param({}, 0, 128, "global_batch=0", id="zero global batch"),
+    pytest.param({"tpp": 2}, 16, 128, "config key 'tpp'", id="typo key"),
+]
+
+
+@pytest.mark.parametrize("constraints,global_batch,seq_len,field", REJECTED)
+def test_impossible_configurations_are_rejected_naming_the_field(constraints, global_batch, seq_len, field):
+    with pytest.raises(PlannerError) as error:
+        planner.evaluate(SMALL, NODE, constraints, global_batch=global_batch, seq_len=seq_len)
+    assert error.value.kind == PlannerErrorKind.INVALID_INPUT
+    assert error.value.message.startswith(field)
+    assert "\n" not in error.value.message
+
+
+def test_unknown_recompute_policy_names_the_field():
+    with pytest.raises(PlannerError, match="recompute"):
+        planner.evaluate(SMALL, NODE, {"recompute": "some"}, global_batch=16, seq_len=128)
+
+
+def test_evaluate_accepts_names_graphs_clusters_and_configs(small_graph):
+    by_name = planner.evaluate(SMALL, NODE, {"tp": 2, "pp": 2}, global_batch=16, seq_len=128)
+    by_objects = planner.evaluate(small_graph, load_cluster(NODE), ParallelConfig(dp=2, tp=2, pp=2, num_microbatches=8), global_batch=16)
+    assert by_name.config == by_objects.config
+    assert by_name.step_time_s == by_objects.step_time_s
+    assert by_name.memory == by_objects.memory
+
+
+def test_evaluate_reports_a_bad_cluster_as_invalid_input(small_graph):
+    with pytest.raises(PlannerError) as error:
+        planner.evaluate(small_graph, "h100-sxn:1x8", {}, global_batch=8)
+    assert error.value.kind == PlannerErrorKind.INVALID_INPUT
+    assert "h100-sxm" in error.value.message
+
+
+@pytest.fixture(scope="module")
+def small_plan(small_graph):
+    return planner.plan(small_graph, NODE, global_batch=32)
+
+
+def test_plan_is_the_fastest_fitting_candidate(small_plan, small_graph):
+    plan = small_plan
+    assert plan.config.devices == 8
+    assert plan.estimate.fits
+    assert plan.search["candidates_evaluated"] >= 1
+    assert plan.alternatives
+    assert all(plan.estimate.step_time_s <= alt.step_time_s for alt in plan.alternatives)
+    # The per-layer memory plan can only improve on the uniform policy the search priced.
+    uniform = planner.evaluate(small_graph, NODE, plan.config, global_batch=32)
+    assert plan.estimate.step_time_s <= uniform.step_time_s * (1 + 1e-9)
+
+
+def test_plan_round_trips_through_json(small_plan):
+    assert planner.Plan.from_json(small_plan.to_json()) == small_plan
+
+
+def test_plan_honours_fixed_choices_and_bounds(small_graph):
+    plan = planner.plan(small_graph, NODE, global_batch=32, tp=2, zero=1, max_pp=1)
+    for config in [plan.config, *(alt.config for alt in plan.alternatives)]:
+        assert (config.tp, config.zero, config.pp) == (2, 1, 1)
+
+
+def test_plan_rejects_an_unknown_constraint(small_graph):
+    with pytest.raises(PlannerError) as error:
+        planner.plan(small_graph, NODE, global_batch=32, tpp=2)
+    assert error.value.kind == PlannerErrorKind.INVALID_INPUT
+    assert "'tpp'" in error.value.message and "did you mean tp" in error.value.message
+
+
+def test_plan_says_what_would_fit_when_nothing_does():
+    # llama2-7b's model states alone are 16 B x 6.7e9 = 108 GB, more than one 40 GB A100.
+    with pytest.raises(PlannerError) as error:
+        planner.plan("llama2-7b", "a100-40g:1x1", global_batch=8, seq_len=256)
+    assert error.value.kind == PlannerErrorKind.INSUFFICIENT_MEMORY
+    assert error.value.exit_code == 3
+    assert "devices" in error.value.message

@@ -1,0 +1,188 @@
+"""The command line (DESIGN.md contract): commands, JSON keys, plan files, errors and exit codes.
+
+Commands run in-process through `cli.main`; one test runs `python cli.py` in a subprocess to see
+what a shell sees (exit status, no traceback).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cli
+from costmodel.hardware import load_device
+from planner.result import Plan
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_ARGS = ["--model", "gpt3-125m", "--seq-len", "128"]
+RUN_ARGS = [*MODEL_ARGS, "--cluster", "a100-80g:1x8", "--global-batch", "32"]
+# DESIGN.md: built-in device names include at least these.
+DESIGN_DEVICES = ("v100-32g", "a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h800", "h200", "b200", "gb200",
+                  "mi250x", "mi300x", "l4", "l40s", "a10g", "rtx-4090", "cpu")
+CONFIG_KEYS = {"tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "num_microbatches", "zero", "recompute", "schedule"}
+RESULT_KEYS = {"step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_bytes", "fits", "memory", "config"}
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    """Exit code, stdout and stderr of `paraplan ARGV` (argparse errors exit through SystemExit)."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(autouse=True)
+def wide_terminal(monkeypatch):
+    # rich wraps tables to the terminal width; a wide one keeps names whole.
+    monkeypatch.setenv("COLUMNS", "300")
+
+
+def test_models_lists_the_zoo_spec_files(capsys):
+    code, out, _ = run(["models"], capsys)
+    assert code == 0
+    assert sorted(out.split()) == sorted(p.stem for p in (REPO / "planner" / "zoo" / "specs").glob("*.yaml"))
+
+
+def test_hardware_lists_devices_and_clusters(capsys):
+    code, out, _ = run(["hardware"], capsys)
+    assert code == 0
+    names = set(out.replace("│", " ").split())
+    assert set(DESIGN_DEVICES) <= names
+    assert {p.stem for p in (REPO / "profiles" / "clusters").glob("*.yaml")} <= names
+
+
+def test_hardware_shows_one_device_in_detail(capsys):
+    code, out, _ = run(["hardware", "h100-sxm"], capsys)
+    assert code == 0
+    assert "h100-sxm" in out
+    assert f"{int(load_device('h100-sxm').mem_bytes):,}" in out  # memory in bytes, as the profile gives it
+
+
+def test_inspect_json_contract(capsys):
+    code, out, _ = run(["inspect", *MODEL_ARGS, "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert {"model", "seq_len", "micro_batch", "trace_method", "params", "fwd_flops", "bwd_flops", "layers"} <= set(data)
+    assert (data["model"], data["seq_len"], data["micro_batch"], data["trace_method"]) == ("gpt3-125m", 128, 1, "fx")
+    # GPT-3 125M: L (12 h^2 + 13 h) in blocks (weights and biases of attention and MLP, two
+    # LayerNorms), V h + S h in token and position tables (S = 2048 positions), 2 h final norm;
+    # the head is tied to the token table.
+    L, h, V, S, s = 12, 768, 51200, 2048, 128
+    assert data["params"] == L * (12 * h * h + 13 * h) + V * h + S * h + 2 * h
+    # Forward matmul FLOPs (Korthikanti et al. 2022, divided by 3): 24 s L h^2 (1 + s/6h + V/12hL).
+    assert data["fwd_flops"] == pytest.approx(24 * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L)))
+    assert data["bwd_flops"] == pytest.approx(2 * data["fwd_flops"])
+    layers = data["layers"]
+    assert [layer["name"] for layer in layers] == ["embed", *(f"layers.{i}" for i in range(L)), "head"]
+    for layer in layers:
+        assert {"name", "kind", "params", "fwd_flops", "bwd_flops", "saved_bytes", "out_bytes"} <= set(layer)
+        assert set(layer["saved_bytes"]) == {"none", "selective", "full"}
+    assert sum(layer["params"] for layer in layers) == data["params"]
+
+
+def test_evaluate_json_contract(capsys):
+    argv = ["evaluate", *RUN_ARGS, "--tp", "2", "--pp", "2", "--micro-batch", "2", "--zero", "1", "--recompute", "selective", "--json"]
+    code, out, _ = run(argv, capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert RESULT_KEYS <= set(data)
+    # 8 devices / (tp 2 * pp 2) = dp 2; 32 / (dp 2 * micro-batch 2) = 8 micro-batches.
+    assert {k: data["config"][k] for k in CONFIG_KEYS} == {
+        "tp": 2, "pp": 2, "dp": 2, "cp": 1, "ep": 1, "vpp": 1, "micro_batch": 2, "num_microbatches": 8,
+        "zero": 1, "recompute": "selective", "schedule": "1f1b"}
+    assert [row["stage"] for row in data["memory"]] == [0, 1]
+    assert data["peak_memory_bytes"] == max(row["total_bytes"] for row in data["memory"])
+    assert data["tokens_per_s"] == pytest.approx(32 * 128 / data["step_time_s"])
+    assert isinstance(data["fits"], bool) and 0 < data["mfu"] < 1
+
+
+def test_plan_json_contract(capsys):
+    code, out, _ = run(["plan", *RUN_ARGS, "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert RESULT_KEYS | {"stages", "search", "alternatives"} <= set(data)
+    assert CONFIG_KEYS <= set(data["config"])
+    assert len(data["stages"]) == data["config"]["pp"]
+    for stage in data["stages"]:
+        assert {"layers", "ranks", "device"} <= set(stage)
+    assert {"time_s", "candidates_evaluated", "status"} <= set(data["search"])
+    assert data["alternatives"]
+    for alternative in data["alternatives"]:
+        assert CONFIG_KEYS <= set(alternative["config"])
+        assert alternative["step_time_s"] >= data["step_time_s"]
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_plan_out_round_trips(capsys, tmp_path, suffix):
+    path = tmp_path / f"plan{suffix}"
+    code, out, _ = run(["plan", *RUN_ARGS, "--out", str(path), "--json"], capsys)
+    assert code == 0
+    assert Plan.load(path) == Plan.from_json(out)
+
+
+def test_tables_render_without_json(capsys):
+    code, out, _ = run(["evaluate", *RUN_ARGS, "--tp", "2", "--pp", "2"], capsys)
+    assert code == 0 and "step time" in out and "Memory per device" in out
+    code, out, _ = run(["plan", *RUN_ARGS], capsys)
+    assert code == 0 and "Pipeline stages" in out
+    code, out, _ = run(["inspect", *MODEL_ARGS], capsys)
+    assert code == 0 and "layers.0-11 (x12)" in out  # identical blocks collapse into one row
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    (root / "cluster.yaml").write_text("name: x\ngroups: [1, 2\n")
+    (root / "typo.yaml").write_text("arch: gpt\nlayers: 2\nhidden: 64\nhaeds: 4\nvocab: 128\n")
+    return root
+
+
+# (argv, a text the one-line message must contain)
+BAD_INPUT = [
+    pytest.param(["evaluate", "--model", "gpt3-175bb", "--cluster", "a100-80g:1x8", "--global-batch", "8", "--tp", "1", "--pp", "1"],
+                 "gpt3-175b", id="unknown model lists the nearest names"),
+    pytest.param(["evaluate", *MODEL_ARGS, "--cluster", "h100-sxn:1x8", "--global-batch", "8", "--tp", "1", "--pp", "1"],
+                 "h100-sxm", id="unknown device in shorthand"),
+    pytest.param(["evaluate", *MODEL_ARGS, "--cluster", "{bad}/cluster.yaml", "--global-batch", "8", "--tp", "1", "--pp", "1"],
+                 "cluster.yaml", id="malformed cluster file"),
+    pytest.param(["evaluate", *RUN_ARGS, "--tp", "3", "--pp", "1"], "tp*pp*cp = 3*1*1", id="impossible degrees"),
+    pytest.param(["evaluate", *MODEL_ARGS, "--cluster", "a100-80g:1x8", "--global-batch", "0", "--tp", "1", "--pp", "1"],
+                 "--global-batch", id="zero global batch"),
+    pytest.param(["evaluate", *RUN_ARGS, "--tp", "-2", "--pp", "1"], "--tp", id="negative degree"),
+    pytest.param(["evaluate", "--model", "{bad}/typo.yaml", "--seq-len", "16", "--cluster", "a100-80g:1x8", "--global-batch", "8",
+                  "--tp", "1", "--pp", "1"], "did you mean `heads`", id="spec file with a typo key"),
+    pytest.param(["hardware", "h100-sxn"], "h100-sxn", id="unknown hardware name"),
+    pytest.param(["plan", *RUN_ARGS, "--out", "{bad}/plan.txt"], "plan.txt", id="unknown plan file extension"),
+]
+
+
+@pytest.mark.parametrize("argv,mentions", BAD_INPUT)
+def test_bad_input_is_one_line_and_exit_2(capsys, bad_files, argv, mentions):
+    code, out, err = run([arg.replace("{bad}", str(bad_files)) for arg in argv], capsys)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("paraplan")
+    assert mentions in err
+
+
+def test_nothing_fits_exits_3_saying_what_would(capsys):
+    # llama2-7b needs 16 B x 6.7e9 = 108 GB of model states; one A100 has 40 GB.
+    code, out, err = run(["plan", "--model", "llama2-7b", "--seq-len", "256", "--cluster", "a100-40g:1x1", "--global-batch", "8"], capsys)
+    assert code == 3
+    assert out == ""
+    assert err.count("\n") == 1
+    assert "no plan fits" in err and "devices" in err
+
+
+def test_console_entry_exit_status_and_no_traceback():
+    result = subprocess.run([sys.executable, "cli.py", "evaluate", *RUN_ARGS, "--tp", "3", "--pp", "1"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("paraplan: tp*pp*cp = 3*1*1 = 3")
