@@ -104,10 +104,10 @@ def _run(args) -> int:
         console.print(render_hardware(args.name) if args.name else render_hardware_list())
         return 0
     if args.command == "inspect":
+        from planner.api import model_graph
         from planner.report.inspect import inspect_json, render_inspect
-        from planner.tracing import trace
 
-        graph = trace(args.model, seq_len=args.seq_len, micro_batch=args.micro_batch)
+        graph = model_graph(args.model, seq_len=args.seq_len, micro_batch=args.micro_batch)
         if args.json:
             _print_json(inspect_json(graph))
         else:

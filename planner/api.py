@@ -14,12 +14,20 @@ CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "reco
 _DIVISOR_KEYS = ("tp", "pp", "cp", "dp", "micro_batch")
 
 
-def _graph(model, seq_len: int | None) -> ModelGraph:
+def model_graph(model, seq_len: int | None = None, micro_batch: int = 1) -> ModelGraph:
+    """The traced graph of `model`, from the on-disk cache when it has one (`planner.graph_cache`)."""
     if isinstance(model, ModelGraph):
         return model
-    from planner.tracing import trace  # imports torch (about a second); a traced graph needs none
+    from planner import graph_cache
 
-    return trace(model, seq_len=seq_len)
+    path = graph_cache.cache_path(model, seq_len, micro_batch, "bf16") if isinstance(model, str) else None
+    graph = graph_cache.load(path)
+    if graph is None:
+        from planner.tracing import trace  # imports torch (about a second); a cached graph needs none
+
+        graph = trace(model, seq_len=seq_len, micro_batch=micro_batch)
+        graph_cache.store(path, graph)
+    return graph
 
 
 def _cluster(cluster) -> Cluster:
@@ -78,7 +86,7 @@ def evaluate(model, cluster, config: dict | ParallelConfig, *, global_batch: int
     """
     from planner.estimate import Evaluator
 
-    graph = _graph(model, seq_len)
+    graph = model_graph(model, seq_len)
     hardware = _cluster(cluster)
     full = make_config(config, hardware.num_devices, global_batch)
     return Evaluator(graph, hardware, dtype, attention=attention).estimate(full, global_batch)
@@ -104,6 +112,6 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
     """
     from planner.search import search
 
-    graph = _graph(model, seq_len)
+    graph = model_graph(model, seq_len)
     hardware = _cluster(cluster)
     return search(graph, hardware, global_batch=global_batch, dtype=dtype, attention=attention, cluster_name=str(cluster if isinstance(cluster, str) else hardware.name), **constraints)

@@ -1,8 +1,9 @@
 """The search: enumerate configurations, bound, price, solve the split and layout, keep the best.
 
 Candidates are priced in order of a lower bound on their step time (every device busy with its
-share of the layer work, no bubble, no exposed reduction); once the bound of the next candidate
-is no better than the best plan found, no later one can win, so the search stops there. The
+share of the layer work plus the pipeline fill its schedule cannot avoid, no exposed reduction;
+`pipeline_bound_s`); once the bound of the next candidate is no better than the best plan found,
+no later one can win, so the search stops there. The
 result is the same optimum as pricing every configuration (tests check this against exhaustive
 enumeration), found after pricing a small fraction of them.
 """
@@ -12,7 +13,7 @@ import time
 from collections import Counter
 
 from costmodel.hardware import Cluster
-from planner.config import ParallelConfig
+from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, PlannerErrorKind, invalid
 from planner.estimate import Evaluator
 from planner.graph import ModelGraph
@@ -40,6 +41,30 @@ def _check_constraints(constraints: dict) -> None:
     headroom = constraints.get("mem_headroom", 0.0)
     if not 0.0 <= headroom < 0.9:
         raise invalid(f"mem_headroom={headroom}: must be in [0, 0.9)")
+
+
+def pipeline_bound_s(evaluator: Evaluator, config: ParallelConfig) -> float:
+    """A step time `config` cannot beat: `Evaluator.lower_bound_s` plus the pipeline fill of its schedule.
+
+    With W the work of one micro-batch through all layers on the fastest device (the work bound is
+    m W / pp) and T_d the work per micro-batch of device d:
+
+    - 1F1B and interleaved: device d starts once the first forward has crossed the devices before
+      it and its last backward must cross them back, so step >= m T_d + sum_{d' < d} T_d' / vpp for
+      every d (the "device work" paths `costmodel.pipeline.step_time_s` takes the longest of). Over
+      every split of W the least max_d is where all terms are equal, T_{d+1} = T_d (1 - 1/(m vpp)):
+      W / (vpp (1 - (1 - 1/(m vpp))^pp)), at least m W / pp.
+    - GPipe: every forward runs before any backward, step >= W + (m - 1) max_d T_d >= W (m + pp - 1) / pp.
+    - Zero bubble fills the fill with weight gradients; it keeps the work bound.
+    """
+    work_s = evaluator.lower_bound_s(config)
+    m, pp, vpp = config.num_microbatches, config.pp, config.vpp
+    if pp == 1 or config.schedule == Schedule.ZERO_BUBBLE:
+        return work_s
+    per_microbatch_s = work_s * pp / m
+    if config.schedule == Schedule.GPIPE:
+        return per_microbatch_s * (m + pp - 1) / pp
+    return per_microbatch_s / (vpp * (1 - (1 - 1 / (m * vpp)) ** pp))
 
 
 def _reason_key(reason: str) -> str:
@@ -76,7 +101,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
             except PlannerError as error:
                 rejected.append(Rejection(config.short(), error.message))
                 continue
-            candidates.append((evaluator.lower_bound_s(config), config))
+            candidates.append((pipeline_bound_s(evaluator, config), config))
     candidates.sort(key=lambda item: item[0])
 
     ranked: list[tuple[float, ParallelConfig, object]] = []

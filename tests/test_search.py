@@ -19,6 +19,7 @@ from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.estimate import Evaluator
 from planner.graph import Recompute
+from planner.search import pipeline_bound_s
 from planner.space import configs_for, enumerate_degrees
 from planner.stages import split_uniform
 
@@ -69,7 +70,7 @@ def brute_force(graph, cluster_name: str, global_batch: int, constraints: dict):
                 continue
             estimate = evaluator.estimate(config, global_batch)
             priced += 1
-            assert evaluator.lower_bound_s(config) <= estimate.step_time_s * (1 + REL_TOL), config.short()
+            assert pipeline_bound_s(evaluator, config) <= estimate.step_time_s * (1 + REL_TOL), config.short()
             if estimate.fits:
                 results.append((estimate.step_time_s, config))
     best_s = min(step_s for step_s, _ in results)

@@ -1,0 +1,223 @@
+"""The plan's per-module placements turned into DTensor parallel styles (`parallelize_module`).
+
+Convention: every activation passed between modules is a plain local tensor in a known
+`TensorLayout` (R replicated, S(sequence) split on dim 1, S(feature) split on the last dim). The
+residual stream between the model's top-level units and between the children of a block has one
+layout, the *stream* layout: S(sequence) when the blocks' norms are sequence-parallel (Megatron-SP),
+R otherwise. Each stream module converts its input from the stream layout to what it needs and its
+output back, so any mix of placements the sharding ILP chooses composes:
+
+- norm: `sequence` -> SequenceParallel; `replicate` -> plain (gathered around when the stream is
+  split). A sequence-parallel final norm on a replicated stream runs replicated (same numbers).
+- container (attention, MLP): its input linears (every Linear child but the output projection)
+  read the full input. When they are all colwise (and, for attention, the core runs on `heads`),
+  the middle (attention core, activation) runs on local heads / feature slices; otherwise colwise
+  input linears gather their outputs. The output projection is rowwise (reduces straight into the
+  stream layout), colwise, or replicate (gathers a feature-split input first).
+- embedding: `rowwise` -> vocab-parallel (RowwiseParallel), `replicate` -> plain.
+- head: colwise/rowwise with the logits gathered for the loss; `replicate` -> plain.
+
+Attention modules split heads through the projection widths: the zoo's attention infers its
+local head count from the projected tensor, so column-sharded q/k/v give `heads / tp` local heads
+(and `kv_heads / tp` for grouped-query attention) with no change to the module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from planner.errors import PlannerError, PlannerErrorKind
+from planner.sharding import Placement, TensorLayout
+
+# Names of the projection that produces a container's output (zoo: attention o_proj, GPT MLP fc2,
+# SwiGLU down_proj); every other Linear child reads the container's input.
+OUTPUT_PROJECTIONS = ("o_proj", "fc2", "down_proj")
+NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
+# Tensor dimension holding the sequence in (batch, seq, hidden) activations.
+SEQUENCE_DIM = 1
+
+R, Q, F = TensorLayout.REPLICATE, TensorLayout.SHARD_SEQUENCE, TensorLayout.SHARD_FEATURE
+_DTENSOR_PLACEMENT = {R: Replicate(), Q: Shard(SEQUENCE_DIM), F: Shard(-1)}
+
+
+def unsupported(message: str) -> PlannerError:
+    return PlannerError(PlannerErrorKind.UNSUPPORTED_MODEL, message)
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """Parallel style per module FQN and the stream layout they assume."""
+
+    stream: TensorLayout
+    styles: dict[str, ParallelStyle]
+
+
+def _placement(layouts: dict[str, str], fqn: str) -> Placement:
+    return Placement(layouts.get(fqn, Placement.REPLICATE))
+
+
+def _convert(module_in: TensorLayout | None, need: TensorLayout | None, out: TensorLayout | None,
+             want: TensorLayout | None) -> ParallelStyle | None:
+    """A style that converts a module's input from `module_in` to `need` and its output from `out` to `want`."""
+    has_in = module_in is not None and module_in != need
+    has_out = out is not None and out != want
+    p = _DTENSOR_PLACEMENT
+    if has_in and has_out:
+        return PrepareModuleInputOutput(input_layouts=(p[module_in],), desired_input_layouts=(p[need],),
+                                        output_layouts=(p[out],), desired_output_layouts=(p[want],),
+                                        use_local_input=True, use_local_output=True)
+    if has_in:
+        return PrepareModuleInput(input_layouts=(p[module_in],), desired_input_layouts=(p[need],), use_local_output=True)
+    if has_out:
+        return PrepareModuleOutput(output_layouts=(p[out],), desired_output_layouts=(p[want],), use_local_output=True)
+    return None
+
+
+def _linear_style(placement: Placement, fqn: str, need_in: TensorLayout, out: TensorLayout) -> ParallelStyle | None:
+    """Style of a Linear/Embedding reading `need_in` and producing `out` under `placement`."""
+    p = _DTENSOR_PLACEMENT
+    if placement == Placement.COLWISE:
+        return ColwiseParallel(input_layouts=p[need_in], output_layouts=p[out])
+    if placement == Placement.ROWWISE:
+        return RowwiseParallel(input_layouts=p[need_in], output_layouts=p[out])
+    if placement == Placement.REPLICATE:
+        return _convert(need_in, R, R, out)
+    raise unsupported(f"layout {fqn}: placement {placement!r} on a {nn.Linear.__name__} cannot be applied; "
+                      f"re-plan (`paraplan plan`) or use tp=1")
+
+
+def _container_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: TensorLayout) -> dict[str, ParallelStyle]:
+    """Styles of an attention or MLP container and its Linear children (see the module docstring)."""
+    linears = {name: child for name, child in module.named_children() if isinstance(child, nn.Linear)}
+    others = [f"{fqn}.{name}" for name, child in module.named_children()
+              if not isinstance(child, nn.Linear) and any(True for _ in child.parameters())]
+    placements = {name: _placement(layouts, f"{fqn}.{name}") for name in linears}
+    if others and any(p != Placement.REPLICATE for p in placements.values()):
+        raise unsupported(f"layout {fqn}: tensor parallelism of nested module {others[0]} is not supported; use tp=1")
+    outputs = [name for name in linears if name in OUTPUT_PROJECTIONS]
+    if len(outputs) != 1:
+        raise unsupported(f"module {fqn}: expected one output projection named one of {', '.join(OUTPUT_PROJECTIONS)}, "
+                          f"found {outputs or 'none'}; tensor parallelism needs the zoo layout")
+    inputs = [name for name in linears if name not in outputs]
+    all_colwise = bool(inputs) and all(placements[name] == Placement.COLWISE for name in inputs)
+    core = layouts.get(fqn)  # attention core placement; MLPs have none and follow their input linears
+    if core == Placement.HEADS and not all_colwise:
+        raise unsupported(f"layout {fqn}: attention on local heads needs colwise {', '.join(inputs)}; re-plan")
+    middle = F if all_colwise and core != Placement.REPLICATE else R
+    styles: dict[str, ParallelStyle] = {}
+    for name in inputs:
+        if placements[name] == Placement.ROWWISE:
+            raise unsupported(f"layout {fqn}.{name}: a rowwise input projection cannot read the replicated input; re-plan")
+        style = _linear_style(placements[name], f"{fqn}.{name}", R, middle)
+        if style is not None:
+            styles[f"{fqn}.{name}"] = style
+    out_name = outputs[0]
+    out_placement = placements[out_name]
+    produced = {Placement.ROWWISE: stream, Placement.COLWISE: F, Placement.REPLICATE: R}.get(out_placement)
+    if produced is None:
+        raise unsupported(f"layout {fqn}.{out_name}: placement {out_placement!r} cannot be applied; re-plan")
+    style = _linear_style(out_placement, f"{fqn}.{out_name}", middle, produced)
+    if style is not None:
+        styles[f"{fqn}.{out_name}"] = style
+    style = _convert(stream, R, produced, stream)
+    if style is not None:
+        styles[fqn] = style
+    return styles
+
+
+def _norm_styles(fqn: str, layouts: dict[str, str], stream: TensorLayout) -> dict[str, ParallelStyle]:
+    if _placement(layouts, fqn) == Placement.SEQUENCE and stream == Q:
+        return {fqn: SequenceParallel(sequence_dim=SEQUENCE_DIM, use_local_output=True)}
+    style = _convert(stream, R, R, stream)
+    return {fqn: style} if style is not None else {}
+
+
+def _embedding_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: TensorLayout) -> dict[str, ParallelStyle]:
+    """Styles of the input embedding: one nn.Embedding, or a container summing several."""
+    if isinstance(module, nn.Embedding):
+        style = _linear_style(_placement(layouts, fqn), fqn, R, stream) if _placement(layouts, fqn) != Placement.REPLICATE \
+            else _convert(None, None, R, stream)
+        return {fqn: style} if style is not None else {}
+    styles: dict[str, ParallelStyle] = {}
+    for name, child in module.named_children():
+        placement = _placement(layouts, f"{fqn}.{name}")
+        if placement != Placement.REPLICATE:
+            if not isinstance(child, (nn.Embedding, nn.Linear)):
+                raise unsupported(f"layout {fqn}.{name}: placement {placement!r} on a {type(child).__name__} cannot be applied")
+            styles[f"{fqn}.{name}"] = _linear_style(placement, f"{fqn}.{name}", R, R)
+    style = _convert(None, None, R, stream)
+    if style is not None:
+        styles[fqn] = style
+    return styles
+
+
+def _head_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: TensorLayout) -> dict[str, ParallelStyle]:
+    placement = _placement(layouts, fqn)
+    if not isinstance(module, nn.Linear):
+        if placement != Placement.REPLICATE:
+            raise unsupported(f"layout {fqn}: placement {placement!r} on a {type(module).__name__} cannot be applied")
+        return {}
+    if placement == Placement.REPLICATE:
+        style = _convert(stream, R, None, None)
+        return {fqn: style} if style is not None else {}
+    # The logits are gathered: the loss runs replicated on full-vocabulary logits.
+    style_type = {Placement.COLWISE: ColwiseParallel, Placement.ROWWISE: RowwiseParallel}.get(placement)
+    if style_type is None:
+        raise unsupported(f"layout {fqn}: placement {placement!r} on the output head cannot be applied; re-plan")
+    return {fqn: style_type(input_layouts=_DTENSOR_PLACEMENT[stream], output_layouts=Replicate())}
+
+
+def stream_layout(layouts: dict[str, str], block_fqns: list[str], model: nn.Module) -> TensorLayout:
+    """S(sequence) when any norm inside a block is sequence-parallel, else R."""
+    for block in block_fqns:
+        for name, module in model.get_submodule(block).named_children():
+            if isinstance(module, NORM_TYPES) and _placement(layouts, f"{block}.{name}") == Placement.SEQUENCE:
+                return Q
+    return R
+
+
+def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[str], layouts: dict[str, str]) -> TensorParallelPlan:
+    """Parallel styles for every unit of `model` under per-module `layouts` (FQN -> placement, all blocks).
+
+    Args:
+        model: the model (its module tree decides which rule each module follows).
+        units: pipeline-cut units in order (top-level modules, blocks expanded).
+        block_fqns: the units that are repeated blocks.
+        layouts: placement of every module FQN that is not replicated.
+
+    Raises:
+        PlannerError: UNSUPPORTED_MODEL naming the module whose placement cannot be applied.
+    """
+    stream = stream_layout(layouts, block_fqns, model)
+    styles: dict[str, ParallelStyle] = {}
+    embedded = False
+    for unit in units:
+        module = model.get_submodule(unit)
+        if unit in block_fqns:
+            for name, child in module.named_children():
+                fqn = f"{unit}.{name}"
+                if isinstance(child, NORM_TYPES):
+                    styles.update(_norm_styles(fqn, layouts, stream))
+                elif any(isinstance(c, nn.Linear) for c in child.children()):
+                    styles.update(_container_styles(fqn, child, layouts, stream))
+                elif any(True for _ in child.parameters()) and _placement(layouts, fqn) != Placement.REPLICATE:
+                    raise unsupported(f"layout {fqn}: placement {layouts[fqn]!r} on a {type(child).__name__} cannot be applied")
+        elif isinstance(module, NORM_TYPES):
+            styles.update(_norm_styles(unit, layouts, stream))
+        elif not embedded and (isinstance(module, nn.Embedding) or any(isinstance(c, nn.Embedding) for c in module.children())):
+            styles.update(_embedding_styles(unit, module, layouts, stream))
+            embedded = True
+        elif any(True for _ in module.parameters()):
+            styles.update(_head_styles(unit, module, layouts, stream))
+    return TensorParallelPlan(stream, styles)

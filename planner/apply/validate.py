@@ -1,0 +1,190 @@
+"""Checks that a model and a world size are the ones a plan was made for, before any process-group work.
+
+A plan names its pipeline-cut units (`StagePlan.fqns`: top-level modules, with the blocks of a
+ModuleList expanded as `layers.0`, `layers.1`, ...), the parameter count of each layer
+(`Plan.layer_params`) and per-module placements for one representative block per distinct
+structure (`Plan.layouts`). The model must have exactly those units, the same parameter count in
+every pipeline stage, and every module the layouts name; each of its blocks takes the layout of the
+representative block with the same structure (module types and parameter shapes).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+
+from planner.errors import invalid
+from planner.result import Plan
+from planner.sharding import Placement
+
+# Placements `parallelize_module` applies to a module through a weight split.
+_SPLIT_PLACEMENTS = frozenset({Placement.COLWISE, Placement.ROWWISE})
+
+
+@dataclass(frozen=True)
+class ModelMatch:
+    """The model's units as the plan sees them.
+
+    Attributes:
+        units: pipeline-cut unit FQNs in forward order.
+        blocks: the units that are repeated blocks (children of a ModuleList or ModuleDict).
+        layouts: placement of every module FQN of the model that the plan shards (all blocks).
+    """
+
+    units: tuple[str, ...]
+    blocks: tuple[str, ...]
+    layouts: dict[str, str]
+
+
+def world_size() -> int:
+    """Ranks of the job: the default process group's size, else torchrun's WORLD_SIZE, else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_world_size(plan: Plan) -> None:
+    """Raises PlannerError when the job does not have the plan's device count."""
+    size = world_size()
+    if size != plan.config.devices:
+        raise invalid(f"world size {size}: the plan ({plan.config.short()}) needs {plan.config.devices} processes; "
+                      f"start torchrun with --nproc-per-node {plan.config.devices} (or re-plan for {size} devices)")
+
+
+def check_supported(plan: Plan) -> None:
+    """Raises PlannerError for plan features `apply` does not implement."""
+    config = plan.config
+    if config.cp > 1:
+        raise invalid(f"cp={config.cp}: applying context parallelism is not supported; re-plan with --cp 1")
+    if config.ep > 1:
+        raise invalid(f"ep={config.ep}: applying expert parallelism is not supported; re-plan with --ep 1")
+
+
+def model_units(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(units, blocks): top-level children in order, the members of a ModuleList/ModuleDict expanded."""
+    units, blocks = [], []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            members = [f"{name}.{key}" for key, _ in child.named_children()]
+            units += members
+            blocks += members
+        else:
+            units.append(name)
+    return tuple(units), tuple(blocks)
+
+
+def _signature(module: nn.Module) -> tuple:
+    return tuple((name, type(m).__name__, tuple((p, tuple(t.shape)) for p, t in m.named_parameters(recurse=False)))
+                 for name, m in module.named_modules())
+
+
+def _unit_params(model: nn.Module, units: tuple[str, ...]) -> dict[str, int]:
+    """Parameters per unit; a parameter shared by several units counts for the first (as the tracer does)."""
+    seen: set[int] = set()
+    counts = {}
+    for unit in units:
+        fresh = [p for p in model.get_submodule(unit).parameters() if id(p) not in seen]
+        seen.update(id(p) for p in fresh)
+        counts[unit] = sum(p.numel() for p in fresh)
+    return counts
+
+
+def _check_units(plan: Plan, units: tuple[str, ...], blocks: tuple[str, ...]) -> None:
+    planned = [fqn for stage in plan.stages for fqn in stage.fqns]
+    planned_blocks = [name for name in plan.layer_names if "." in name]
+    if len(planned_blocks) != len(blocks):
+        raise invalid(f"model: has {len(blocks)} blocks but the plan for {plan.model} has {len(planned_blocks)}; "
+                      f"apply the plan to the model it was made for, or re-plan for this model")
+    missing = [fqn for fqn in planned if fqn not in units]
+    extra = [fqn for fqn in units if fqn not in planned]
+    if missing or extra:
+        what = f"lacks module {missing[0]!r}" if missing else f"has module {extra[0]!r} the plan does not place"
+        raise invalid(f"model: {what} (plan for {plan.model}); apply the plan to the model it was made for, or re-plan")
+
+
+def _check_params(plan: Plan, model: nn.Module, units: tuple[str, ...]) -> None:
+    if not plan.layer_params:
+        return
+    per_unit = _unit_params(model, units)
+    per_layer = dict(zip(plan.layer_names, plan.layer_params))
+    for stage in plan.stages:
+        expected = sum(per_layer[name] for name in stage.layer_names)
+        actual = sum(per_unit[fqn] for fqn in stage.fqns)
+        if expected != actual:
+            raise invalid(f"model: pipeline stage {stage.index} ({stage.layer_names[0]}..{stage.layer_names[-1]}) has "
+                          f"{actual:,} parameters, the plan for {plan.model} expects {expected:,}; the shapes differ: "
+                          f"apply the plan to the model it was made for, or re-plan")
+
+
+def _owner(fqn: str, units: tuple[str, ...]) -> str | None:
+    matches = [u for u in units if fqn == u or fqn.startswith(u + ".")]
+    return max(matches, key=len) if matches else None
+
+
+def expand_layouts(plan: Plan, model: nn.Module, units: tuple[str, ...], blocks: tuple[str, ...]) -> dict[str, str]:
+    """Plan layouts (one representative block per structure) mapped onto every block of `model`.
+
+    Raises:
+        PlannerError: a layout names a module the model lacks, a placement does not fit the module
+            type, or a block has no representative of its structure.
+    """
+    by_unit: dict[str, dict[str, str]] = {}
+    for fqn, placement in plan.layouts.items():
+        unit = _owner(fqn, units)
+        if unit is None:
+            raise invalid(f"model: lacks module {fqn!r} named by the plan's layouts; apply the plan to the model it was made for")
+        by_unit.setdefault(unit, {})[fqn[len(unit):]] = placement
+    representatives = {_signature(model.get_submodule(u)): rel for u, rel in by_unit.items() if u in blocks}
+    out: dict[str, str] = {}
+    for unit in units:
+        relative = by_unit.get(unit)
+        if relative is None and unit in blocks and plan.layouts:
+            relative = representatives.get(_signature(model.get_submodule(unit)))
+            if relative is None:
+                raise invalid(f"model: block {unit!r} matches no block structure of the plan's layouts; re-plan for this model")
+        for suffix, placement in (relative or {}).items():
+            out[unit + suffix] = placement
+    for fqn, placement in out.items():
+        try:
+            module = model.get_submodule(fqn)
+        except AttributeError:
+            raise invalid(f"model: lacks module {fqn!r} named by the plan's layouts; apply the plan to the model it was made for") from None
+        if placement in _SPLIT_PLACEMENTS and not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise invalid(f"layout {fqn}: {placement} needs a Linear or Embedding, the model has {type(module).__name__}; re-plan")
+    return out
+
+
+def _check_ties(plan: Plan, model: nn.Module, units: tuple[str, ...], layouts: dict[str, str]) -> None:
+    """Shared parameters must stay in one pipeline stage and must not be split by tensor parallelism."""
+    owners: dict[int, list[str]] = {}
+    for unit in units:
+        for name, param in model.get_submodule(unit).named_parameters(remove_duplicate=False):
+            owners.setdefault(id(param), []).append(f"{unit}.{name}")
+    stage_of = {fqn: stage.index for stage in plan.stages for fqn in stage.fqns}
+    for names in owners.values():
+        if len(names) < 2:
+            continue
+        stages = {stage_of[_owner(n, units)] for n in names}
+        if len(stages) > 1:
+            raise invalid(f"model: {names[0]} and {names[1]} share one parameter across pipeline stages; untie them "
+                          f"(spec: tie_embeddings: false) or re-plan with --pp 1")
+        split = [n for n in names if layouts.get(n.rsplit(".", 1)[0]) in _SPLIT_PLACEMENTS]
+        if split:
+            raise invalid(f"model: {split[0]} is shared with another module and split by tensor parallelism; untie it "
+                          f"(spec: tie_embeddings: false) or re-plan with --tp 1")
+
+
+def match_model(plan: Plan, model: nn.Module) -> ModelMatch:
+    """Checks `model` against `plan` (see the module docstring) and returns its units and layouts.
+
+    Raises:
+        PlannerError: INVALID_INPUT with a one-line message naming the mismatch.
+    """
+    units, blocks = model_units(model)
+    _check_units(plan, units, blocks)
+    _check_params(plan, model, units)
+    layouts = expand_layouts(plan, model, units, blocks)
+    _check_ties(plan, model, units, layouts)
+    return ModelMatch(units, blocks, layouts)

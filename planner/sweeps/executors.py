@@ -1,0 +1,206 @@
+"""Planning sweep points: in this process, in local worker processes, or as Ray tasks.
+
+Every executor gets the traced graphs and the clusters once (worker processes through their
+initializer, Ray through its object store), so a point ships only its key and workers never
+trace or read profile files; they do not even import torch. Each executor's `run` yields one row
+per finished point, in completion order, and `None` when a poll interval passes without one; once
+`stop` is set it dispatches nothing more and yields the rows of the points already running.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from costmodel.errors import ProfileError
+from costmodel.hardware import Cluster
+from planner.api import plan
+from planner.errors import PlannerError, PlannerErrorKind, invalid
+from planner.graph import ModelGraph
+from planner.sweeps.results import COLUMN_TYPES, PointStatus
+from planner.sweeps.spec import SweepPoint
+
+# Seconds between checks of the stop flag while waiting for a worker.
+POLL_S = 0.2
+SECONDS_PER_HOUR = 3600.0
+TOKENS_PER_MILLION = 1e6
+INFEASIBLE_KINDS = (PlannerErrorKind.INSUFFICIENT_MEMORY, PlannerErrorKind.SOLVER_LIMIT)
+
+
+class ExecutorKind(StrEnum):
+    LOCAL = "local"
+    RAY = "ray"
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What every point of one sweep is planned with (see `SweepSpec`)."""
+
+    dtype: str
+    attention: str
+    constraints: dict
+    settings: str
+    plan_dir: str | None = None
+
+
+GraphKey = tuple[str, int]  # (model, seq_len)
+
+
+def plan_point(point: SweepPoint, graph: ModelGraph, cluster: Cluster, settings: PlanSettings) -> dict:
+    """Plan one point and return its results row.
+
+    A failure becomes the row's status and reason (`failure`): planner errors (nothing fits, bad
+    input) and, so that one bad point never ends a sweep, any other exception too.
+    """
+    started = time.perf_counter()
+    row = base_row(point, cluster, settings)
+    try:
+        result = plan(graph, cluster, global_batch=point.global_batch, dtype=settings.dtype,
+                      attention=settings.attention, **settings.constraints)
+    except Exception as error:  # noqa: BLE001 - a failed point is a row, never the end of a sweep
+        row.update(failure(error))
+    else:
+        estimate, price = result.estimate, row["cluster_usd_per_hour"]
+        config = {key: value for key, value in result.config.to_dict().items() if key in COLUMN_TYPES}
+        row.update(config, status=str(PointStatus.OK), config=result.config.short(),
+                   step_time_s=estimate.step_time_s, tokens_per_s=estimate.tokens_per_s,
+                   tflops_per_gpu=estimate.tflops_per_gpu, mfu=estimate.mfu,
+                   peak_memory_bytes=estimate.peak_memory_bytes,
+                   capacity_bytes=max(stage["capacity_bytes"] for stage in estimate.memory))
+        if price is not None:
+            row["usd_per_million_tokens"] = price / SECONDS_PER_HOUR / estimate.tokens_per_s * TOKENS_PER_MILLION
+        if settings.plan_dir is not None:
+            path = Path(settings.plan_dir) / plan_file_name(point)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            result.save(path)
+            row["plan_path"] = str(path)
+    row["plan_time_s"] = time.perf_counter() - started
+    return row
+
+
+def failure(error: Exception) -> dict:
+    """The status and reason columns of a point that failed with `error`."""
+    if isinstance(error, PlannerError):
+        status = PointStatus.INFEASIBLE if error.kind in INFEASIBLE_KINDS else PointStatus.INVALID
+        return {"status": str(status), "reason": error.message}
+    if isinstance(error, ProfileError):
+        return {"status": str(PointStatus.INVALID), "reason": str(error)}
+    return {"status": str(PointStatus.ERROR), "reason": f"{type(error).__name__}: {error}"}
+
+
+def base_row(point: SweepPoint, cluster: Cluster, settings: PlanSettings) -> dict:
+    """The columns a row has whatever happens to its point: the point, its hardware and price."""
+    prices = [group.node.device.price_per_hour for group in cluster.groups]
+    return {
+        "model": point.model, "cluster": point.cluster, "global_batch": point.global_batch, "seq_len": point.seq_len,
+        "settings": settings.settings,
+        "device": "+".join(dict.fromkeys(group.node.device.name for group in cluster.groups)),
+        "devices": cluster.num_devices, "nodes": cluster.num_nodes,
+        # The cluster's price, when every device type in it has one (0 means unknown in profiles).
+        "cluster_usd_per_hour": (sum(g.count * g.node.devices_per_node * g.node.device.price_per_hour for g in cluster.groups)
+                                 if all(prices) else None),
+    }
+
+
+def plan_file_name(point: SweepPoint) -> str:
+    """A file name for the plan of `point`: its fields joined, anything but [A-Za-z0-9.-] made '_'."""
+    text = f"{Path(point.model).stem}__{point.cluster}__gb{point.global_batch}__s{point.seq_len}"
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", text) + ".json"
+
+
+Tables = tuple[dict[GraphKey, ModelGraph], dict[str, Cluster], PlanSettings]
+
+
+def run_inline(points: Iterable[SweepPoint], tables: Tables, stop: threading.Event) -> Iterator[dict | None]:
+    """Plan the points one after another in this process."""
+    graphs, clusters, settings = tables
+    for point in points:
+        if stop.is_set():
+            return
+        yield plan_point(point, graphs[point.model, point.seq_len], clusters[point.cluster], settings)
+
+
+_WORKER_TABLES: Tables | None = None
+
+
+def _init_worker(tables: Tables) -> None:
+    global _WORKER_TABLES
+    _WORKER_TABLES = tables
+    # Ctrl-C at a terminal reaches the whole process group; the parent decides how to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _plan_in_worker(point: SweepPoint) -> dict:
+    graphs, clusters, settings = _WORKER_TABLES
+    return plan_point(point, graphs[point.model, point.seq_len], clusters[point.cluster], settings)
+
+
+def run_processes(points: Iterable[SweepPoint], tables: Tables, stop: threading.Event, workers: int) -> Iterator[dict | None]:
+    """Plan the points in `workers` fresh worker processes (spawned: no state forked from the parent)."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                                                initargs=(tables,)) as pool:
+        def wait(pending):
+            done, _ = concurrent.futures.wait(pending, timeout=POLL_S, return_when=concurrent.futures.FIRST_COMPLETED)
+            return done
+
+        yield from _windowed(points, stop, workers, lambda point: pool.submit(_plan_in_worker, point), wait,
+                             lambda future: future.result())
+
+
+def run_ray(points: Iterable[SweepPoint], tables: Tables, stop: threading.Event, address: str | None) -> Iterator[dict | None]:
+    """Plan the points as Ray tasks on the cluster at `address` (or the Ray already initialised).
+
+    When this call starts Ray, it ships the `planner` and `costmodel` packages to the workers
+    (`runtime_env` py_modules); the workers need numpy and OR-Tools installed.
+    """
+    try:
+        import ray
+    except ImportError:
+        raise invalid("--executor ray: Ray is not installed; pip install 'paraplan[ray]'") from None
+    import costmodel
+    import planner
+
+    if not ray.is_initialized():
+        ray.init(address=address, runtime_env={"py_modules": [planner, costmodel]}, log_to_driver=False)
+    graphs, clusters, settings = tables
+    graph_refs = {key: ray.put(graph) for key, graph in graphs.items()}
+    remote = ray.remote(num_cpus=1)(plan_point)
+    window = max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+    def submit(point: SweepPoint):
+        return remote.remote(point, graph_refs[point.model, point.seq_len], clusters[point.cluster], settings)
+
+    def wait(pending):
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+        return done
+
+    yield from _windowed(points, stop, window, submit, wait, ray.get)
+
+
+def _windowed(points: Iterable[SweepPoint], stop: threading.Event, window: int, submit: Callable,
+              wait: Callable, result: Callable) -> Iterator[dict | None]:
+    """Keep `window` points in flight; yield each row as it finishes, None on an idle poll."""
+    remaining = iter(points)
+    pending: set = set()
+    while True:
+        while not stop.is_set() and len(pending) < window:
+            point = next(remaining, None)
+            if point is None:
+                break
+            pending.add(submit(point))
+        if not pending:
+            return
+        done = wait(pending)
+        if not done:
+            yield None
+        for handle in done:
+            pending.discard(handle)
+            yield result(handle)

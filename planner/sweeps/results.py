@@ -1,0 +1,199 @@
+"""The results file of a sweep: one row per point, streamed as points finish, resumable.
+
+The extension picks the format: `.csv` (a header line, then one line per row) or `.jsonl` /
+`.ndjson` (one JSON object per line). Each row is one whole line, written with a single
+`os.write` on an append-only descriptor and then fsync'ed, so a stopped sweep leaves whole rows
+only. A hard kill in the middle of that write can leave one partial last line; `ResultsFile.open`
+cuts it off before appending, and its point is planned again.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from enum import StrEnum
+from pathlib import Path
+
+from planner.errors import invalid
+from planner.sweeps.spec import POINT_KEYS, SweepPoint
+
+
+class PointStatus(StrEnum):
+    OK = "ok"                  # a plan was found
+    INFEASIBLE = "infeasible"  # nothing fits (or the solver gave up); `reason` says what would
+    INVALID = "invalid"        # bad input for this point (batch not divisible, model fails to trace, ...)
+    ERROR = "error"            # an unexpected exception; `reason` holds its type and message
+
+
+class ResultsFormat(StrEnum):
+    CSV = "csv"
+    JSONL = "jsonl"
+
+
+SUFFIX_FORMATS = {".csv": ResultsFormat.CSV, ".jsonl": ResultsFormat.JSONL, ".ndjson": ResultsFormat.JSONL}
+
+# Every row has exactly these columns (None where they do not apply, e.g. the plan of a failed
+# point); the first four are the point, the row's key.
+COLUMN_TYPES: dict[str, type] = {
+    "model": str, "cluster": str, "global_batch": int, "seq_len": int,
+    "settings": str, "device": str, "devices": int, "nodes": int,
+    "status": str, "reason": str,
+    "config": str, "dp": int, "tp": int, "pp": int, "cp": int, "ep": int, "vpp": int,
+    "micro_batch": int, "num_microbatches": int, "zero": int, "recompute": str, "schedule": str,
+    "step_time_s": float, "tokens_per_s": float, "tflops_per_gpu": float, "mfu": float,
+    "peak_memory_bytes": float, "capacity_bytes": float,
+    "cluster_usd_per_hour": float, "usd_per_million_tokens": float,
+    "plan_time_s": float, "plan_path": str,
+}
+COLUMNS = tuple(COLUMN_TYPES)
+
+
+def results_format(path: str | Path) -> ResultsFormat:
+    """The format of a results file, from its extension.
+
+    Raises:
+        PlannerError: INVALID_INPUT for any other extension.
+    """
+    suffix = Path(path).suffix.lower()
+    if suffix not in SUFFIX_FORMATS:
+        raise invalid(f"--out {path}: unknown results extension {suffix!r}; use .csv or .jsonl")
+    return SUFFIX_FORMATS[suffix]
+
+
+def row_point(row: dict) -> SweepPoint:
+    """The point a row belongs to."""
+    return SweepPoint(*(row[key] for key in POINT_KEYS))
+
+
+def read_results(path: str | Path) -> list[dict]:
+    """The rows of a results file, typed (int, float, str; None where empty).
+
+    A partial last line (from a hard kill mid-write) is ignored.
+
+    Raises:
+        PlannerError: INVALID_INPUT when the file is missing or is not a paraplan results file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise invalid(f"results file {path}: not found; check the path")
+    return _parse(path, results_format(path), _whole_lines(path.read_bytes()))
+
+
+class ResultsFile:
+    """An open results file: the rows already in it, and appending new ones whole.
+
+    Use `ResultsFile.open(path)`, as a context manager.
+    """
+
+    def __init__(self, path: Path, rows: list[dict], fd: int):
+        self.path = path
+        self.format = results_format(path)
+        self.rows = rows
+        self._fd = fd
+
+    @classmethod
+    def open(cls, path: str | Path) -> "ResultsFile":
+        """Open (or create) `path` for appending, after reading its rows and cutting off a partial last line."""
+        path = Path(path)
+        fmt = results_format(path)
+        rows: list[dict] = []
+        if path.exists():
+            data = path.read_bytes()
+            whole = _whole_lines(data)
+            rows = _parse(path, fmt, whole)
+            if len(whole) != len(data):
+                os.truncate(path, len(whole))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        results = cls(path, rows, fd)
+        if fmt == ResultsFormat.CSV and os.fstat(fd).st_size == 0:
+            results._write(_csv_line(COLUMNS))
+        return results
+
+    def append(self, row: dict) -> None:
+        """Write one row as one whole line and push it to disk."""
+        self._write(encode_row(row, self.format))
+        self.rows.append(row)
+
+    def rewrite(self, rows: list[dict]) -> None:
+        """Replace the file's content by `rows` atomically (a temporary file renamed over it)."""
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        header = _csv_line(COLUMNS) if self.format == ResultsFormat.CSV else ""
+        temporary.write_text(header + "".join(encode_row(row, self.format) for row in rows))
+        os.replace(temporary, self.path)
+        os.close(self._fd)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        self.rows = list(rows)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def __enter__(self) -> "ResultsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _write(self, line: str) -> None:
+        os.write(self._fd, line.encode())
+        os.fsync(self._fd)
+
+
+def encode_row(row: dict, fmt: ResultsFormat) -> str:
+    """One row as one line of `fmt`, newline included; strings lose any line breaks."""
+    values = [_one_line(row.get(column)) for column in COLUMNS]
+    if fmt == ResultsFormat.CSV:
+        return _csv_line(values)
+    return json.dumps(dict(zip(COLUMNS, values))) + "\n"
+
+
+def _one_line(value):
+    return " ".join(value.splitlines()) if isinstance(value, str) else value
+
+
+def _csv_line(values) -> str:
+    buffer = io.StringIO()
+    csv.writer(buffer, lineterminator="\n").writerow(["" if v is None else v for v in values])
+    return buffer.getvalue()
+
+
+def _whole_lines(data: bytes) -> bytes:
+    return data[: data.rfind(b"\n") + 1]
+
+
+def _parse(path: Path, fmt: ResultsFormat, data: bytes) -> list[dict]:
+    lines = data.decode().splitlines()
+    if fmt == ResultsFormat.JSONL:
+        return [_typed_json(path, number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    if not lines:
+        return []
+    reader = csv.reader(lines)
+    header = next(reader)
+    if tuple(header) != COLUMNS:
+        raise invalid(f"{path}:1: the header is not this paraplan's sweep columns; write the sweep to a new --out file")
+    rows = []
+    for number, values in enumerate(reader, 2):
+        if len(values) != len(COLUMNS):
+            raise invalid(f"{path}:{number}: {len(values)} values for {len(COLUMNS)} columns; the file is damaged, fix or remove that line")
+        rows.append({column: _typed(path, number, column, text) for column, text in zip(COLUMNS, values)})
+    return rows
+
+
+def _typed(path: Path, number: int, column: str, text: str):
+    if text == "":
+        return None
+    try:
+        return COLUMN_TYPES[column](text)
+    except ValueError:
+        raise invalid(f"{path}:{number}: {column}={text!r}: expected {COLUMN_TYPES[column].__name__}") from None
+
+
+def _typed_json(path: Path, number: int, line: str) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise invalid(f"{path}:{number}: not a JSON object ({error.msg}); the file is damaged, fix or remove that line") from None
+    if not isinstance(row, dict) or set(row) != set(COLUMNS):
+        raise invalid(f"{path}:{number}: the keys are not this paraplan's sweep columns; write the sweep to a new --out file")
+    return {column: row[column] for column in COLUMNS}

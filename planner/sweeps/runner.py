@@ -1,0 +1,245 @@
+"""`sweep()`: plan every point of a sweep into one results file, in parallel and resumably.
+
+Each (model, sequence length) is traced once, here; the graphs go to the workers (see
+`planner.sweeps.executors`). Rows are appended to the results file as points finish. On start,
+the points already in the file are skipped, so re-running an interrupted sweep finishes it and
+never plans a point twice. The first SIGINT or SIGTERM stops dispatching, waits for the points
+already running and writes their rows, then raises `SweepInterrupted`; a second signal acts at
+once (finished rows are kept; the running points are planned again on resume). A finished sweep
+leaves its rows in the sweep's point order, so a resumed run's file matches an uninterrupted
+one's (except `plan_time_s`).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+from rich.text import Text
+
+from planner.errors import invalid
+from planner.sweeps.executors import (ExecutorKind, PlanSettings, Tables, base_row, failure, run_inline, run_processes,
+                                      run_ray)
+from planner.sweeps.results import ResultsFile, results_format, row_point
+from planner.sweeps.spec import SweepPoint, SweepSpec, load_sweep_spec, sweep_spec_from_dict
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@dataclass(frozen=True)
+class SweepSummary:
+    """What a finished sweep did.
+
+    Attributes:
+        path: the results file.
+        points: points in the sweep.
+        planned: points planned by this run (the others were already in the file).
+        status_counts: rows per status over all the sweep's points.
+        elapsed_s: wall time of this run, tracing included.
+        planning_s: wall time from the first dispatched point to the last row.
+    """
+
+    path: Path
+    points: int
+    planned: int
+    status_counts: dict[str, int]
+    elapsed_s: float
+    planning_s: float
+
+    @property
+    def points_per_s(self) -> float:
+        return self.planned / self.planning_s if self.planning_s > 0 else 0.0
+
+
+class SweepInterrupted(Exception):
+    """A sweep stopped by a signal; its finished rows are in the results file."""
+
+    def __init__(self, signum: int, finished: int, total: int, path: Path):
+        self.signum, self.finished, self.total, self.path = signum, finished, total, path
+        super().__init__(f"sweep stopped by {signal.Signals(signum).name} with {finished} of {total} points in {path}; "
+                         f"re-run the same command to resume")
+
+    @property
+    def exit_code(self) -> int:
+        """The shell convention for death by a signal: 128 + its number."""
+        return 128 + self.signum
+
+
+def sweep(spec: SweepSpec | str | Path | dict, out: str | Path, *, workers: int | None = None,
+          executor: ExecutorKind | str = ExecutorKind.LOCAL, address: str | None = None,
+          plan_dir: str | Path | None = None, progress: bool = False) -> SweepSummary:
+    """Plan every point of a sweep and stream one row per point to `out`.
+
+    Args:
+        spec: a SweepSpec, a sweep file path, or a dict with the sweep file's keys.
+        out: results file, `.csv` or `.jsonl`; rows already in it are kept and their points skipped.
+        workers: local worker processes (default: one per CPU; 1 plans in this process).
+        executor: "local" (worker processes) or "ray" (Ray tasks).
+        address: the Ray cluster to connect to (default: a Ray already initialised, else a local one).
+        plan_dir: a folder to save each found plan to (as JSON; its path goes in `plan_path`).
+        progress: show a progress bar on stderr.
+
+    Returns:
+        The summary; the rows are in `out` (`planner.sweeps.results.read_results`).
+
+    Raises:
+        PlannerError: INVALID_INPUT for a bad sweep, before any point is planned.
+        SweepInterrupted: a SIGINT or SIGTERM stopped the sweep.
+
+    Example::
+
+        >>> summary = sweep({"models": ["gpt3-125m"], "devices": ["a100-80g"], "cluster_sizes": [8],
+        ...                  "global_batches": [64], "seq_lens": [1024]}, "results.csv", workers=1)
+        >>> summary.points, summary.status_counts
+        (1, {'ok': 1})
+    """
+    started = time.perf_counter()
+    spec = _as_spec(spec)
+    results_format(out)
+    kind = _executor_kind(executor)
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise invalid(f"--workers={workers!r}: must be a positive integer")
+    settings = PlanSettings(spec.dtype, spec.attention, spec.constraints, spec.settings,
+                            None if plan_dir is None else str(plan_dir))
+    with ResultsFile.open(out) as results, _StopOnSignal() as stop, _progress_bar(progress) as bar:
+        todo = _unfinished(spec, results)
+        task = bar.add_task("tracing", total=len(spec.points), completed=len(spec.points) - len(todo))
+        graphs, plannable = _trace(todo, spec, settings, results, stop.event, bar, task)
+        planning_started = time.perf_counter()
+        tables: Tables = (graphs, spec.clusters, settings)
+        processes = min(workers or os.cpu_count() or 1, len(plannable))
+        if kind == ExecutorKind.RAY:
+            rows = run_ray(plannable, tables, stop.event, address)
+        elif processes <= 1:
+            rows = run_inline(plannable, tables, stop.event)
+        else:
+            rows = run_processes(plannable, tables, stop.event, processes)
+        for row in rows:
+            if row is not None:
+                results.append(row)
+                bar.advance(task)
+            bar.update(task, description=_describe(row, stop.event.is_set()))
+        planning_s = time.perf_counter() - planning_started
+        done = _in_sweep_order(spec, results.rows)
+        if stop.signum is not None:
+            raise SweepInterrupted(stop.signum, len(done), len(spec.points), results.path)
+        if len(done) == len(spec.points) and results.rows[: len(done)] != done:
+            wanted = frozenset(spec.points)
+            results.rewrite(done + [row for row in results.rows if row_point(row) not in wanted])
+    return SweepSummary(path=Path(out), points=len(spec.points), planned=len(todo),
+                        status_counts=dict(Counter(row["status"] for row in done)),
+                        elapsed_s=time.perf_counter() - started, planning_s=planning_s)
+
+
+def _as_spec(spec: SweepSpec | str | Path | dict) -> SweepSpec:
+    if isinstance(spec, SweepSpec):
+        return spec
+    if isinstance(spec, dict):
+        return sweep_spec_from_dict(spec)
+    return load_sweep_spec(spec)
+
+
+def _executor_kind(executor: ExecutorKind | str) -> ExecutorKind:
+    try:
+        return ExecutorKind(executor)
+    except ValueError:
+        raise invalid(f"--executor {executor!r}: use one of {', '.join(ExecutorKind)}") from None
+
+
+def _unfinished(spec: SweepSpec, results: ResultsFile) -> list[SweepPoint]:
+    """The sweep's points without a row yet; rows planned with other settings are an error."""
+    wanted = frozenset(spec.points)
+    finished = set()
+    for row in results.rows:
+        point = row_point(row)
+        if point in wanted and row["settings"] != spec.settings:
+            raise invalid(f"{results.path}: {point.model} on {point.cluster} was planned with {row['settings']!r}, this sweep uses "
+                          f"{spec.settings!r}; write to a new --out file or use the same settings")
+        finished.add(point)
+    return [point for point in spec.points if point not in finished]
+
+
+def _trace(todo: list[SweepPoint], spec: SweepSpec, settings: PlanSettings, results: ResultsFile,
+           stop: threading.Event, bar: Progress, task) -> tuple[dict, list[SweepPoint]]:
+    """Trace each (model, seq_len) the unfinished points need, once; a model that fails to trace
+    gets its rows here. Returns the graphs and the points left to plan."""
+    from planner.tracing import trace  # imports torch, which the workers never need
+
+    graphs = {}
+    for model, seq_len in dict.fromkeys((point.model, point.seq_len) for point in todo):
+        if stop.is_set():
+            break
+        bar.update(task, description=f"tracing {model} at {seq_len} tokens")
+        try:
+            graphs[model, seq_len] = trace(model, seq_len=seq_len)
+        except Exception as error:  # noqa: BLE001 - the model's points become rows with the reason
+            for point in todo:
+                if (point.model, point.seq_len) == (model, seq_len):
+                    results.append({**base_row(point, spec.clusters[point.cluster], settings), **failure(error)})
+                    bar.advance(task)
+    return graphs, [point for point in todo if (point.model, point.seq_len) in graphs]
+
+
+def _in_sweep_order(spec: SweepSpec, rows: list[dict]) -> list[dict]:
+    """The rows of the sweep's points, in the sweep's point order (first row of a point wins)."""
+    by_point: dict[SweepPoint, dict] = {}
+    for row in rows:
+        by_point.setdefault(row_point(row), row)
+    return [by_point[point] for point in spec.points if point in by_point]
+
+
+def _describe(row: dict | None, stopping: bool) -> str:
+    if stopping:
+        return "stopping: finishing the running points (signal again to abort)"
+    if row is None:
+        return "planning"
+    return f"{row['model']} on {row['cluster']} gb{row['global_batch']} s{row['seq_len']}: {row['status']}"
+
+
+class _RateColumn(ProgressColumn):
+    """Points per second over rich's recent-speed window."""
+
+    def render(self, task) -> Text:
+        speed = task.speed
+        return Text("- points/s" if speed is None else f"{speed:.2f} points/s", style="progress.data.speed")
+
+
+def _progress_bar(enabled: bool) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), _RateColumn(),
+                    TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+                    console=Console(stderr=True), disable=not enabled)
+
+
+class _StopOnSignal:
+    """Sets `event` on the first SIGINT or SIGTERM, then restores the previous handlers so that a
+    second signal acts at once. Installs nothing outside the main thread (signals go there)."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {signum: signal.signal(signum, self._handle) for signum in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def _handle(self, signum: int, frame) -> None:
+        self.signum = signum
+        self.event.set()
+        self._restore()
+
+    def _restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        self._previous = {}
