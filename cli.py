@@ -30,6 +30,38 @@ def _positive(name: str):
     return parse
 
 
+def _listed(name: str, positive: bool = False):
+    """A comma-separated list flag, e.g. `--devices h100-sxm,a100-80g` or `--cluster-sizes 8,16`."""
+    def parse(text: str) -> list:
+        items = [part.strip() for part in text.split(",")]
+        return [_positive(name)(item) for item in items] if positive else items
+
+    return parse
+
+
+def _add_sweep_args(sub) -> None:
+    sweep = sub.add_parser("sweep", help="plan many (model, cluster, batch, sequence length) points; resumable results file")
+    sweep.add_argument("file", nargs="?", help="sweep file (YAML, see examples/sweep.yaml); flags override its keys")
+    sweep.add_argument("--models", type=_listed("models"), help="comma-separated models")
+    sweep.add_argument("--devices", type=_listed("devices"), help="comma-separated devices, each crossed with --cluster-sizes")
+    sweep.add_argument("--cluster-sizes", type=_listed("cluster-sizes", positive=True),
+                       help="comma-separated device counts (one node up to the device's node size, whole nodes beyond)")
+    sweep.add_argument("--clusters", type=_listed("clusters"), help="comma-separated clusters (names, files, DEVICE:NODESxGPUS)")
+    sweep.add_argument("--global-batches", type=_listed("global-batches", positive=True), help="comma-separated global batches")
+    sweep.add_argument("--seq-lens", type=_listed("seq-lens", positive=True), help="comma-separated sequence lengths")
+    sweep.add_argument("--dtype", choices=["bf16", "fp16", "fp8"])
+    sweep.add_argument("--attention", choices=["flash", "unfused"])
+    sweep.add_argument("--out", required=True, help="results file, .csv or .jsonl; re-running resumes it")
+    sweep.add_argument("--workers", type=_positive("workers"), help="local worker processes (default: one per CPU)")
+    sweep.add_argument("--executor", choices=["local", "ray"], default="local", help="ray: run points as Ray tasks")
+    sweep.add_argument("--address", help="Ray cluster address for --executor ray (default: start a local Ray)")
+    sweep.add_argument("--plan-dir", help="also save each plan as JSON in this folder")
+    sweep.add_argument("--charts", metavar="DIR", help="write throughput, MFU and cost charts (PNG) to this folder")
+    report = sub.add_parser("report", help="an HTML or Markdown report (tables and charts) of a sweep's results file")
+    report.add_argument("results", help="results file of `paraplan sweep` (.csv or .jsonl)")
+    report.add_argument("--out", required=True, help="report file, .html or .md")
+
+
 def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool) -> None:
     parser.add_argument("--model", required=True, help="zoo name, spec file (.yaml/.json) or package.module:factory")
     parser.add_argument("--seq-len", type=_positive("seq-len"), help="tokens per sequence (default: the model's)")
@@ -53,6 +85,8 @@ def _add_config_args(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     parser.add_argument("--recompute", choices=["none", "selective", "full"])
     parser.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"])
+    parser.add_argument("--offload-optimizer", action="store_const", const=True,
+                        help="keep Adam states in host memory and update on the CPU (ZeRO-Offload)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,12 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(plan, required=False)
     plan.add_argument("--out", help="write the plan to .json or .yaml")
     plan.add_argument("--explain", action="store_true", help="also list rejected options and why")
+    plan.add_argument("--no-offload", dest="allow_offload", action="store_false",
+                      help="never offload optimizer states, even when nothing fits without")
     plan.add_argument("--top", type=_positive("top"), default=5, help="alternatives to keep")
     plan.add_argument("--mem-headroom", type=float, default=0.0, help="fraction of device memory to keep free (0-0.9)")
+    plan.add_argument("--timeline", metavar="PATH", help="draw the pipeline timeline of one step (.png or .svg)")
+    plan.add_argument("--memory-chart", metavar="PATH", help="draw memory per stage against capacity (.png or .svg)")
+    _add_sweep_args(sub)
+    profile = sub.add_parser("profile", help="measure this machine (under torchrun: also collectives) and write a cluster profile")
+    profile.add_argument("--out", required=True, help="cluster file to write (.yaml); its device file and op tables go beside it")
+    profile.add_argument("--like", help="device profile whose unmeasured fields (NIC; the link when run alone) are kept")
+    profile.add_argument("--quick", action="store_true", help="small sizes and short timings (seconds)")
     return parser
 
 
-_CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "recompute", "schedule")
+_CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "recompute", "schedule", "offload_optimizer")
 
 
 def _constraints(args) -> dict:
@@ -127,19 +170,56 @@ def _run(args) -> int:
     if args.command == "plan":
         import planner
         from planner.report.plan import render_plan
+        from planner.report.plan_charts import check_plan_chart_paths, save_plan_charts
 
+        check_plan_chart_paths(args.timeline, args.memory_chart)
         result = planner.plan(
             args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, attention=args.attention,
-            mem_headroom=args.mem_headroom, top=args.top, **_constraints(args),
+            mem_headroom=args.mem_headroom, top=args.top, allow_offload=args.allow_offload, **_constraints(args),
         )
         if args.out:
             result.save(args.out)
+        save_plan_charts(result, args.timeline, args.memory_chart)
         if args.json:
             _print_json(result.to_dict())
         else:
             console.print(render_plan(result, explain=args.explain))
         return 0
+    if args.command == "sweep":
+        return _sweep(args, console)
+    if args.command == "profile":
+        from costmodel.profile import run_profile
+
+        for path in run_profile(args.out, like=args.like, quick=args.quick, show_progress=sys.stderr.isatty()):
+            console.print(f"wrote {path}")
+        return 0
+    if args.command == "report":
+        from planner.report.sweep_report import write_sweep_report
+
+        console.print(f"wrote {write_sweep_report(args.results, args.out)}")
+        return 0
     raise AssertionError(args.command)
+
+
+def _sweep(args, console) -> int:
+    from planner.report.sweep_charts import save_sweep_charts
+    from planner.report.sweep_report import render_sweep_summary
+    from planner.sweeps.results import read_results
+    from planner.sweeps.runner import SweepInterrupted, sweep
+    from planner.sweeps.spec import load_sweep_spec
+
+    keys = ("models", "devices", "cluster_sizes", "clusters", "global_batches", "seq_lens", "dtype", "attention")
+    spec = load_sweep_spec(args.file, {key: getattr(args, key) for key in keys})
+    try:
+        summary = sweep(spec, args.out, workers=args.workers, executor=args.executor, address=args.address,
+                        plan_dir=args.plan_dir, progress=sys.stderr.isatty())
+    except SweepInterrupted as stopped:
+        sys.stderr.write(f"paraplan: {stopped}\n")
+        return stopped.exit_code
+    console.print(render_sweep_summary(summary))
+    for path in save_sweep_charts(read_results(args.out), args.charts) if args.charts else ():
+        console.print(f"wrote {path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

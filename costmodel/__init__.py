@@ -1,4 +1,4 @@
 """Prices work (FLOPs, bytes, collectives) on hardware. Never imports `planner`."""
-from costmodel.hardware import load_cluster, load_device
+from costmodel.profile_loader import load_cluster, load_device
 
 __all__ = ["load_cluster", "load_device"]

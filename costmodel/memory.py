@@ -37,6 +37,7 @@ FP32_GRAD_BYTES_PER_PARAM = 4
 class Optimizer(StrEnum):
     ADAM_MIXED = "adam-mixed"
     ADAM_FP32 = "adam-fp32"
+    ADAM_MIXED_OFFLOAD = "adam-mixed-offload"
 
 
 class StateBytes(NamedTuple):
@@ -52,6 +53,9 @@ STATE_BYTES_PER_PARAM = {
     Optimizer.ADAM_MIXED: StateBytes(2.0, 2.0, 12.0),
     # fp32 training: weights 4 + grads 4 + momentum and variance 4 + 4 (no separate master copy).
     Optimizer.ADAM_FP32: StateBytes(4.0, 4.0, 8.0),
+    # ZeRO-Offload (Ren et al. 2021): the fp32 master weights and both moments live in host
+    # memory and the update runs on the CPU; the device keeps bf16 weights and bf16 gradients.
+    Optimizer.ADAM_MIXED_OFFLOAD: StateBytes(2.0, 2.0, 0.0),
 }
 
 

@@ -21,6 +21,7 @@ _EXPORTS = {
     "ParallelConfig": "planner.config",
     "PlannerError": "planner.errors",
     "ModelGraph": "planner.graph",
+    "sweep": "planner.sweeps.runner",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,15 +1,18 @@
 """The Python API: `plan`, `evaluate` and `make_config`, shared by the CLI and user code."""
 from __future__ import annotations
 
+import dataclasses
+
 from costmodel.errors import ProfileError
-from costmodel.hardware import Cluster, load_cluster
+from costmodel.hardware import Cluster
+from costmodel.profile_loader import load_cluster
 from planner.config import ParallelConfig, Schedule
 from planner.errors import invalid
 from planner.graph import ModelGraph
 from planner.result import Estimate, Plan
 
 # Keys `make_config` reads; anything else is a typo, reported rather than ignored.
-CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "recompute", "schedule")
+CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "recompute", "schedule", "offload_optimizer")
 # Degrees `make_config` divides by before ParallelConfig validates them.
 _DIVISOR_KEYS = ("tp", "pp", "cp", "dp", "micro_batch")
 
@@ -71,6 +74,7 @@ def make_config(constraints: dict | ParallelConfig, num_devices: int, global_bat
         dp=dp, tp=tp, pp=pp, cp=cp, ep=values.get("ep", 1), vpp=vpp, micro_batch=micro_batch,
         num_microbatches=global_batch // (dp * micro_batch), zero=values.get("zero", 0),
         recompute=values.get("recompute", "none"), schedule=schedule,
+        offload_optimizer=bool(values.get("offload_optimizer", False)),
     )
 
 
@@ -114,4 +118,5 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
 
     graph = model_graph(model, seq_len)
     hardware = _cluster(cluster)
-    return search(graph, hardware, global_batch=global_batch, dtype=dtype, attention=attention, cluster_name=str(cluster if isinstance(cluster, str) else hardware.name), **constraints)
+    result = search(graph, hardware, global_batch=global_batch, dtype=dtype, attention=attention, cluster_name=str(cluster if isinstance(cluster, str) else hardware.name), **constraints)
+    return dataclasses.replace(result, layer_params=tuple(layer.params for layer in graph.layers))

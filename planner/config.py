@@ -23,6 +23,8 @@ class ParallelConfig:
     (experts are sharded over ep ranks of the data-parallel group). `vpp` is the number of virtual
     pipeline chunks per device (interleaved schedule only). `micro_batch` is sequences per
     micro-batch per data-parallel rank and `num_microbatches` how many of them one step runs.
+    `offload_optimizer` keeps the fp32 master weights and Adam moments in host memory and runs the
+    update on the CPU (ZeRO-Offload).
     """
 
     dp: int = 1
@@ -37,6 +39,7 @@ class ParallelConfig:
     recompute: Recompute = Recompute.NONE
     schedule: Schedule = Schedule.ONE_F_ONE_B
     sequence_parallel: bool = True
+    offload_optimizer: bool = False
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "micro_batch", "num_microbatches"):
@@ -100,4 +103,6 @@ class ParallelConfig:
         if self.vpp > 1:
             parts.append(f"v{self.vpp}")
         parts += [f"mb{self.micro_batch}x{self.num_microbatches}", f"z{self.zero}", str(self.recompute), str(self.schedule)]
+        if self.offload_optimizer:
+            parts.append("offload")
         return " ".join(parts)

@@ -13,6 +13,9 @@ compute, recompute, exposed tensor/context/expert-parallel communication, expose
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+from pathlib import Path
 
 import numpy as np
 
@@ -21,13 +24,15 @@ from costmodel import pipeline
 from costmodel.comm import Collective, CommGroup, collective_time_s
 from costmodel.compute import OpTable, peak_flops_per_s
 from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
+from costmodel.offload import offload_step_s
 from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, invalid
 from planner.graph import LayerKind, ModelGraph, Recompute
 from planner.layer_cost import AttentionKernel, LayerContext, LayerCost, price_layer
 from planner.mesh import axis_group, mesh_groups
 from planner.result import Estimate, StagePlan
-from planner.stages import StageProblem, split_dp
+from planner.stage_problem import StageProblem
+from planner.stages import split_dp
 from planner.tp_plan import tp_plan_for
 
 # Mixed-precision Adam touches, per parameter and step, fp32 master weight, two fp32 moments and
@@ -57,6 +62,12 @@ ZERO3_GATHERED_LAYERS = 2
 COLUMNS = ("fwd_s", "bwd_s", "compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s",
            "fsdp_exposed_s", "dense_params", "expert_params", "static_bytes", "act_bytes", "out_bytes")
 COL = {name: i for i, name in enumerate(COLUMNS)}
+
+
+@functools.lru_cache(maxsize=64)
+def _load_op_table(path: str) -> OpTable:
+    """A measured op table written by `paraplan profile` (JSON of OpTable.to_dict)."""
+    return OpTable.from_dict(json.loads(Path(path).read_text()))
 
 
 def stage_devices(cluster: Cluster, pp: int) -> list[tuple[DeviceSpec, NodeSpec]]:
@@ -104,6 +115,13 @@ class Evaluator:
         self.table = table
         self._layer_cache: dict = {}
         self._table_cache: dict = {}
+
+    def table_for(self, device: DeviceSpec, dtype: str) -> OpTable | None:
+        """The op table given to the Evaluator, else the one `device`'s profile names for `dtype` (`op_tables`)."""
+        if self.table is not None:
+            return self.table
+        path = device.op_tables.get(dtype)
+        return _load_op_table(path) if path else None
 
     def dtype_for(self, device: DeviceSpec) -> str:
         """The compute dtype on `device`: the requested one, or fp16 where a device lacks bf16 (V100)."""
@@ -153,8 +171,8 @@ class Evaluator:
                 device=device, node=node, dtype=self.dtype_for(device), tp=config.tp, cp=config.cp, ep=config.ep,
                 batch_scale=config.micro_batch / self.graph.micro_batch, recompute=recompute,
                 sequence_parallel=config.sequence_parallel, tp_group=groups.tp, cp_group=groups.cp,
-                ep_group=groups.ep, top_k=self.graph.dims.top_k, hidden=self.graph.dims.hidden, table=self.table,
-                attention=self.attention,
+                ep_group=groups.ep, top_k=self.graph.dims.top_k, hidden=self.graph.dims.hidden,
+                table=self.table_for(device, self.dtype_for(device)), attention=self.attention,
             )
             cost = price_layer(layer, tp_plan_for(layer, config.tp, device, node, ctx.dtype), ctx)
             self._layer_cache[key] = cost
@@ -170,7 +188,7 @@ class Evaluator:
     def layer_table(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, policies: tuple[Recompute, ...]) -> np.ndarray:
         """[L, len(COLUMNS)] per-layer seconds and bytes of one micro-batch on `device` (cached)."""
         key = (device.name, node.devices_per_node, config.tp, config.cp, config.ep, config.dp, config.micro_batch,
-               config.zero, config.sequence_parallel, policies)
+               config.zero, config.sequence_parallel, config.offload_optimizer, policies)
         table = self._table_cache.get(key)
         if table is not None:
             return table
@@ -181,8 +199,9 @@ class Evaluator:
             cost = self.layer_cost(index, config, device, node, policies[index])
             dense = (layer.params - layer.expert_params) / config.tp
             expert = layer.expert_params / (config.ep * config.tp)
-            static = sum(memory_model.model_state_bytes(dense, config.zero, config.dp * config.cp, grad_bytes_per_param=GRAD_BYTES_PER_PARAM)) + sum(
-                memory_model.model_state_bytes(expert, config.zero, expert_group.size, grad_bytes_per_param=GRAD_BYTES_PER_PARAM))
+            state = state_options(config)
+            static = sum(memory_model.model_state_bytes(dense, config.zero, config.dp * config.cp, **state)) + sum(
+                memory_model.model_state_bytes(expert, config.zero, expert_group.size, **state))
             exposed = 0.0
             if config.zero == 3:
                 gather_s = (collective_time_s(Collective.ALL_GATHER, dense * 2, groups.dp_cp, node)
@@ -285,8 +304,9 @@ class Evaluator:
             dense, expert = total[COL["dense_params"]], total[COL["expert_params"]]
             dp_exposed_s = max(dp_exposed_s, self._dp_exposed_s(config, node, groups, dense, expert, total[COL["fwd_s"]], total[COL["bwd_s"]]))
             dense_shard, expert_shard = (config.dp * config.cp, expert_data_group(config, node).size) if config.zero >= 1 else (1, 1)
-            optimizer_s = max(optimizer_s, (dense / dense_shard + expert / expert_shard) * OPTIMIZER_BYTES_PER_PARAM
-                              / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency))
+            owned = dense / dense_shard + expert / expert_shard
+            optimizer_s = max(optimizer_s, offload_step_s(owned) if config.offload_optimizer else
+                              owned * OPTIMIZER_BYTES_PER_PARAM / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency))
             in_flight = pipeline.in_flight_microbatches(str(config.schedule), config.pp, stage, m, config.vpp) if config.pp > 1 else 1.0
             largest = float((rows[:, COL["dense_params"]] + rows[:, COL["expert_params"]]).max())
             breakdown = memory_model.stage_memory(
@@ -294,7 +314,7 @@ class Evaluator:
                 in_flight=in_flight, zero=config.zero, dense_shard_group=config.dp * config.cp,
                 expert_shard_group=expert_data_group(config, node).size,
                 gathered_params=ZERO3_GATHERED_LAYERS * largest if config.zero == 3 else 0.0,
-                grad_bytes_per_param=GRAD_BYTES_PER_PARAM,
+                **state_options(config),
             )
             breakdowns.append((device, breakdown))
             first, last = layer_ids[0], layer_ids[-1]
@@ -382,6 +402,13 @@ class Evaluator:
             bubble_fraction=time_breakdown["pp_bubble_s"] / pipe_s if pipe_s > 0 else 0.0,
             config=config,
         )
+
+
+def state_options(config: ParallelConfig) -> dict:
+    """How model states are stored: fp32 gradients and device-side Adam, or ZeRO-Offload."""
+    if config.offload_optimizer:
+        return {"optimizer": memory_model.Optimizer.ADAM_MIXED_OFFLOAD}
+    return {"grad_bytes_per_param": GRAD_BYTES_PER_PARAM}
 
 
 def expert_data_group(config: ParallelConfig, node: NodeSpec) -> CommGroup:

@@ -1,7 +1,7 @@
 """The memory plan of a chosen configuration: which layers recompute, the ZeRO stage, headroom.
 
 A uniform recompute policy is the search's unit; once a configuration wins, the stage-split ILP
-re-decides the policy per layer together with the split (`stages.split_ilp` with one column per
+re-decides the policy per layer together with the split (`stage_ilp.split_ilp` with one column per
 policy), so only as many layers recompute as memory requires, e.g. full recompute on the first
 pipeline stage (which holds the most micro-batches in flight) and none on the last.
 """
@@ -12,7 +12,7 @@ from planner.errors import PlannerError
 from planner.estimate import Evaluator
 from planner.graph import LayerKind, Recompute
 from planner.result import Estimate
-from planner.stages import split_ilp
+from planner.stage_ilp import split_ilp
 
 # Wall-clock limit and relative gap of the per-layer recompute ILP.
 MEMORY_ILP_TIME_LIMIT_S = 5.0

@@ -1,6 +1,6 @@
 """Run a mixed-integer program the one way the planner does: HiGHS through OR-Tools MathOpt.
 
-Both solvers (`planner.stages`, `planner.sharding`) build a `mathopt.Model` and hand it here, so time
+Both solvers (`planner.stage_ilp`, `planner.sharding`) build a `mathopt.Model` and hand it here, so time
 limits, gap tolerance and the mapping of solver outcomes to `SolveStatus` / `PlannerError` live in one
 place. HiGHS takes float coefficients, so costs stay in seconds and bytes with no integer scaling
 (TOOLCHAIN.md: HiGHS solves the 96x8 stage split in 0.06 s and 200 ops x 4 strategies in 0.3 s).

@@ -142,6 +142,7 @@ class Plan:
     alternatives: tuple[Alternative, ...] = ()
     rejected: tuple[dict, ...] = ()
     layer_names: tuple[str, ...] = ()
+    layer_params: tuple[int, ...] = ()  # parameters per layer, aligned with layer_names (apply checks the model)
 
     @property
     def stages(self) -> tuple[StagePlan, ...]:
@@ -166,6 +167,7 @@ class Plan:
         out["alternatives"] = [a.to_dict() for a in self.alternatives]
         out["rejected"] = list(self.rejected)
         out["layer_names"] = list(self.layer_names)
+        out["layer_params"] = list(self.layer_params)
         return out
 
     def to_json(self) -> str:
@@ -194,7 +196,14 @@ class Plan:
             ),
             rejected=tuple(data.get("rejected", [])),
             layer_names=tuple(data.get("layer_names", [])),
+            layer_params=tuple(data.get("layer_params", [])),
         )
+
+    def apply(self, model, **options):
+        """Applies this plan to `model` with torch.distributed; see `planner.apply.apply_plan`."""
+        from planner.apply import apply_plan  # imports torch.distributed (seconds); plans load without it
+
+        return apply_plan(self, model, **options)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":

@@ -3,19 +3,25 @@
 Candidates are priced in order of a lower bound on their step time (every device busy with its
 share of the layer work plus the pipeline fill its schedule cannot avoid, no exposed reduction;
 `pipeline_bound_s`); once the bound of the next candidate is no better than the best plan found,
-no later one can win, so the search stops there. The
+no later one can win, so the search stops there. A candidate whose devices cannot even hold their
+share of the model states and activations (`memory_floor_bytes`) is rejected without pricing. The
 result is the same optimum as pricing every configuration (tests check this against exhaustive
 enumeration), found after pricing a small fraction of them.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
+from typing import NamedTuple
 
+import numpy as np
+
+from costmodel import pipeline
 from costmodel.hardware import Cluster
 from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, PlannerErrorKind, invalid
-from planner.estimate import Evaluator
+from planner.estimate import COL, Evaluator, stage_devices
 from planner.graph import ModelGraph
 from planner.memory_plan import memory_plan
 from planner.result import Alternative, Plan
@@ -23,8 +29,14 @@ from planner.space import Rejection, configs_for, enumerate_degrees
 
 # Constraint keys `plan` accepts besides the fixed choices; anything else is a typo.
 BOUND_KEYS = {f"{bound}_{axis}" for bound in ("min", "max") for axis in ("tp", "pp", "dp", "cp", "ep")}
-FIXED_KEYS = {"tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "recompute", "schedule"}
-OTHER_KEYS = {"schedules", "allow_tp_across_nodes", "mem_headroom", "top", "exhaustive"}
+FIXED_KEYS = {"tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "recompute", "schedule", "offload_optimizer"}
+OTHER_KEYS = {"schedules", "allow_tp_across_nodes", "mem_headroom", "top", "exhaustive", "allow_offload"}
+
+# Search effort of `least_slowest_stage_s`: rounds of evenly spaced probes; each round narrows the
+# bracket (at most the largest layer's time) 15-fold, so 3 rounds leave it under 0.03% of that
+# layer. The bound stays sound at any precision; these only set how tight it is.
+MIN_MAX_PROBES = 16
+MIN_MAX_ROUNDS = 3
 
 # Examples of each rejection reason kept for `--explain`.
 EXPLAIN_EXAMPLES_PER_REASON = 3
@@ -43,28 +55,164 @@ def _check_constraints(constraints: dict) -> None:
         raise invalid(f"mem_headroom={headroom}: must be in [0, 0.9)")
 
 
-def pipeline_bound_s(evaluator: Evaluator, config: ParallelConfig) -> float:
-    """A step time `config` cannot beat: `Evaluator.lower_bound_s` plus the pipeline fill of its schedule.
+class WorkBound(NamedTuple):
+    """Schedule-free parts of a step-time bound, shared by every candidate with the same `work_bound_key`.
 
-    With W the work of one micro-batch through all layers on the fastest device (the work bound is
-    m W / pp) and T_d the work per micro-batch of device d:
+    Per layer, t_l and f_l are its time (forward + backward of one micro-batch, exposed communication
+    included) and forward time on the device type where each is least, W = sum_l t_l, and r_s >= 1
+    the least ratio of a layer's time on stage s's device type to t_l.
 
-    - 1F1B and interleaved: device d starts once the first forward has crossed the devices before
-      it and its last backward must cross them back, so step >= m T_d + sum_{d' < d} T_d' / vpp for
-      every d (the "device work" paths `costmodel.pipeline.step_time_s` takes the longest of). Over
-      every split of W the least max_d is where all terms are equal, T_{d+1} = T_d (1 - 1/(m vpp)):
-      W / (vpp (1 - (1 - 1/(m vpp))^pp)), at least m W / pp.
-    - GPipe: every forward runs before any backward, step >= W + (m - 1) max_d T_d >= W (m + pp - 1) / pp.
-    - Zero bubble fills the fill with weight gradients; it keeps the work bound.
+    Attributes:
+        microbatch_s: W, one micro-batch through every layer.
+        microbatch_fwd_s: sum_l f_l, the forward part of W.
+        fwd_share: phi, the least forward share (f_2 + ... + f_k) / (t_2 + ... + t_k) of the layers after
+            the first over any k (the first layer is left out: under ZeRO-3 its backward carries the
+            embedding's exposed gathers, which would make phi useless).
+        first_layer_s: t_1.
+        balanced_s: m W / sum_s (1 / r_s): the devices' work T_s >= r_s (their layers' t) cannot all
+            be below W / sum_s (1 / r_s); m W / pp on a homogeneous cluster.
+        slowest_stage_s: m M, with M the least max_s T_s over every contiguous split of the t_l into
+            pp stages (layers are indivisible, so some stage holds more than W / pp).
     """
-    work_s = evaluator.lower_bound_s(config)
+
+    microbatch_s: float
+    microbatch_fwd_s: float
+    fwd_share: float
+    first_layer_s: float
+    balanced_s: float
+    slowest_stage_s: float
+
+
+def work_bound_key(config: ParallelConfig) -> ParallelConfig:
+    """The configuration whose `WorkBound` equals that of `config`, shared by many candidates.
+
+    The work bound sums per-layer compute and exposed communication, which depend neither on the
+    schedule nor on ZeRO stages 0-2 (they differ only in memory and in the gradient reduction after
+    the backward); only ZeRO-3's parameter gathers add per-layer time. Pricing the bound once per
+    key instead of once per candidate saves most of the bound's cost.
+    """
+    return dataclasses.replace(config, schedule=Schedule.ONE_F_ONE_B, vpp=1, zero=3 if config.zero == 3 else 0)
+
+
+def work_bound(evaluator: Evaluator, config: ParallelConfig) -> WorkBound:
+    """The `WorkBound` of `config` (only the fields `work_bound_key` keeps matter)."""
+    policies = evaluator.policies(config)
+    per_stage = stage_devices(evaluator.cluster, config.pp)
+    tables = {device.name: evaluator.layer_table(config, device, node, policies) for device, node in dict(
+        (device.name, (device, node)) for device, node in per_stage).values()}
+    layer_s = {name: table[:, COL["fwd_s"]] + table[:, COL["bwd_s"]] for name, table in tables.items()}
+    fastest_s = np.min(list(layer_s.values()), axis=0)
+    fastest_fwd_s = np.min([table[:, COL["fwd_s"]] for table in tables.values()], axis=0)
+    timed = fastest_s > 0
+    slowdown = {name: float(np.min(times[timed] / fastest_s[timed])) if timed.any() else 1.0 for name, times in layer_s.items()}
+    later_s, later_fwd_s = np.cumsum(fastest_s[1:]), np.cumsum(fastest_fwd_s[1:])
+    m, microbatch_s = config.num_microbatches, float(fastest_s.sum())
+    return WorkBound(
+        microbatch_s=microbatch_s,
+        microbatch_fwd_s=float(fastest_fwd_s.sum()),
+        fwd_share=float(np.min(later_fwd_s[later_s > 0] / later_s[later_s > 0])) if np.any(later_s > 0) else 0.0,
+        first_layer_s=float(fastest_s[0]),
+        balanced_s=m * microbatch_s / sum(1 / slowdown[device.name] for device, _ in per_stage),
+        slowest_stage_s=m * least_slowest_stage_s(fastest_s, config.pp),
+    )
+
+
+def least_slowest_stage_s(layer_s: np.ndarray, stages: int) -> float:
+    """A lower bound on max_s T_s over every split of `layer_s` into `stages` contiguous parts.
+
+    The optimum lies in [low, low + max_l t_l] with low = max(max_l t_l, W / stages): packing layers
+    left to right under low + max_l t_l closes every part above W / stages, so it needs at most
+    `stages` parts. Each round probes `MIN_MAX_PROBES` limits of the bracket at once with that greedy
+    test (exact for contiguous splits) and keeps the sub-bracket where it starts to pass. Returns
+    the lower end, which is never above the optimum.
+    """
+    prefix = np.concatenate([[0.0], np.cumsum(layer_s)])
+    low = max(float(layer_s.max()), float(prefix[-1]) / stages)
+    high = low + float(layer_s.max())
+    for _ in range(MIN_MAX_ROUNDS):
+        limits = np.linspace(low, high, MIN_MAX_PROBES)
+        passing = _parts_needed(prefix, limits, stages) <= stages
+        first = int(np.argmax(passing))
+        if first == 0:
+            return float(limits[0]) if passing[0] else low
+        low, high = float(limits[first - 1]), float(limits[first])
+    return low
+
+
+def _parts_needed(prefix: np.ndarray, limits: np.ndarray, stages: int) -> np.ndarray:
+    """Per limit, the parts greedy packing under it takes (capped at stages + 1)."""
+    num_layers = len(prefix) - 1
+    ends = np.zeros(len(limits), dtype=int)
+    parts = np.zeros(len(limits), dtype=int)
+    for _ in range(stages + 1):
+        open_ = ends < num_layers
+        if not open_.any():
+            break
+        reach = np.searchsorted(prefix, prefix[ends] + limits, side="right") - 1
+        ends = np.where(open_, np.maximum(ends + 1, reach), ends)
+        parts += open_
+    return np.where(ends < num_layers, stages + 1, parts)
+
+
+def fill_bound_s(microbatch_s: float, m: int, pp: int, share: float) -> float:
+    """min over T >= 0 with sum_d T_d = W of max_d (m T_d + share * sum_{d' < d} T_d').
+
+    All terms are equal at the optimum, T_{d+1} = T_d (1 - share / m), which gives
+    W share / (1 - (1 - share / m)^pp); m W / pp when share is 0.
+    """
+    if share <= 0:
+        return m * microbatch_s / pp
+    return microbatch_s * share / (1 - (1 - share / m) ** pp)
+
+
+def pipeline_bound_s(config: ParallelConfig, bound: WorkBound) -> float:
+    """A step time `config` cannot beat: its `WorkBound` plus the pipeline fill of its schedule.
+
+    With T_d the work per micro-batch of device d, every schedule keeps some device busy
+    m max_d T_d >= max(balanced_s, m M) (M only for vpp = 1: the chunks of an interleaved device are
+    not contiguous). The fill comes from the "device work" paths `costmodel.pipeline.step_time_s`
+    takes the longest of: device d starts once the first forward has crossed the devices before it.
+
+    - 1F1B and interleaved: its last backward must also cross them back, so step >= m T_d +
+      sum_{d' < d} T_d' / vpp for every d; over every split, `fill_bound_s` with share 1 / vpp.
+    - Zero bubble: the deferred weight gradients end each device's work, so step >= m T_d + F_{<d}
+      (the forward time of the devices before d) >= m T_d + phi (sum_{d' < d} T_d' - t_1), i.e.
+      `fill_bound_s` with share phi, minus phi t_1; and the first forward crosses every device.
+    - GPipe: every forward runs before any backward, step >= sum_d T_d + (m - 1) max_d T_d.
+    """
     m, pp, vpp = config.num_microbatches, config.pp, config.vpp
-    if pp == 1 or config.schedule == Schedule.ZERO_BUBBLE:
-        return work_s
-    per_microbatch_s = work_s * pp / m
+    busy_s = max(bound.balanced_s, bound.slowest_stage_s if vpp == 1 else 0.0)
+    if pp == 1:
+        return busy_s
+    if config.schedule == Schedule.ZERO_BUBBLE:
+        fill_s = fill_bound_s(bound.microbatch_s, m, pp, bound.fwd_share) - bound.fwd_share * bound.first_layer_s
+        return max(busy_s, bound.microbatch_fwd_s, fill_s)
     if config.schedule == Schedule.GPIPE:
-        return per_microbatch_s * (m + pp - 1) / pp
-    return per_microbatch_s / (vpp * (1 - (1 - 1 / (m * vpp)) ** pp))
+        return bound.microbatch_s + (m - 1) * busy_s / m
+    return max(busy_s, fill_bound_s(bound.microbatch_s, m, pp, 1 / vpp))
+
+
+def memory_floor_bytes(evaluator: Evaluator, config: ParallelConfig) -> float:
+    """Bytes the average device of `config` holds at least, whatever the stage split.
+
+    A stage's estimate holds its layers' model states and `in_flight` micro-batches of their
+    activations, plus buffers and overhead (left out here). Over all pp stages that is at least
+    every layer's states plus the least in-flight count times every layer's activations (each on
+    the device type where it is smallest); the fullest stage holds at least the average.
+    """
+    per_stage = stage_devices(evaluator.cluster, config.pp)
+    policies = evaluator.policies(config)
+    tables = [evaluator.layer_table(config, device, node, policies) for device, node in {d.name: (d, n) for d, n in per_stage}.values()]
+    states = min(float(table[:, COL["static_bytes"]].sum()) for table in tables)
+    activations = min(float(table[:, COL["act_bytes"]].sum()) for table in tables)
+    in_flight = min(pipeline.in_flight_microbatches(str(config.schedule), config.pp, stage, config.num_microbatches, config.vpp)
+                    for stage in range(config.pp)) if config.pp > 1 else 1.0
+    return (states + in_flight * activations) / config.pp
+
+
+def mean_capacity_bytes(cluster: Cluster, pp: int) -> float:
+    """Device memory averaged over the pp pipeline stages (the stages may sit on different device types)."""
+    return sum(device.mem_bytes for device, _ in stage_devices(cluster, pp)) / pp
 
 
 def _reason_key(reason: str) -> str:
@@ -91,6 +239,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     space = enumerate_degrees(graph, cluster, constraints)
     rejected: list[Rejection] = list(space.rejected)
     candidates: list[tuple[float, ParallelConfig]] = []
+    work_bounds: dict[ParallelConfig, WorkBound] = {}
     for degrees in space.degrees:
         if global_batch % degrees[0]:
             rejected.append(Rejection(f"dp={degrees[0]}", f"global_batch={global_batch} is not a multiple of dp"))
@@ -101,13 +250,16 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
             except PlannerError as error:
                 rejected.append(Rejection(config.short(), error.message))
                 continue
-            candidates.append((pipeline_bound_s(evaluator, config), config))
+            key = work_bound_key(config)
+            if key not in work_bounds:
+                work_bounds[key] = work_bound(evaluator, key)
+            candidates.append((pipeline_bound_s(config, work_bounds[key]), config))
     candidates.sort(key=lambda item: item[0])
 
     ranked: list[tuple[float, ParallelConfig, object]] = []
     reasons: Counter = Counter()
     examples: dict[str, list[dict]] = {}
-    evaluated = 0
+    evaluated = screened = 0
     closest_miss = None
     for index, (bound_s, config) in enumerate(candidates):
         if not exhaustive and len(ranked) >= top and bound_s >= ranked[top - 1][0]:
@@ -115,13 +267,19 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
             reasons["bound"] += pruned
             examples.setdefault("bound", []).append({"what": f"{pruned} configurations", "reason": f"lower bound >= {ranked[top - 1][0]:.3f} s of the plans kept"})
             break
-        evaluated += 1
-        estimate = evaluator.estimate(config, global_batch, headroom=headroom)
-        if not estimate.fits:
-            need = estimate.peak_memory_bytes
+        floor_bytes = memory_floor_bytes(evaluator, config)
+        if floor_bytes > mean_capacity_bytes(cluster, config.pp) * (1 - headroom):
+            screened += 1
+            estimate = None
+        else:
+            evaluated += 1
+            estimate = evaluator.estimate(config, global_batch, headroom=headroom)
+        if estimate is None or not estimate.fits:
+            need = floor_bytes if estimate is None else estimate.peak_memory_bytes
+            at_least = "at least " if estimate is None else ""
             if closest_miss is None or need < closest_miss[0]:
-                closest_miss = (need, config)
-            reason = f"out of memory: needs {need / 2**30:.1f} GiB per device"
+                closest_miss = (need, config, at_least)
+            reason = f"out of memory: needs {at_least}{need / 2**30:.1f} GiB per device"
             reasons["memory"] += 1
             if len(examples.setdefault("memory", [])) < EXPLAIN_EXAMPLES_PER_REASON:
                 examples["memory"].append({"what": config.short(), "reason": reason})
@@ -130,7 +288,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
         ranked.sort(key=lambda item: item[0])
 
     if not ranked:
-        raise _nothing_fits(graph, cluster, global_batch, closest_miss, evaluated)
+        raise _nothing_fits(graph, cluster, global_batch, closest_miss, evaluated + screened)
 
     best_s, best_config, best_estimate = ranked[0]
     plan_memory, best_estimate = memory_plan(evaluator, best_config, best_estimate, global_batch, headroom)
@@ -155,6 +313,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
             "time_s": time.perf_counter() - started,
             "candidates_total": len(candidates),
             "candidates_evaluated": evaluated,
+            "screened_by_memory_floor": screened,
             "pruned_by_bound": reasons.get("bound", 0),
             "status": "optimal",
             "rejected_counts": dict(reasons),
@@ -174,11 +333,11 @@ def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closes
     capacity = min(g.node.device.mem_bytes for g in cluster.groups)
     if closest_miss is None:
         return invalid(f"no configuration of {graph.name} on {cluster.num_devices} devices is valid with these constraints; relax them")
-    need, config = closest_miss
+    need, config, at_least = closest_miss
     devices_needed = cluster.num_devices * need / capacity
     return PlannerError(
         PlannerErrorKind.INSUFFICIENT_MEMORY,
-        f"no plan fits: the closest ({config.short()}) needs {need / 2**30:.1f} GiB per device of {capacity / 2**30:.1f} GiB "
+        f"no plan fits: the closest ({config.short()}) needs {at_least}{need / 2**30:.1f} GiB per device of {capacity / 2**30:.1f} GiB "
         f"after {evaluated} candidates; try about {devices_needed:.0f}+ devices, a smaller micro-batch or global batch, "
         f"or allow zero=3 with recompute=full",
     )

@@ -193,4 +193,5 @@ def configs_for(degrees: tuple[int, int, int, int, int], graph: ModelGraph, glob
             for zero in zero_options(constraints, dp * cp):
                 for recompute in recompute_options(constraints):
                     yield ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp, micro_batch=mb,
-                                         num_microbatches=m, zero=zero, recompute=recompute, schedule=schedule)
+                                         num_microbatches=m, zero=zero, recompute=recompute, schedule=schedule,
+                                         offload_optimizer=bool(constraints.get("offload_optimizer", False)))

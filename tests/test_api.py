@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import planner
-from costmodel.hardware import load_cluster
+from costmodel.profile_loader import load_cluster
 from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.graph import Recompute

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import cli
-from costmodel.hardware import load_device
+from costmodel.profile_loader import load_device
 from planner.result import Plan
 
 REPO = Path(__file__).resolve().parent.parent

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from costmodel.compute import peak_flops_per_s
-from costmodel.hardware import load_cluster
 from costmodel.memory import STATE_BYTES_PER_PARAM, Optimizer
+from costmodel.profile_loader import load_cluster
 from planner.config import ParallelConfig, Schedule
 from planner.estimate import COL, ZERO3_GATHERED_LAYERS, Evaluator, stage_devices
 from planner.graph import LayerKind, Recompute

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from costmodel.errors import ProfileError
-from costmodel.hardware import (INTER_NODE_KINDS, INTRA_NODE_KINDS, MATMUL_HALF_EFFICIENCY_TIME_S, PROFILES_DIR,
-                                PROFILES_PATH_ENV, Cluster, list_clusters, list_devices, load_cluster, load_device)
+from costmodel.hardware import INTER_NODE_KINDS, INTRA_NODE_KINDS, Cluster
+from costmodel.profile_files import PROFILES_DIR, PROFILES_PATH_ENV, list_clusters, list_devices
+from costmodel.profile_loader import MATMUL_HALF_EFFICIENCY_TIME_S, load_cluster, load_device
 from planner.report.hardware import render_hardware, render_hardware_list
 
 MIB = 2**20

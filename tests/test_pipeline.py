@@ -9,13 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from costmodel.pipeline import (
-    EventKind,
-    PipeSchedule,
-    in_flight_microbatches,
-    simulate,
-    step_time_s,
-)
+from costmodel.pipeline import PipeSchedule, in_flight_microbatches, step_time_s
+from costmodel.pipeline_sim import EventKind, simulate
 from planner.config import Schedule
 
 SCHEDULES = list(PipeSchedule)

@@ -14,12 +14,12 @@ import json
 import pytest
 
 import planner
-from costmodel.hardware import load_cluster
+from costmodel.profile_loader import load_cluster
 from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.estimate import Evaluator
 from planner.graph import Recompute
-from planner.search import pipeline_bound_s
+from planner.search import mean_capacity_bytes, memory_floor_bytes, pipeline_bound_s, work_bound, work_bound_key
 from planner.space import configs_for, enumerate_degrees
 from planner.stages import split_uniform
 
@@ -56,8 +56,8 @@ def model_ref(tmp_path_factory):
 def brute_force(graph, cluster_name: str, global_batch: int, constraints: dict):
     """(fastest step time that fits, every config reaching it, configs priced) over the whole space.
 
-    Also asserts, for every configuration, the invariant the pruning relies on: the lower bound
-    never exceeds the priced step time.
+    Also asserts, for every configuration, the invariants the pruning relies on: the lower bound
+    never exceeds the priced step time, and a configuration over the memory floor does not fit.
     """
     cluster = load_cluster(cluster_name)
     evaluator = Evaluator(graph, cluster)
@@ -70,7 +70,12 @@ def brute_force(graph, cluster_name: str, global_batch: int, constraints: dict):
                 continue
             estimate = evaluator.estimate(config, global_batch)
             priced += 1
-            assert pipeline_bound_s(evaluator, config) <= estimate.step_time_s * (1 + REL_TOL), config.short()
+            # The search prices the work bound once per key configuration; the key must not change it.
+            bound = work_bound(evaluator, work_bound_key(config))
+            assert work_bound(evaluator, config) == bound, config.short()
+            assert pipeline_bound_s(config, bound) <= estimate.step_time_s * (1 + REL_TOL), config.short()
+            if memory_floor_bytes(evaluator, config) > mean_capacity_bytes(cluster, config.pp):
+                assert not estimate.fits, config.short()
             if estimate.fits:
                 results.append((estimate.step_time_s, config))
     best_s = min(step_s for step_s, _ in results)

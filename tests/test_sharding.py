@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.graph import Op, OpKind
 from planner.milp import SolveStatus
-from planner.sharding import BOUNDARY, Collective, ParamBudget, Placement, TensorLayout, op_strategies, solve_layout
+from planner.sharding import ParamBudget, solve_layout
+from planner.tp_strategies import BOUNDARY, Collective, Placement, TensorLayout, op_strategies
 
 PEAK_FLOPS_PER_S = 400e12
 HBM_BYTES_PER_S = 3e12

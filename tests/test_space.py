@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from costmodel.hardware import load_cluster
+from costmodel.profile_loader import load_cluster
 from planner.config import Schedule
 from planner.errors import PlannerError
 from planner.estimate import stage_devices

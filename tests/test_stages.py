@@ -1,4 +1,4 @@
-"""Tests for planner.stages: exact DP and MILP against brute force, plus hand-derived cases.
+"""Tests for planner.stages and planner.stage_ilp: exact DP and MILP against brute force, plus hand-derived cases.
 
 Random instances use integer times and bytes and power-of-two speeds, so every sum and quotient is
 exact in floating point and the solvers can be compared with the brute force without tolerances
@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.milp import SolveStatus
-from planner.stages import StageProblem, split_dp, split_ilp, split_uniform
+from planner.stage_ilp import split_ilp
+from planner.stage_problem import StageProblem
+from planner.stages import split_dp, split_uniform
 
 
 def one_f_one_b_in_flight(num_stages: int, num_microbatches: int) -> np.ndarray:

@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from planner.errors import PlannerError, PlannerErrorKind
-from planner.sharding import Placement, TensorLayout
+from planner.tp_strategies import Placement, TensorLayout
 
 # Names of the projection that produces a container's output (zoo: attention o_proj, GPT MLP fc2,
 # SwiGLU down_proj); every other Linear child reads the container's input.
@@ -97,7 +97,18 @@ def _linear_style(placement: Placement, fqn: str, need_in: TensorLayout, out: Te
                       f"re-plan (`paraplan plan`) or use tp=1")
 
 
-def _container_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: TensorLayout) -> dict[str, ParallelStyle]:
+def _check_heads(fqn: str, module: nn.Module, inputs: list[str], tp: int) -> None:
+    """Local heads must be whole: every head-projection's heads divisible by tp (attention has `head_dim`)."""
+    head_dim = getattr(module, "head_dim", None)
+    for name in inputs if head_dim else ():
+        heads = getattr(module, name).out_features // head_dim
+        if heads % tp:
+            raise unsupported(f"layout {fqn}.{name}: its {heads} heads do not split over tp={tp}; "
+                              f"re-plan with a tp that divides the key/value heads")
+
+
+def _container_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: TensorLayout,
+                      tp: int) -> dict[str, ParallelStyle]:
     """Styles of an attention or MLP container and its Linear children (see the module docstring)."""
     linears = {name: child for name, child in module.named_children() if isinstance(child, nn.Linear)}
     others = [f"{fqn}.{name}" for name, child in module.named_children()
@@ -115,6 +126,8 @@ def _container_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stre
     if core == Placement.HEADS and not all_colwise:
         raise unsupported(f"layout {fqn}: attention on local heads needs colwise {', '.join(inputs)}; re-plan")
     middle = F if all_colwise and core != Placement.REPLICATE else R
+    if middle == F:
+        _check_heads(fqn, module, inputs, tp)
     styles: dict[str, ParallelStyle] = {}
     for name in inputs:
         if placements[name] == Placement.ROWWISE:
@@ -187,7 +200,8 @@ def stream_layout(layouts: dict[str, str], block_fqns: list[str], model: nn.Modu
     return R
 
 
-def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[str], layouts: dict[str, str]) -> TensorParallelPlan:
+def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[str], layouts: dict[str, str],
+                         tp: int) -> TensorParallelPlan:
     """Parallel styles for every unit of `model` under per-module `layouts` (FQN -> placement, all blocks).
 
     Args:
@@ -195,6 +209,7 @@ def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[st
         units: pipeline-cut units in order (top-level modules, blocks expanded).
         block_fqns: the units that are repeated blocks.
         layouts: placement of every module FQN that is not replicated.
+        tp: tensor-parallel degree.
 
     Raises:
         PlannerError: UNSUPPORTED_MODEL naming the module whose placement cannot be applied.
@@ -210,7 +225,7 @@ def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[st
                 if isinstance(child, NORM_TYPES):
                     styles.update(_norm_styles(fqn, layouts, stream))
                 elif any(isinstance(c, nn.Linear) for c in child.children()):
-                    styles.update(_container_styles(fqn, child, layouts, stream))
+                    styles.update(_container_styles(fqn, child, layouts, stream, tp))
                 elif any(True for _ in child.parameters()) and _placement(layouts, fqn) != Placement.REPLICATE:
                     raise unsupported(f"layout {fqn}: placement {layouts[fqn]!r} on a {type(child).__name__} cannot be applied")
         elif isinstance(module, NORM_TYPES):

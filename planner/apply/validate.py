@@ -17,7 +17,7 @@ from torch import nn
 
 from planner.errors import invalid
 from planner.result import Plan
-from planner.sharding import Placement
+from planner.tp_strategies import Placement
 
 # Placements `parallelize_module` applies to a module through a weight split.
 _SPLIT_PLACEMENTS = frozenset({Placement.COLWISE, Placement.ROWWISE})
@@ -60,6 +60,8 @@ def check_supported(plan: Plan) -> None:
         raise invalid(f"cp={config.cp}: applying context parallelism is not supported; re-plan with --cp 1")
     if config.ep > 1:
         raise invalid(f"ep={config.ep}: applying expert parallelism is not supported; re-plan with --ep 1")
+    if config.offload_optimizer:
+        raise invalid("offload_optimizer: applying ZeRO-Offload is not supported; re-plan with --no-offload")
 
 
 def model_units(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:

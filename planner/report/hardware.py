@@ -7,8 +7,9 @@ from rich.table import Table
 from rich.text import Text
 
 from costmodel.errors import ProfileError
-from costmodel.hardware import (Cluster, DeviceSpec, LinkTier, list_clusters, list_devices, load_cluster,
-                                load_device, nearest_names)
+from costmodel.hardware import Cluster, DeviceSpec, LinkTier
+from costmodel.profile_files import list_clusters, list_devices, nearest_names
+from costmodel.profile_loader import load_cluster, load_device
 
 FLOPS_PER_TFLOP = 1e12
 BYTES_PER_GIB = 2**30

@@ -2,7 +2,7 @@
 
 Every executor gets the traced graphs and the clusters once (worker processes through their
 initializer, Ray through its object store), so a point ships only its key and workers never
-trace or read profile files; they do not even import torch. Each executor's `run` yields one row
+trace or read profile files; they do not even import torch. Each `run_*` function yields one row
 per finished point, in completion order, and `None` when a poll interval passes without one; once
 `stop` is set it dispatches nothing more and yields the rows of the points already running.
 """
@@ -96,9 +96,11 @@ def failure(error: Exception) -> dict:
 
 
 def base_row(point: SweepPoint, cluster: Cluster, settings: PlanSettings) -> dict:
-    """The columns a row has whatever happens to its point: the point, its hardware and price."""
+    """A row with every column, those known whatever happens to the point filled in: the point,
+    its hardware and price."""
     prices = [group.node.device.price_per_hour for group in cluster.groups]
     return {
+        **dict.fromkeys(COLUMN_TYPES),
         "model": point.model, "cluster": point.cluster, "global_batch": point.global_batch, "seq_len": point.seq_len,
         "settings": settings.settings,
         "device": "+".join(dict.fromkeys(group.node.device.name for group in cluster.groups)),
@@ -144,15 +146,18 @@ def _plan_in_worker(point: SweepPoint) -> dict:
 
 def run_processes(points: Iterable[SweepPoint], tables: Tables, stop: threading.Event, workers: int) -> Iterator[dict | None]:
     """Plan the points in `workers` fresh worker processes (spawned: no state forked from the parent)."""
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                                initargs=(tables,)) as pool:
-        def wait(pending):
-            done, _ = concurrent.futures.wait(pending, timeout=POLL_S, return_when=concurrent.futures.FIRST_COMPLETED)
-            return done
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                                  initializer=_init_worker, initargs=(tables,))
 
+    def wait(pending):
+        done, _ = concurrent.futures.wait(pending, timeout=POLL_S, return_when=concurrent.futures.FIRST_COMPLETED)
+        return done
+
+    try:
         yield from _windowed(points, stop, workers, lambda point: pool.submit(_plan_in_worker, point), wait,
                              lambda future: future.result())
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def run_ray(points: Iterable[SweepPoint], tables: Tables, stop: threading.Event, address: str | None) -> Iterator[dict | None]:

@@ -4,8 +4,9 @@ Each (model, sequence length) is traced once, here; the graphs go to the workers
 `planner.sweeps.executors`). Rows are appended to the results file as points finish. On start,
 the points already in the file are skipped, so re-running an interrupted sweep finishes it and
 never plans a point twice. The first SIGINT or SIGTERM stops dispatching, waits for the points
-already running and writes their rows, then raises `SweepInterrupted`; a second signal acts at
-once (finished rows are kept; the running points are planned again on resume). A finished sweep
+already running and writes their rows, then raises `SweepInterrupted`. A second signal gets the
+default behaviour: SIGTERM ends the process at once, SIGINT raises KeyboardInterrupt (once the
+running worker tasks end); the rows written so far are whole either way. A finished sweep
 leaves its rows in the sweep's point order, so a resumed run's file matches an uninterrupted
 one's (except `plan_time_s`).
 """
@@ -18,12 +19,14 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 from rich.text import Text
 
+from planner.api import model_graph
 from planner.errors import invalid
 from planner.sweeps.executors import (ExecutorKind, PlanSettings, Tables, base_row, failure, run_inline, run_processes,
                                       run_ray)
@@ -104,6 +107,8 @@ def sweep(spec: SweepSpec | str | Path | dict, out: str | Path, *, workers: int 
     spec = _as_spec(spec)
     results_format(out)
     kind = _executor_kind(executor)
+    if address is not None and kind != ExecutorKind.RAY:
+        raise invalid(f"--address {address}: only with --executor ray")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise invalid(f"--workers={workers!r}: must be a positive integer")
     settings = PlanSettings(spec.dtype, spec.attention, spec.constraints, spec.settings,
@@ -113,19 +118,12 @@ def sweep(spec: SweepSpec | str | Path | dict, out: str | Path, *, workers: int 
         task = bar.add_task("tracing", total=len(spec.points), completed=len(spec.points) - len(todo))
         graphs, plannable = _trace(todo, spec, settings, results, stop.event, bar, task)
         planning_started = time.perf_counter()
-        tables: Tables = (graphs, spec.clusters, settings)
-        processes = min(workers or os.cpu_count() or 1, len(plannable))
-        if kind == ExecutorKind.RAY:
-            rows = run_ray(plannable, tables, stop.event, address)
-        elif processes <= 1:
-            rows = run_inline(plannable, tables, stop.event)
-        else:
-            rows = run_processes(plannable, tables, stop.event, processes)
-        for row in rows:
+        for row in _rows(kind, plannable, (graphs, spec.clusters, settings), stop.event, workers, address):
             if row is not None:
                 results.append(row)
-                bar.advance(task)
-            bar.update(task, description=_describe(row, stop.event.is_set()))
+                bar.update(task, advance=1, description=_describe(row))
+            elif stop.event.is_set():
+                bar.update(task, description="stopping: finishing the running points")
         planning_s = time.perf_counter() - planning_started
         done = _in_sweep_order(spec, results.rows)
         if stop.signum is not None:
@@ -144,6 +142,19 @@ def _as_spec(spec: SweepSpec | str | Path | dict) -> SweepSpec:
     if isinstance(spec, dict):
         return sweep_spec_from_dict(spec)
     return load_sweep_spec(spec)
+
+
+def _rows(kind: ExecutorKind, points: list[SweepPoint], tables: Tables, stop: threading.Event, workers: int | None,
+          address: str | None) -> Iterator[dict | None]:
+    """The rows of `points` from the chosen executor (nothing, without starting one, when there is nothing to do)."""
+    processes = min(workers or os.cpu_count() or 1, len(points))
+    if not points or stop.is_set():
+        return iter(())
+    if kind == ExecutorKind.RAY:
+        return run_ray(points, tables, stop, address)
+    if processes == 1:
+        return run_inline(points, tables, stop)
+    return run_processes(points, tables, stop, processes)
 
 
 def _executor_kind(executor: ExecutorKind | str) -> ExecutorKind:
@@ -168,17 +179,16 @@ def _unfinished(spec: SweepSpec, results: ResultsFile) -> list[SweepPoint]:
 
 def _trace(todo: list[SweepPoint], spec: SweepSpec, settings: PlanSettings, results: ResultsFile,
            stop: threading.Event, bar: Progress, task) -> tuple[dict, list[SweepPoint]]:
-    """Trace each (model, seq_len) the unfinished points need, once; a model that fails to trace
-    gets its rows here. Returns the graphs and the points left to plan."""
-    from planner.tracing import trace  # imports torch, which the workers never need
-
+    """Trace each (model, seq_len) the unfinished points need, once (or load it from the on-disk
+    graph cache, as `planner.plan` does); a model that fails to trace gets its rows here.
+    Returns the graphs and the points left to plan."""
     graphs = {}
     for model, seq_len in dict.fromkeys((point.model, point.seq_len) for point in todo):
         if stop.is_set():
             break
         bar.update(task, description=f"tracing {model} at {seq_len} tokens")
         try:
-            graphs[model, seq_len] = trace(model, seq_len=seq_len)
+            graphs[model, seq_len] = model_graph(model, seq_len)
         except Exception as error:  # noqa: BLE001 - the model's points become rows with the reason
             for point in todo:
                 if (point.model, point.seq_len) == (model, seq_len):
@@ -195,11 +205,7 @@ def _in_sweep_order(spec: SweepSpec, rows: list[dict]) -> list[dict]:
     return [by_point[point] for point in spec.points if point in by_point]
 
 
-def _describe(row: dict | None, stopping: bool) -> str:
-    if stopping:
-        return "stopping: finishing the running points (signal again to abort)"
-    if row is None:
-        return "planning"
+def _describe(row: dict) -> str:
     return f"{row['model']} on {row['cluster']} gb{row['global_batch']} s{row['seq_len']}: {row['status']}"
 
 
@@ -218,8 +224,8 @@ def _progress_bar(enabled: bool) -> Progress:
 
 
 class _StopOnSignal:
-    """Sets `event` on the first SIGINT or SIGTERM, then restores the previous handlers so that a
-    second signal acts at once. Installs nothing outside the main thread (signals go there)."""
+    """Sets `event` on the first SIGINT or SIGTERM, then restores the previous handlers, which
+    handle a second one. Installs nothing outside the main thread (signals go there)."""
 
     def __init__(self):
         self.event = threading.Event()

@@ -18,7 +18,7 @@ keys is a point; explicit `points` follow:
 
 Cluster sizes count devices: a size up to the device's usual node (`devices_per_node` of its
 profile) is one node of that many devices, a larger size is whole nodes of the usual size (the
-`DEVICE:N` shorthand of `costmodel.hardware.load_cluster`); a size that is not a whole number of
+`DEVICE:N` shorthand of `costmodel.profile_loader.load_cluster`); a size that is not a whole number of
 nodes is rejected. A point names its cluster `DEVICE:NODESxGPUS` (device and size, or shorthand),
 by its built-in name, or by its file path. Relative file paths in a sweep file are relative to
 the file.
@@ -35,7 +35,9 @@ from pathlib import Path
 import yaml
 
 from costmodel.errors import ProfileError
-from costmodel.hardware import PROFILE_SUFFIXES, Cluster, load_cluster, load_device
+from costmodel.hardware import Cluster
+from costmodel.profile_files import PROFILE_SUFFIXES
+from costmodel.profile_loader import load_cluster, load_device
 from planner.errors import PlannerError, invalid
 
 GRID_LIST_KEYS = ("models", "devices", "cluster_sizes", "clusters", "global_batches", "seq_lens")

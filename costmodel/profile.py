@@ -1,0 +1,397 @@
+"""Measures the machine it runs on and writes a profile the cost model reads (`paraplan profile`).
+
+Run once per process layout you will train with: alone it measures compute; under `torchrun` every
+rank measures at the same time (so compute is measured under the load of all ranks sharing the
+machine, and `matmul_sustained_fraction` is 1) and the ranks also time collectives (gloo on CPUs,
+NCCL on GPUs). Measured:
+
+- training GEMMs (a Linear's forward, input- and weight-gradient GEMMs) across sizes per dtype ->
+  the device's efficiency curve and peak, and the op table's `matmul_times_s` (the compute model
+  interpolates a GEMM's time from its nearest measured sizes);
+- streaming copy bandwidth -> `mem_bw_bytes_per_s`; elementwise ops (add, GELU, LayerNorm) ->
+  their achieved bandwidth relative to the copy, `mem_bw_efficiency`;
+- scaled-dot-product attention forward and forward+backward -> op-table entries by shape;
+- all-reduce, all-gather, reduce-scatter and p2p across sizes -> the intra-node link's bandwidth
+  and latency, fitted to the cost model's ring formulas (`costmodel.comm`) by relative least squares.
+
+Output, next to `--out my-cluster.yaml`: `my-cluster-device.yaml` (a device profile naming its op
+tables in `op_tables`), `my-cluster-ops-<dtype>.json` (one `OpTable` per dtype) and the cluster file
+itself (one node of the measured ranks). Fields not measured (the NIC, and the intra-node link when
+run alone) come from a base device profile (`--like`). `--cluster my-cluster.yaml` then plans with
+the measurements; `--cluster my-cluster-device.yaml:NODESxRANKS` other layouts of the same device.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+from torch.utils.benchmark import Timer
+
+from costmodel.compute import OpTable
+from costmodel.hardware import DeviceSpec, LinkTier
+
+# Matrix sizes n of the n x n x n GEMMs timed, per device type and mode: from launch-bound to the
+# plateau of one CPU core (about 1 GFLOP/s-scale ops) or one GPU (about 1 TFLOP ops).
+MATMUL_SIZES = {"cpu": (64, 128, 256, 512, 1024, 2048), "cuda": (256, 512, 1024, 2048, 4096, 8192)}
+QUICK_MATMUL_SIZES = {"cpu": (64, 256), "cuda": (512, 4096)}
+DTYPES = {"cpu": ("fp32", "bf16"), "cuda": ("bf16", "fp16", "fp32")}
+# Bytes of each tensor of the streaming and elementwise measurements: well past the last-level cache.
+STREAM_BYTES = {"cpu": 64 * 2**20, "cuda": 1 * 2**30}
+QUICK_STREAM_BYTES = {"cpu": 4 * 2**20, "cuda": 64 * 2**20}
+# (batch, heads, seq, head_dim) of the attention measurements: a small and a GPT-2-sized layer.
+ATTENTION_SHAPES = {"cpu": ((1, 8, 256, 64), (1, 12, 1024, 64)), "cuda": ((4, 16, 2048, 128), (1, 32, 8192, 128))}
+QUICK_ATTENTION_SHAPES = {"cpu": ((1, 4, 128, 32),), "cuda": ((1, 16, 2048, 128),)}
+# Collective buffer sizes: from latency-bound to bandwidth-bound.
+COLLECTIVE_BYTES = {"cpu": tuple(4**k for k in range(6, 13)), "cuda": tuple(4**k for k in range(8, 15))}
+QUICK_COLLECTIVE_BYTES = {"cpu": (4**6, 4**10), "cuda": (4**8, 4**13)}
+# Minimum measuring time per op (torch.utils.benchmark blocked_autorange), and per collective size.
+MIN_RUN_TIME_S = 0.2
+QUICK_MIN_RUN_TIME_S = 0.01
+COLLECTIVE_ITERATIONS = 10
+QUICK_COLLECTIVE_ITERATIONS = 3
+WARMUP_ITERATIONS = 2
+# Latency floor of a fitted link: a fit dominated by bandwidth can land at or below zero latency,
+# which no link has (a shared-memory round trip takes at least about a microsecond).
+MIN_LATENCY_S = 1e-6
+# A CPU "device" is one core: the cost model's cpu profile runs one rank per core, and so do the
+# gloo jobs that apply plans (torch.set_num_threads(1) per rank; torchrun's default OMP_NUM_THREADS).
+CPU_THREADS_PER_RANK = 1
+# Built-in device whose unmeasured fields a profile inherits, per device type.
+DEFAULT_BASE = {"cpu": "cpu", "cuda": "h100-sxm"}
+# Link kind written for a measured intra-node link (the kind is not measurable; it only decides
+# whether the link may serve inside a node).
+MEASURED_LINK_KIND = {"cpu": "loopback", "cuda": "pcie"}
+
+# GEMMs of one Linear layer in a training step: forward, input gradient, weight gradient.
+GEMMS_PER_LINEAR = 3
+
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass
+class Measurements:
+    """What one profiling run measured (rank-wise maxima under torchrun)."""
+
+    device_type: str
+    device_name: str
+    world_size: int
+    mem_bytes: float
+    matmul_times_s: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    stream_bytes_per_s: float = 0.0
+    elementwise_bytes_per_s: dict[str, float] = field(default_factory=dict)
+    op_times_s: dict[str, dict[str, float]] = field(default_factory=dict)
+    link: tuple[float, float] | None = None  # (bytes/s, latency s)
+    collective_samples: list[dict] = field(default_factory=list)
+
+
+def _time_s(stmt: str, values: dict, min_run_time_s: float) -> float:
+    """Median seconds of `stmt` (torch.utils.benchmark: warm-up, device sync, blocked autorange)."""
+    return Timer(stmt, globals=values, num_threads=torch.get_num_threads()).blocked_autorange(
+        min_run_time=min_run_time_s).median
+
+
+def _rank_max(values: list[float]) -> list[float]:
+    """Element-wise maximum over ranks (the slowest rank sets the step), identity when alone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def measure_matmuls(device, dtypes, sizes, min_run_time_s, advance) -> dict[str, list[tuple[float, float]]]:
+    """(FLOPs, seconds) of one training GEMM per size and dtype, ascending in FLOPs.
+
+    Each size n times the three GEMMs of an n x n Linear layer on n tokens in training, in the
+    layouts autograd runs them (forward `linear(x, w)`, input gradient `dy @ w`, weight gradient
+    `dy.t() @ x`) and takes their mean: the cost model prices a Linear as one forward and two
+    backward GEMMs of equal FLOPs, and transposed layouts run at different speeds on some devices.
+    """
+    out = {}
+    linear = torch.nn.functional.linear
+    for dtype in dtypes:
+        points = []
+        for n in sizes:
+            x, w, dy = (torch.randn(n, n, device=device, dtype=getattr(torch, _TORCH_DTYPES[dtype])) for _ in range(3))
+            triplet_s = _time_s("linear(x, w); dy @ w; dy.t() @ x", {"x": x, "w": w, "dy": dy, "linear": linear},
+                                min_run_time_s)
+            points.append((2.0 * n ** 3, triplet_s / GEMMS_PER_LINEAR))
+            advance()
+        out[dtype] = list(zip([f for f, _ in points], _rank_max([t for _, t in points])))
+    return out
+
+
+def measure_memory(device, dtypes, stream_bytes, min_run_time_s, advance) -> tuple[float, dict[str, float], dict[str, dict[str, float]]]:
+    """Copy bandwidth, elementwise bandwidth by op and dtype, and elementwise times by dtype and key."""
+    x = torch.randn(stream_bytes // 4, device=device)
+    (copy_s,) = _rank_max([_time_s("y.copy_(x)", {"x": x, "y": torch.empty_like(x)}, min_run_time_s)])
+    advance()
+    rates, times = {}, {}
+    for dtype in dtypes:
+        t = x.to(getattr(torch, _TORCH_DTYPES[dtype])).view(-1, 1024)
+        size = t.numel() * t.element_size()
+        ops = {"add": ("a + b", 3 * size), "gelu": ("gelu(a)", 2 * size), "layer_norm": ("norm(a, (1024,))", 2 * size)}
+        measured = []
+        for name, (stmt, moved_bytes) in ops.items():
+            seconds = _time_s(stmt, {"a": t, "b": t.clone(), "gelu": torch.nn.functional.gelu,
+                                     "norm": torch.nn.functional.layer_norm}, min_run_time_s)
+            measured.append((f"{name}:{size}B", moved_bytes, seconds))
+            advance()
+        maxima = _rank_max([s for _, _, s in measured])
+        times[dtype] = {key: s for (key, _, _), s in zip(measured, maxima)}
+        rates.update({f"{key}:{dtype}": moved_bytes / s for (key, moved_bytes, _), s in zip(measured, maxima)})
+    return 2 * stream_bytes / copy_s, rates, times
+
+
+def measure_attention(device, dtypes, shapes, min_run_time_s, advance) -> dict[str, dict[str, float]]:
+    """Causal SDPA forward and forward+backward seconds, by dtype and shape key."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = {}
+    for dtype in dtypes:
+        keys, seconds = [], []
+        for batch, heads, seq, head_dim in shapes:
+            q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=getattr(torch, _TORCH_DTYPES[dtype]),
+                            requires_grad=True)
+            shape = f"b{batch}.h{heads}.s{seq}.d{head_dim}"
+            values = {"q": q, "sdpa": sdpa}
+            keys.append(f"attention_fwd:{shape}")
+            seconds.append(_time_s("sdpa(q, q, q, is_causal=True)", values, min_run_time_s))
+            keys.append(f"attention_fwd_bwd:{shape}")
+            seconds.append(_time_s("sdpa(q, q, q, is_causal=True).sum().backward()", values, min_run_time_s))
+            advance()
+        out[dtype] = dict(zip(keys, _rank_max(seconds)))
+    return out
+
+
+def _collective_s(op: str, size_bytes: int, device, iterations: int) -> float:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    buffer = torch.zeros(size_bytes // 4, device=device)
+    shard = torch.zeros(size_bytes // 4 // world, device=device)
+
+    def p2p() -> None:
+        if rank == 0:
+            dist.send(buffer, 1)
+        elif rank == 1:
+            dist.recv(buffer, 0)
+
+    run = {
+        "all_reduce": lambda: dist.all_reduce(buffer),
+        "all_gather": lambda: dist.all_gather_into_tensor(buffer, shard),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, buffer),
+        "p2p": p2p,
+    }[op]
+    for _ in range(WARMUP_ITERATIONS):
+        run()
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iterations):
+        run()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iterations
+
+
+# (bandwidth coefficient per byte, latency steps) of each collective over n ranks: the ring formulas
+# of costmodel.comm for a group inside one node.
+def _coefficients(op: str, n: int, size_bytes: float) -> tuple[float, float]:
+    return {
+        "all_reduce": (2 * (n - 1) / n * size_bytes, 2 * (n - 1)),
+        "all_gather": ((n - 1) / n * size_bytes, n - 1),
+        "reduce_scatter": ((n - 1) / n * size_bytes, n - 1),
+        "p2p": (size_bytes, 1),
+    }[op]
+
+
+def fit_link(samples: list[dict], world: int) -> tuple[float, float]:
+    """(bytes/s, latency s) that best fit `samples` ({op, bytes, seconds}) by relative least squares."""
+    rows = np.array([_coefficients(s["op"], world, s["bytes"]) for s in samples], dtype=float)
+    seconds = np.array([s["seconds"] for s in samples], dtype=float)
+    (inverse_bw, latency), *_ = np.linalg.lstsq(rows / seconds[:, None], np.ones_like(seconds), rcond=None)
+    best_rate = max(row[0] / t for row, t in zip(rows, seconds))
+    return float(1.0 / inverse_bw if inverse_bw > 0 else best_rate), max(float(latency), MIN_LATENCY_S)
+
+
+def measure_collectives(device, sizes, iterations, advance) -> list[dict]:
+    """Seconds of each collective and size over all ranks (p2p between ranks 0 and 1)."""
+    world = dist.get_world_size()
+    samples = []
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
+        for size in sizes:
+            size = size - size % (4 * world)
+            seconds = _rank_max([_collective_s(op, size, device, iterations)])[0]
+            samples.append({"op": op, "bytes": size, "seconds": seconds})
+            advance()
+    return samples
+
+
+def _mem_bytes(device, world_on_host: int) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / world_on_host
+
+
+def measure(*, quick: bool = False, progress=None) -> Measurements:
+    """Measures this machine (see the module docstring); call on every rank under torchrun.
+
+    Args:
+        quick: small sizes and short timings (seconds, for tests and smoke checks).
+        progress: a rich Progress to report on, or None.
+    """
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed and torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kind = device.type
+    if kind == "cpu":
+        torch.set_num_threads(CPU_THREADS_PER_RANK)
+    dtypes = DTYPES[kind]
+    sizes = (QUICK_MATMUL_SIZES if quick else MATMUL_SIZES)[kind]
+    shapes = (QUICK_ATTENTION_SHAPES if quick else ATTENTION_SHAPES)[kind]
+    collective_sizes = (QUICK_COLLECTIVE_BYTES if quick else COLLECTIVE_BYTES)[kind]
+    run_time_s = QUICK_MIN_RUN_TIME_S if quick else MIN_RUN_TIME_S
+    world = dist.get_world_size() if distributed else 1
+    steps = len(dtypes) * (len(sizes) + 3 + len(shapes)) + 1 + (4 * len(collective_sizes) if world > 1 else 0)
+    task = progress.add_task(f"profiling {kind} x{world}", total=steps) if progress is not None else None
+
+    def advance() -> None:
+        if progress is not None:
+            progress.advance(task)
+
+    name = torch.cuda.get_device_name(device) if kind == "cuda" else platform.processor() or platform.machine()
+    result = Measurements(kind, name, world, _mem_bytes(device, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    result.matmul_times_s = measure_matmuls(device, dtypes, sizes, run_time_s, advance)
+    result.stream_bytes_per_s, result.elementwise_bytes_per_s, elementwise = measure_memory(
+        device, dtypes, (QUICK_STREAM_BYTES if quick else STREAM_BYTES)[kind], run_time_s, advance)
+    attention = measure_attention(device, dtypes, shapes, run_time_s, advance)
+    result.op_times_s = {dtype: {**elementwise[dtype], **attention[dtype]} for dtype in dtypes}
+    if world > 1:
+        iterations = QUICK_COLLECTIVE_ITERATIONS if quick else COLLECTIVE_ITERATIONS
+        result.collective_samples = measure_collectives(device, collective_sizes, iterations, advance)
+        result.link = fit_link(result.collective_samples, world)
+    return result
+
+
+def _link_mapping(link: LinkTier, base_name: str) -> dict:
+    """An inline copy of a base profile's link, its sources kept."""
+    return {"name": link.name, "kind": str(link.kind), "bw_bytes_per_s": link.bw_bytes_per_s,
+            "latency_s": link.latency_s, "efficiency": link.efficiency,
+            "sources": {"bw_bytes_per_s": f"from {base_name} ({link.source or 'no source given'})"}}
+
+
+def write_profile(out: str | Path, measured: Measurements, base: DeviceSpec) -> list[Path]:
+    """Writes the cluster file `out`, its device file and one op table per dtype; returns their paths.
+
+    Args:
+        out: the cluster file to write (.yaml).
+        measured: what `measure` returned.
+        base: the device profile whose unmeasured fields (NIC; intra-node link when run alone) are kept.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stem = out.stem
+    device_path = out.with_name(f"{stem}-device.yaml")
+    name = device_path.stem
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    how = f"measured by `paraplan profile` on {platform.node()} ({measured.device_name}), {measured.world_size} rank(s), {when}"
+    best = {dtype: max(f / t for f, t in points) for dtype, points in measured.matmul_times_s.items()}
+    peaks = {**base.peak_flops_per_s, **best}
+    reference = max(best, key=best.get)  # the curve is anchored at the fastest dtype, the one to train in
+    curve = [[f, f / t / peaks[reference]] for f, t in measured.matmul_times_s[reference]]
+    elementwise_bw = float(np.median([rate for key, rate in measured.elementwise_bytes_per_s.items()
+                                      if key.endswith(f":{reference}")]))
+    tables = {}
+    for dtype, points in measured.matmul_times_s.items():
+        path = out.with_name(f"{stem}-ops-{dtype}.json")
+        table = OpTable(name, dtype, measured.op_times_s.get(dtype, {}), tuple(points))
+        path.write_text(json.dumps(table.to_dict(), indent=1))
+        tables[dtype] = path.name
+    if measured.link is not None:
+        intra = {"name": f"{stem}-link", "kind": MEASURED_LINK_KIND[measured.device_type],
+                 "bw_bytes_per_s": measured.link[0], "latency_s": measured.link[1], "efficiency": 1.0,
+                 "sources": {"bw_bytes_per_s": f"{how}: fit of all-reduce/all-gather/reduce-scatter/p2p times",
+                             "latency_s": f"{how}: same fit", "efficiency": "bandwidth is the achieved figure"}}
+    else:
+        intra = _link_mapping(base.intra_link, base.name)
+    device = {
+        "name": name,
+        "description": f"{measured.device_name} as measured by paraplan profile",
+        "peak_flops_per_s": peaks,
+        "mem_bytes": measured.mem_bytes,
+        "mem_bw_bytes_per_s": measured.stream_bytes_per_s,
+        "mem_bw_efficiency": min(1.0, elementwise_bw / measured.stream_bytes_per_s),
+        "matmul_efficiency": curve,
+        "matmul_sustained_fraction": 1.0,
+        "node": {"devices_per_node": measured.world_size, "intra_link": intra},
+        "nic": _link_mapping(base.nic, base.name),
+        "op_tables": tables,
+        "sources": {
+            "peak_flops_per_s": f"{how}: best training-GEMM throughput per dtype (so MFU is against the measured peak); "
+                                f"unmeasured dtypes from {base.name}",
+            "mem_bytes": f"{how}: device memory (CPU: physical memory / ranks on the host)",
+            "mem_bw_bytes_per_s": f"{how}: streaming copy",
+            "mem_bw_efficiency": f"{how}: median elementwise (add, GELU, LayerNorm) bandwidth in {reference} / copy bandwidth",
+            "matmul_efficiency": f"{how}: Linear-layer training GEMMs (forward, input and weight gradient) in "
+                                 f"{reference}, the fastest dtype; each dtype's own times are in its op table",
+            "matmul_sustained_fraction": f"{how}: all ranks measured at once, so the curve is already sustained",
+            "node": f"{how}" if measured.link is not None else f"ranks {how}; link from {base.name} (run under torchrun to measure it)",
+            "nic": f"from {base.name} (not measured: one host)",
+            "op_tables": f"{how}",
+        },
+    }
+    device_path.write_text(yaml.safe_dump(device, sort_keys=False))
+    cluster = {"name": stem, "description": f"{measured.world_size} x {measured.device_name}, {how}",
+               "groups": [{"device": device_path.name, "nodes": 1}]}
+    out.write_text(yaml.safe_dump(cluster, sort_keys=False))
+    return [out, device_path, *(out.with_name(t) for t in tables.values())]
+
+
+def run_profile(out: str | Path, *, like: str | None = None, quick: bool = False, show_progress: bool = True) -> list[Path]:
+    """Measures this machine and writes the profile (rank 0 writes; every rank measures).
+
+    Under torchrun (WORLD_SIZE > 1) the default process group is created (NCCL on GPUs, gloo on
+    CPUs) and destroyed afterwards.
+
+    Args:
+        out: the cluster file to write (.yaml or .yml).
+        like: device profile (name or file) for unmeasured fields; DEFAULT_BASE of the device type when None.
+        quick: small sizes and short timings.
+        show_progress: draw a rich progress bar on rank 0.
+
+    Returns:
+        The files written (empty on ranks other than 0).
+
+    Raises:
+        ProfileError: `out` is not a YAML path, or `like` names no device profile.
+    """
+    from rich.progress import Progress
+
+    from costmodel.errors import ProfileError
+    from costmodel.profile_loader import load_device
+
+    if Path(out).suffix not in (".yaml", ".yml"):
+        raise ProfileError(f"--out {out}: the profile is a cluster file; use a .yaml path")
+    base = load_device(like or DEFAULT_BASE["cuda" if torch.cuda.is_available() else "cpu"])
+    started_group = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
+    if started_group:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        with Progress(disable=not show_progress or rank != 0, transient=True) as progress:
+            measured = measure(quick=quick, progress=progress)
+        return write_profile(out, measured, base) if rank == 0 else []
+    finally:
+        if started_group:
+            dist.destroy_process_group()

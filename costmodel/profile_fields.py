@@ -1,0 +1,102 @@
+"""Checks the fields of profile data: known keys, types, ranges and enum members.
+
+Each check returns the validated value or raises a one-line `ProfileError` naming where the data
+came from (`Origin`), the field and the fix.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from costmodel.errors import ProfileError
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a piece of profile data comes from; builds the one-line errors about it."""
+
+    label: str
+
+    def error(self, field_name: str, problem: str) -> ProfileError:
+        return ProfileError(f"{self.label}: {field_name}: {problem}")
+
+
+def check_keys(origin: Origin, prefix: str, data: dict, allowed, required) -> None:
+    """Every key of `data` is in `allowed` (else the nearest valid one is named) and every `required` one is there."""
+    for key in data:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)
+            hint = f"did you mean {prefix}{close[0]!s}?" if close else f"valid keys: {', '.join(allowed)}"
+            raise origin.error(f"{prefix}{key}", f"unknown key; {hint}")
+    for key in required:
+        if key not in data:
+            raise origin.error(f"{prefix}{key}", "missing required key; add it (see profiles/README.md)")
+
+
+def sources(origin: Origin, prefix: str, value, allowed) -> dict[str, str]:
+    """A `sources` mapping: field name (one of `allowed`) -> where its number comes from."""
+    if not isinstance(value, dict):
+        raise origin.error(f"{prefix}sources", "must map field names to source strings")
+    check_keys(origin, f"{prefix}sources.", value, allowed, ())
+    return {key: text(origin, f"{prefix}sources.{key}", source) for key, source in value.items()}
+
+
+def text(origin: Origin, field_name: str, value) -> str:
+    """A string."""
+    if not isinstance(value, str):
+        raise origin.error(field_name, f"{value!r} must be a string")
+    return value
+
+
+def enum_member(origin: Origin, field_name: str, value, enum: type[StrEnum]):
+    """The member of `enum` whose value is `value`; the error names the closest one."""
+    try:
+        return enum(value)
+    except ValueError:
+        names = [m.value for m in enum]
+        close = difflib.get_close_matches(str(value), names, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(names)}"
+        raise origin.error(field_name, f"{value!r} is not a known {enum.__name__}; {hint}") from None
+
+
+def number(origin: Origin, field_name: str, value) -> float:
+    """A finite number; numeric strings are accepted because YAML 1.1 reads `450e9` as a string."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise origin.error(field_name, f"{value!r} must be a number")
+    try:
+        parsed = float(value)
+    except ValueError:
+        raise origin.error(field_name, f"{value!r} must be a number, e.g. 4.5e11") from None
+    if not math.isfinite(parsed):
+        raise origin.error(field_name, f"{value!r} must be a finite number")
+    return parsed
+
+
+def positive(origin: Origin, field_name: str, value) -> float:
+    """A number > 0."""
+    parsed = number(origin, field_name, value)
+    if parsed <= 0:
+        raise origin.error(field_name, f"{value!r} must be a positive number")
+    return parsed
+
+
+def optional_positive(origin: Origin, field_name: str, data: dict) -> float:
+    """A positive number when the key is present, 0.0 (unknown) when it is absent."""
+    return positive(origin, field_name, data[field_name]) if field_name in data else 0.0
+
+
+def fraction(origin: Origin, field_name: str, value) -> float:
+    """A number in (0, 1]."""
+    parsed = number(origin, field_name, value)
+    if not 0 < parsed <= 1:
+        raise origin.error(field_name, f"{value!r} must be a fraction in (0, 1]")
+    return parsed
+
+
+def count(origin: Origin, field_name: str, value) -> int:
+    """A positive integer (booleans rejected)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise origin.error(field_name, f"{value!r} must be a positive integer")
+    return value

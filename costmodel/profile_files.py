@@ -1,0 +1,113 @@
+"""Where hardware profiles live: the profile roots, the names they hold, and reading one file.
+
+A profile is named (case-insensitive) after its file under `devices/`, `links/` or `clusters/` of a
+root in `profile_dirs()`, the first match winning, or given as a `.yaml`/`.json` path. Errors are
+one-line `ProfileError`s that name the nearest known names.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from pathlib import Path
+
+import yaml
+
+from costmodel.errors import ProfileError
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+PROFILES_PATH_ENV = "PARAPLAN_PROFILES_PATH"
+PROFILE_SUFFIXES = (".yaml", ".yml", ".json")
+SHORTHAND_EXAMPLE = "h100-sxm:16x8"
+
+
+def profile_dirs() -> tuple[Path, ...]:
+    """Profile roots searched for names, first match wins.
+
+    Returns:
+        The directories of PARAPLAN_PROFILES_PATH (os.pathsep-separated), then PROFILES_DIR. Each
+        root may hold `devices/`, `links/` and `clusters/`.
+    """
+    extra = os.environ.get(PROFILES_PATH_ENV, "")
+    return tuple(Path(p).expanduser() for p in extra.split(os.pathsep) if p) + (PROFILES_DIR,)
+
+
+def list_devices() -> list[str]:
+    """Names of the device profiles found in `profile_dirs()`, sorted."""
+    return list_names("devices", profile_dirs())
+
+
+def list_clusters() -> list[str]:
+    """Names of the cluster profiles found in `profile_dirs()`, sorted."""
+    return list_names("clusters", profile_dirs())
+
+
+def nearest_names(name: str, candidates: list[str], limit: int = 3) -> list[str]:
+    """Candidates that start with `name`, then the closest others by difflib, at most `limit`."""
+    prefixed = [c for c in candidates if name and c.startswith(name)]
+    similar = difflib.get_close_matches(name, candidates, n=limit, cutoff=0.5)
+    return (prefixed + [c for c in similar if c not in prefixed])[:limit]
+
+
+def list_names(kind_dir: str, dirs: tuple[Path, ...]) -> list[str]:
+    """Names of the profiles under `kind_dir` ("devices", "links", "clusters") of `dirs`, sorted."""
+    return sorted({p.stem for d in dirs if (d / kind_dir).is_dir()
+                   for p in (d / kind_dir).iterdir() if p.suffix in PROFILE_SUFFIXES})
+
+
+def looks_like_path(text: str) -> bool:
+    """Whether `text` names a file (a profile suffix or a directory separator) rather than a profile."""
+    return text.lower().endswith(PROFILE_SUFFIXES) or "/" in text or os.sep in text
+
+
+def is_file(path: Path) -> bool:
+    """Path.is_file that answers False for names the OS rejects (too long, NUL bytes)."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def resolve(kind_dir: str, what: str, name_or_path: str | Path, dirs: tuple[Path, ...]) -> Path:
+    """Find the file behind a profile name or path, or raise naming the nearest known names."""
+    if isinstance(name_or_path, Path) or looks_like_path(name_or_path):
+        path = Path(name_or_path).expanduser()
+        if not is_file(path):
+            raise ProfileError(f"{what} file {str(name_or_path)!r}: not found; check the path")
+        return path
+    name = name_or_path.strip().lower()
+    for root in dirs:
+        for suffix in PROFILE_SUFFIXES:
+            candidate = root / kind_dir / f"{name}{suffix}"
+            if is_file(candidate):
+                return candidate
+    known = list_names(kind_dir, dirs)
+    close = nearest_names(name, known)
+    hint = f"did you mean {', '.join(close)}" if close else f"known: {', '.join(known)}"
+    shorthand = f" (or write DEVICE:NODESxGPUS, e.g. {SHORTHAND_EXAMPLE})" if kind_dir == "clusters" else ""
+    raise ProfileError(f"{what} {name_or_path!r}: unknown; {hint}{shorthand}")
+
+
+def read_mapping(path: Path) -> dict:
+    """Parse a YAML or JSON file whose top level is a mapping; errors stay on one line."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"{path}: cannot read ({exc}); check the file") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "unparseable"
+        raise ProfileError(f"{path}{line}: invalid YAML ({problem})") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"{path}: top level must be a mapping of keys to values (see profiles/README.md)")
+    return data
+
+
+def relative_to(base: Path, ref: str) -> str:
+    """A file reference inside a profile is relative to that profile's directory."""
+    return str(base / ref) if looks_like_path(ref) and not Path(ref).expanduser().is_absolute() else ref

@@ -1,0 +1,311 @@
+"""Loads hardware profiles into the `costmodel.hardware` types: devices, links, clusters, shorthands.
+
+Files are found and read by `costmodel.profile_files` and checked field by field by
+`costmodel.profile_fields`. Parsed files are cached per process and parsed again after they change.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+from costmodel import profile_fields as fields
+from costmodel.errors import ProfileError
+from costmodel.hardware import (INTER_NODE_KINDS, INTRA_NODE_KINDS, Cluster, DeviceSpec, Dtype, LinkKind, LinkTier,
+                                NodeGroup, NodeSpec)
+from costmodel.profile_fields import Origin
+from costmodel.profile_files import (SHORTHAND_EXAMPLE, is_file, looks_like_path, profile_dirs, read_mapping,
+                                     relative_to, resolve)
+
+# Time a GEMM would take at its plateau throughput when it reaches only half that throughput:
+# kernel launch, prologue and the last partial wave of tiles, a few microseconds per GEMM
+# (CUDA launch overhead is ~3-5 us; wave quantization: NVIDIA "Matrix Multiplication Background"
+# user guide). An assumption that sets the shape of the shipped efficiency curves; replace it with
+# a measured curve from `paraplan profile`.
+MATMUL_HALF_EFFICIENCY_TIME_S = 5.0e-6
+
+# Fraction of HBM peak bandwidth that bandwidth-bound training kernels (elementwise, norms,
+# softmax, optimizer) sustain, used when a profile gives no measured `mem_bw_efficiency`.
+# Fitted once to the public runs of benchmarks/published.py (all groups together, not per row);
+# inside the 70-90% of peak that streaming kernels reach on HBM GPUs (e.g. BabelStream triad on
+# A100-80GB: about 1.7 of 2.0 TB/s).
+DEFAULT_MEM_BW_EFFICIENCY = 0.8
+
+# Fraction of the matmul efficiency curve that GEMMs sustain inside a whole training step, used
+# when a profile gives no measured `matmul_sustained_fraction`. The curves are maximum achievable
+# matmul FLOP/s (MAMF: the best of a sweep of isolated GEMM shapes on an idle GPU); in training
+# every GPU of a node runs at once under its power limit, so clocks drop, and a step's GEMM shapes
+# sit off the best-shape optimum. Fitted once to the public runs of benchmarks/published.py (one
+# value for every device and source, never per row); it puts A100 large GEMMs at
+# 0.87 x 0.85 = 74% of peak. A profile measured by `paraplan profile` under load sets 1.0.
+DEFAULT_MATMUL_SUSTAINED_FRACTION = 0.85
+# The generated curve has points from 1 MFLOP to 100 TFLOP, two per decade.
+MATMUL_CURVE_MIN_FLOPS_LOG10 = 6
+MATMUL_CURVE_MAX_FLOPS_LOG10 = 14
+MATMUL_CURVE_POINTS_PER_DECADE = 2
+# Dtypes whose peak anchors the matmul efficiency curve, in order of preference.
+MATMUL_REFERENCE_DTYPES = (Dtype.BF16, Dtype.FP16, Dtype.FP32)
+
+_SHORTHAND = re.compile(r"(?P<device>[^:]+):(?P<nodes>[0-9]+)(?:[xX](?P<gpus>[0-9]+))?", re.ASCII)
+
+_LINK_KEYS = ("name", "kind", "bw_bytes_per_s", "latency_s", "efficiency", "sources")
+_LINK_REQUIRED = ("kind", "bw_bytes_per_s", "latency_s")
+_DEVICE_KEYS = ("name", "description", "peak_flops_per_s", "mem_bytes", "mem_bw_bytes_per_s",
+                "matmul_efficiency", "mem_bw_efficiency", "matmul_sustained_fraction", "node", "nic", "price_per_hour", "power_w",
+                "op_tables", "sources")
+_DEVICE_REQUIRED = ("peak_flops_per_s", "mem_bytes", "mem_bw_bytes_per_s", "node", "nic")
+_NODE_KEYS = ("devices_per_node", "intra_link")
+_CURVE_KEYS = ("plateau",)
+_CLUSTER_KEYS = ("name", "description", "groups", "oversubscription", "sources")
+_GROUP_KEYS = ("device", "nodes", "devices_per_node", "intra_link", "nic")
+
+
+def load_device(name_or_path: str | Path) -> DeviceSpec:
+    """Load a device profile by name or by file path.
+
+    Args:
+        name_or_path: a device name from `profile_files.list_devices()` (case-insensitive) or a `.yaml`/`.json` file.
+
+    Returns:
+        The validated DeviceSpec (cached: loading the same profile twice returns the same object).
+
+    Raises:
+        ProfileError: unknown name, missing file, or invalid profile; the message names the fix.
+    """
+    dirs = profile_dirs()
+    path = resolve("devices", "device", name_or_path, dirs)
+    return _load_device_file(str(path), path.stat().st_mtime_ns, dirs)
+
+
+def load_cluster(spec: str | Path | dict | Cluster) -> Cluster:
+    """Build a Cluster from any of the accepted spellings.
+
+    Args:
+        spec: a Cluster (returned unchanged); a dict in the cluster-file schema; a built-in cluster
+            name; a cluster `.yaml`/`.json` path; `DEVICE:NODESxGPUS` (NODES nodes of GPUS devices,
+            with the device's usual links even when GPUS differs from its usual node size); or
+            `DEVICE:N` (N devices: one node when N fits in the device's usual node, otherwise
+            N / devices_per_node full nodes, which must divide evenly). DEVICE may be a device
+            file path.
+
+    Returns:
+        The validated Cluster. Profile files are parsed once per process, and again after they change.
+
+    Raises:
+        ProfileError: malformed shorthand, unknown name, missing file or invalid profile.
+
+    Example::
+
+        >>> load_cluster("h100-sxm:16x8").num_devices
+        128
+    """
+    if isinstance(spec, Cluster):
+        return spec
+    dirs = profile_dirs()
+    if isinstance(spec, dict):
+        return _parse_cluster(Origin("cluster dict"), spec, "custom", dirs, Path.cwd())
+    text = str(spec).strip()
+    if not isinstance(spec, Path) and _SHORTHAND.fullmatch(text):
+        return _load_shorthand(text)
+    if not isinstance(spec, Path) and ":" in text and not looks_like_path(text):
+        raise ProfileError(f"cluster {text!r}: expected DEVICE:NODESxGPUS, e.g. {SHORTHAND_EXAMPLE}"
+                           " (or DEVICE:N for N devices)")
+    path = resolve("clusters", "cluster", spec if isinstance(spec, Path) else text, dirs)
+    return _load_cluster_file(str(path), path.stat().st_mtime_ns, dirs)
+
+
+@functools.lru_cache(maxsize=256)
+def _load_link_file(path: str, mtime_ns: int) -> LinkTier:
+    return _parse_link(Origin(path), "", read_mapping(Path(path)), Path(path).stem, allowed=None)
+
+
+@functools.lru_cache(maxsize=256)
+def _load_device_file(path: str, mtime_ns: int, dirs: tuple[Path, ...]) -> DeviceSpec:
+    return _parse_device(Origin(path), read_mapping(Path(path)), Path(path).stem, dirs, Path(path).parent)
+
+
+@functools.lru_cache(maxsize=256)
+def _load_cluster_file(path: str, mtime_ns: int, dirs: tuple[Path, ...]) -> Cluster:
+    return _parse_cluster(Origin(path), read_mapping(Path(path)), Path(path).stem, dirs, Path(path).parent)
+
+
+def _load_shorthand(text: str) -> Cluster:
+    match = _SHORTHAND.fullmatch(text)
+    origin = Origin(f"cluster {text!r}")
+    try:
+        device = load_device(match["device"])
+    except ProfileError as exc:
+        raise origin.error("DEVICE", str(exc)) from None
+    if match["gpus"] is not None:
+        nodes, gpus = int(match["nodes"]), int(match["gpus"])
+        if nodes < 1:
+            raise origin.error("NODES", f"needs at least 1 node, e.g. {SHORTHAND_EXAMPLE}")
+        if gpus < 1:
+            raise origin.error("GPUS", f"needs at least 1 device per node, e.g. {SHORTHAND_EXAMPLE}")
+    else:
+        total, per_node = int(match["nodes"]), device.devices_per_node
+        if total < 1:
+            raise origin.error("N", "needs at least 1 device")
+        if total > per_node and total % per_node:
+            raise origin.error("N", f"{total} devices do not fill whole {per_node}-device {device.name} nodes;"
+                               f" use a multiple of {per_node} or write NODESxGPUS explicitly")
+        nodes, gpus = (1, total) if total <= per_node else (total // per_node, per_node)
+    node = NodeSpec(device, gpus, device.intra_link, device.nic)
+    return Cluster(f"{device.name}:{nodes}x{gpus}", (NodeGroup(node, nodes),),
+                   description=f"{nodes} x {gpus} {device.description or device.name}")
+
+
+def _load_link(origin: Origin, field_name: str, value, dirs: tuple[Path, ...], base: Path, allowed) -> LinkTier:
+    """A link given by profile name (`links/NAME.yaml`), by file path, or inline as a mapping."""
+    if isinstance(value, dict):
+        return _parse_link(origin, f"{field_name}.", value, None, allowed)
+    if not isinstance(value, str):
+        raise origin.error(field_name, "must be a link name from profiles/links/ or a mapping with kind,"
+                           " bw_bytes_per_s and latency_s")
+    try:
+        path = resolve("links", "link", relative_to(base, value), dirs)
+    except ProfileError as exc:
+        raise origin.error(field_name, str(exc)) from None
+    link = _load_link_file(str(path), path.stat().st_mtime_ns)
+    if allowed is not None and link.kind not in allowed:
+        raise origin.error(field_name, f"link {value!r} is of kind '{link.kind}', which cannot serve here;"
+                           f" use one of kinds {', '.join(sorted(allowed))}")
+    return link
+
+
+def _parse_link(origin: Origin, prefix: str, data: dict, default_name: str | None, allowed) -> LinkTier:
+    """A LinkTier from a mapping; an inline link without a name is named after its kind."""
+    fields.check_keys(origin, prefix, data, _LINK_KEYS, _LINK_REQUIRED)
+    kind = fields.enum_member(origin, f"{prefix}kind", data["kind"], LinkKind)
+    if allowed is not None and kind not in allowed:
+        raise origin.error(f"{prefix}kind", f"{kind.value!r} cannot serve here; use one of"
+                           f" {', '.join(sorted(allowed))}")
+    sources = fields.sources(origin, prefix, data.get("sources", {}), _LINK_KEYS)
+    return LinkTier(
+        name=fields.text(origin, f"{prefix}name", data.get("name", default_name or kind.value)),
+        kind=kind,
+        bw_bytes_per_s=fields.positive(origin, f"{prefix}bw_bytes_per_s", data["bw_bytes_per_s"]),
+        latency_s=fields.positive(origin, f"{prefix}latency_s", data["latency_s"]),
+        efficiency=fields.fraction(origin, f"{prefix}efficiency", data.get("efficiency", 1.0)),
+        source="; ".join(f"{key}: {text}" for key, text in sources.items()),
+    )
+
+
+def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Path, ...], base: Path) -> DeviceSpec:
+    fields.check_keys(origin, "", data, _DEVICE_KEYS, _DEVICE_REQUIRED)
+    peaks = _peaks(origin, data["peak_flops_per_s"])
+    node = data["node"]
+    if not isinstance(node, dict):
+        raise origin.error("node", "must be a mapping with devices_per_node and intra_link")
+    fields.check_keys(origin, "node.", node, _NODE_KEYS, _NODE_KEYS)
+    return DeviceSpec(
+        name=fields.text(origin, "name", data.get("name", default_name)),
+        peak_flops_per_s=peaks,
+        mem_bytes=fields.positive(origin, "mem_bytes", data["mem_bytes"]),
+        mem_bw_bytes_per_s=fields.positive(origin, "mem_bw_bytes_per_s", data["mem_bw_bytes_per_s"]),
+        devices_per_node=fields.count(origin, "node.devices_per_node", node["devices_per_node"]),
+        intra_link=_load_link(origin, "node.intra_link", node["intra_link"], dirs, base, INTRA_NODE_KINDS),
+        nic=_load_link(origin, "nic", data["nic"], dirs, base, INTER_NODE_KINDS),
+        matmul_efficiency=_matmul_curve(origin, data.get("matmul_efficiency", ()), peaks),
+        mem_bw_efficiency=fields.fraction(origin, "mem_bw_efficiency",
+                                          data.get("mem_bw_efficiency", DEFAULT_MEM_BW_EFFICIENCY)),
+        matmul_sustained_fraction=fields.fraction(origin, "matmul_sustained_fraction",
+                                                  data.get("matmul_sustained_fraction", DEFAULT_MATMUL_SUSTAINED_FRACTION)),
+        price_per_hour=fields.optional_positive(origin, "price_per_hour", data),
+        power_w=fields.optional_positive(origin, "power_w", data),
+        op_tables=_op_tables(origin, data.get("op_tables", {}), base),
+        source=fields.sources(origin, "", data.get("sources", {}), _DEVICE_KEYS),
+        description=fields.text(origin, "description", data.get("description", "")),
+    )
+
+
+def _parse_cluster(origin: Origin, data: dict, default_name: str, dirs: tuple[Path, ...], base: Path) -> Cluster:
+    fields.check_keys(origin, "", data, _CLUSTER_KEYS, ("groups",))
+    groups = data["groups"]
+    if not isinstance(groups, list) or not groups:
+        raise origin.error("groups", "must be a non-empty list of {device, nodes} mappings")
+    oversubscription = fields.positive(origin, "oversubscription", data.get("oversubscription", 1.0))
+    if oversubscription < 1.0:
+        raise origin.error("oversubscription", f"{oversubscription!r} is below 1; use 1.0 for a full-bisection"
+                           " fabric or N for N:1 oversubscription")
+    return Cluster(
+        name=fields.text(origin, "name", data.get("name", default_name)),
+        groups=tuple(_parse_group(origin, f"groups[{i}]", g, dirs, base) for i, g in enumerate(groups)),
+        oversubscription=oversubscription,
+        description=fields.text(origin, "description", data.get("description", "")),
+        source=fields.sources(origin, "", data.get("sources", {}), _CLUSTER_KEYS),
+    )
+
+
+def _parse_group(origin: Origin, prefix: str, data, dirs: tuple[Path, ...], base: Path) -> NodeGroup:
+    if not isinstance(data, dict):
+        raise origin.error(prefix, "must be a mapping with device and nodes")
+    fields.check_keys(origin, f"{prefix}.", data, _GROUP_KEYS, ("device", "nodes"))
+    device_ref = relative_to(base, fields.text(origin, f"{prefix}.device", data["device"]))
+    try:
+        device = load_device(device_ref)
+    except ProfileError as exc:
+        raise origin.error(f"{prefix}.device", str(exc)) from None
+    node = NodeSpec(
+        device=device,
+        devices_per_node=fields.count(origin, f"{prefix}.devices_per_node",
+                                      data.get("devices_per_node", device.devices_per_node)),
+        intra_link=_load_link(origin, f"{prefix}.intra_link", data["intra_link"], dirs, base, INTRA_NODE_KINDS)
+        if "intra_link" in data else device.intra_link,
+        nic=_load_link(origin, f"{prefix}.nic", data["nic"], dirs, base, INTER_NODE_KINDS)
+        if "nic" in data else device.nic,
+    )
+    return NodeGroup(node, fields.count(origin, f"{prefix}.nodes", data["nodes"]))
+
+
+def _peaks(origin: Origin, value) -> dict[str, float]:
+    if not isinstance(value, dict) or not value:
+        raise origin.error("peak_flops_per_s", "must map dtypes (fp32, tf32, bf16, fp16, fp8) to dense FLOP/s")
+    return {fields.enum_member(origin, "peak_flops_per_s", key, Dtype).value:
+            fields.positive(origin, f"peak_flops_per_s.{key}", v) for key, v in value.items()}
+
+
+def _matmul_curve(origin: Origin, value, peaks: dict[str, float]) -> tuple[tuple[float, float], ...]:
+    """Explicit [[op_flops, fraction], ...] points, or {plateau} expanded by the saturation model.
+
+    The model: a GEMM of f FLOPs reaches plateau * f / (f + f_half) of peak, where
+    f_half = plateau * peak * MATMUL_HALF_EFFICIENCY_TIME_S (peak of the first of
+    MATMUL_REFERENCE_DTYPES the device has).
+    """
+    field_name = "matmul_efficiency"
+    if isinstance(value, dict):
+        fields.check_keys(origin, f"{field_name}.", value, _CURVE_KEYS, _CURVE_KEYS)
+        plateau = fields.fraction(origin, f"{field_name}.plateau", value["plateau"])
+        peak = next((peaks[d] for d in MATMUL_REFERENCE_DTYPES if d in peaks), max(peaks.values()))
+        half_flops = plateau * peak * MATMUL_HALF_EFFICIENCY_TIME_S
+        steps = range(MATMUL_CURVE_MIN_FLOPS_LOG10 * MATMUL_CURVE_POINTS_PER_DECADE,
+                      MATMUL_CURVE_MAX_FLOPS_LOG10 * MATMUL_CURVE_POINTS_PER_DECADE + 1)
+        flops = [10.0 ** (step / MATMUL_CURVE_POINTS_PER_DECADE) for step in steps]
+        return tuple((f, plateau * f / (f + half_flops)) for f in flops)
+    if not isinstance(value, (list, tuple)):
+        raise origin.error(field_name, "must be a list of [op_flops, fraction] points or {plateau: F}")
+    points = []
+    for i, point in enumerate(value):
+        if not isinstance(point, (list, tuple)) or len(point) != 2:
+            raise origin.error(f"{field_name}[{i}]", f"{point!r} is not an [op_flops, fraction] pair")
+        flops = fields.positive(origin, f"{field_name}[{i}][0]", point[0])
+        fraction = fields.fraction(origin, f"{field_name}[{i}][1]", point[1])
+        if points and flops <= points[-1][0]:
+            raise origin.error(f"{field_name}[{i}]", f"op_flops {flops:g} does not exceed the previous"
+                               f" point's {points[-1][0]:g}; list points in ascending op_flops")
+        points.append((flops, fraction))
+    return tuple(points)
+
+
+def _op_tables(origin: Origin, value, base: Path) -> dict[str, str]:
+    """dtype -> op-table file, each path relative to the profile's directory and required to exist."""
+    if not isinstance(value, dict):
+        raise origin.error("op_tables", "must map dtypes to op-table files (written by `paraplan profile`)")
+    tables = {}
+    for dtype, ref in value.items():
+        key = fields.enum_member(origin, "op_tables", dtype, Dtype).value
+        path = Path(relative_to(base, fields.text(origin, f"op_tables.{dtype}", ref))).expanduser()
+        if not is_file(path):
+            raise origin.error(f"op_tables.{dtype}", f"file {str(path)!r} not found; re-run `paraplan profile` or remove the key")
+        tables[key] = str(path)
+    return tables

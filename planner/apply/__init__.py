@@ -1,0 +1,215 @@
+"""Plan -> torch.distributed: DeviceMesh, DTensor tensor parallelism, FSDP2, checkpointing, pipelining.
+
+`apply_plan(plan, model)` (also `plan.apply(model)`) runs inside every process of a `torchrun`
+job and returns an `AppliedPlan` holding what a training loop needs. Order of application:
+
+1. validation, before any process-group work: the world size equals the plan's device count, and
+   the model has the plan's units, parameter counts per stage and the modules its layouts name
+   (`validate`);
+2. the DeviceMesh with axes (pp, dp, cp, tp), row-major, tp innermost as the planner laid ranks out
+   (the default process group is created when missing: NCCL on GPUs, gloo on CPUs; a one-rank
+   group when a one-device plan runs without torchrun);
+3. pipeline split: this rank's chunks of the plan's stages (`pipeline.StageModule`, model FQNs kept);
+4. tensor parallelism on the `tp` axis (`parallelize_module` with the plan's per-module layouts);
+5. activation checkpointing on the layers the memory plan names (after TP, so recomputation
+   replays the TP collectives; before FSDP, so FSDP wraps the checkpointed blocks);
+6. data parallelism on the `dp` axis by ZeRO stage (`data_parallel`), per block then the root;
+7. the pipeline schedule over this rank's stages with the plan's micro-batch count.
+
+Example (one process per device, e.g. `torchrun --nproc-per-node 4 train.py`)::
+
+    plan = planner.Plan.load("plan.json")
+    applied = plan.apply(model)
+    optimizer = torch.optim.AdamW(applied.parameters())
+    loss = applied.forward_backward(applied.local_batch(tokens))
+    optimizer.step()
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor.parallel import parallelize_module
+
+from planner.apply.data_parallel import apply_data_parallel
+from planner.apply.pipeline import StageModule, build_schedule, check_schedule, chunk_units
+from planner.apply.recompute import apply_recompute
+from planner.apply.tensor_parallel import tensor_parallel_plan
+from planner.apply.validate import check_supported, check_world_size, match_model, world_size
+from planner.errors import invalid
+from planner.graph import Recompute
+from planner.result import Plan
+
+MESH_AXES = ("pp", "dp", "cp", "tp")
+
+__all__ = ["AppliedPlan", "apply_plan", "MESH_AXES"]
+
+
+@dataclass
+class AppliedPlan:
+    """What a training loop needs after `apply_plan`.
+
+    Attributes:
+        plan: the plan applied.
+        mesh: the DeviceMesh with axes MESH_AXES.
+        modules: this rank's model chunks (the model itself without pipelining).
+        stages: this rank's PipelineStages (empty without pipelining).
+        schedule: the pipeline schedule, or None without pipelining.
+        loss_fn: (logits, targets) -> loss used by the last pipeline stage.
+        recomputed: unit FQN -> recompute policy applied on this rank.
+    """
+
+    plan: Plan
+    mesh: DeviceMesh
+    modules: tuple[nn.Module, ...]
+    stages: tuple
+    schedule: object | None
+    loss_fn: Callable | None
+    recomputed: dict[str, Recompute]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    @property
+    def has_loss(self) -> bool:
+        """True on ranks that compute the loss (all ranks without pipelining, the last stage with it)."""
+        return self.schedule is None or any(stage.is_last for stage in self.stages)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters (local shards are DTensors under TP/FSDP), for the optimizer."""
+        for module in self.modules:
+            yield from module.parameters()
+
+    def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's data-parallel slice of a global batch (rows split evenly over dp).
+
+        Raises:
+            PlannerError: the batch does not split into dp * num_microbatches equal parts.
+        """
+        config = self.plan.config
+        if batch.shape[0] % (config.dp * config.num_microbatches):
+            raise invalid(f"batch of {batch.shape[0]} sequences: must split over dp={config.dp} x "
+                          f"num_microbatches={config.num_microbatches}")
+        return batch.chunk(config.dp)[self.dp_rank]
+
+    def forward_backward(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """One step's forward and backward over `tokens` (this rank's slice) in the plan's micro-batches.
+
+        Gradients are averaged over micro-batches, so they equal those of the mean loss of the slice.
+
+        Returns:
+            The mean loss of this rank's slice where `has_loss`, else None.
+        """
+        config = self.plan.config
+        if self.schedule is not None:
+            losses: list[torch.Tensor] = []
+            first = any(stage.is_first for stage in self.stages)
+            args = (tokens,) if first else ()
+            self.schedule.step(*args, target=tokens if self.has_loss else None, losses=losses)
+            return torch.stack(losses).mean().detach() if self.has_loss else None
+        (model,) = self.modules
+        chunks = tokens.chunk(config.num_microbatches)
+        total = torch.zeros((), device=tokens.device)
+        for index, chunk in enumerate(chunks):
+            if isinstance(model, FSDPModule):
+                model.set_requires_gradient_sync(index == len(chunks) - 1)
+            loss = model(chunk) / len(chunks)
+            loss.backward()
+            total += loss.detach()
+        return total
+
+
+def default_device() -> torch.device:
+    """This process's GPU (torchrun's LOCAL_RANK) when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def language_model_loss(loss_module: nn.Module) -> Callable:
+    """The zoo's LanguageModel loss as a function of (logits, tokens): float32 cross entropy."""
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_module(logits.flatten(0, 1).float(), targets.flatten())
+
+    return loss_fn
+
+
+def _init_process_group(device: torch.device) -> None:
+    """The default process group: torchrun's (env://), or a one-rank group when run without a launcher."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "MASTER_ADDR" not in os.environ and world_size() == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend)
+
+
+def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | None = None,
+               loss_fn: Callable | None = None, mp_policy: MixedPrecisionPolicy | None = None) -> AppliedPlan:
+    """Applies `plan` to `model` in this process (see the module docstring for the order).
+
+    Args:
+        plan: a plan from `planner.plan` or `Plan.load`.
+        model: the model the plan was made for, built identically on every rank (same seed), on
+            `device`. Modified in place (TP, checkpointing, FSDP); with pipelining only this
+            rank's chunks are kept by the result, so drop other references to free the rest.
+        device: where to run; default_device() when None.
+        loss_fn: (logits, targets) -> loss for the last pipeline stage; by default the model's
+            `loss` module applied as the zoo's LanguageModel does.
+        mp_policy: FSDP2 mixed precision (e.g. bf16 parameters for compute, fp32 gradient reduction,
+            fp32 master weights in the optimizer); when given, the data-parallel wrapping is applied
+            even at dp=1 so the policy takes effect. None keeps the model's dtype.
+
+    Returns:
+        The AppliedPlan.
+
+    Raises:
+        PlannerError: INVALID_INPUT / UNSUPPORTED_MODEL with a one-line message, before any
+            process-group work, when the model or world size does not match the plan.
+    """
+    check_world_size(plan)
+    check_supported(plan)
+    check_schedule(plan)
+    match = match_model(plan, model)
+    config = plan.config
+    loss_module = getattr(model, "loss", None)
+    if config.pp > 1 and loss_fn is None and not isinstance(loss_module, nn.modules.loss._Loss):
+        raise invalid("loss_fn: the model has no `loss` module; pass loss_fn=(logits, targets) -> loss for pipelining")
+    tp_plan = tensor_parallel_plan(model, list(match.units), list(match.blocks), match.layouts, config.tp) if config.tp > 1 else None
+
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    _init_process_group(device)
+    mesh = init_device_mesh(device.type, (config.pp, config.dp, config.cp, config.tp), mesh_dim_names=MESH_AXES)
+
+    if config.pp > 1:
+        chunks = []
+        for index, units in chunk_units(plan, match.units, mesh["pp"].get_local_rank()):
+            units = tuple(u for u in units if model.get_submodule(u) is not loss_module)
+            chunks.append((index, StageModule(model, units), units))
+    else:
+        chunks = [(0, model, match.units)]
+    recomputed: dict[str, Recompute] = {}
+    for _, module, units in chunks:
+        if tp_plan is not None:
+            styles = {fqn: style for fqn, style in tp_plan.styles.items()
+                      if any(fqn == u or fqn.startswith(u + ".") for u in units)}
+            parallelize_module(module, mesh["tp"], styles)
+        recomputed.update(apply_recompute(module, plan.memory_plan, units))
+        if config.dp > 1 or mp_policy is not None:
+            blocks = [module.get_submodule(u) for u in units if u in match.blocks]
+            apply_data_parallel(module, blocks, mesh["dp"], config.zero, mp_policy)
+    if config.pp == 1:
+        return AppliedPlan(plan, mesh, (model,), (), None, None, recomputed)
+    loss_fn = loss_fn or language_model_loss(loss_module)
+    stages, schedule = build_schedule([(index, module) for index, module, _ in chunks], plan, mesh["pp"], device, loss_fn)
+    return AppliedPlan(plan, mesh, tuple(m for _, m, _ in chunks), tuple(stages), schedule, loss_fn, recomputed)

@@ -1,0 +1,116 @@
+"""Pipeline stages from the plan's layer ranges, and the schedule the plan chose.
+
+Stage `s` of the plan (pipeline rank `s`) holds `vpp` chunks: with the interleaved schedule,
+chunk `c` of the model runs on rank `c % pp`, so the rank's units split into `vpp` contiguous runs,
+chunk `c` being pipeline stage `c` of `pp * vpp`. Each chunk is a `StageModule` that keeps the
+model's FQNs (`layers.3.attn.q_proj.weight` stays that name) and runs its units in order; the
+loss module, which needs the targets, becomes the schedule's `loss_fn`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from planner.config import Schedule
+from planner.errors import invalid
+from planner.result import Plan
+
+# The schedule class of each plan schedule. torch's zero-bubble schedule for one or more stages per
+# rank is ZB1P (Qi et al. 2024), the schedule the cost model prices as "zb".
+SCHEDULE_CLASSES = {
+    Schedule.GPIPE: ScheduleGPipe,
+    Schedule.ONE_F_ONE_B: Schedule1F1B,
+    Schedule.INTERLEAVED: ScheduleInterleaved1F1B,
+    Schedule.ZERO_BUBBLE: ScheduleInterleavedZeroBubble,
+}
+_MULTI_STAGE = frozenset({Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE})
+
+
+class StageModule(nn.Module):
+    """Some units of a model, run in order, under the model's own FQNs.
+
+    Args:
+        model: the full model.
+        units: unit FQNs of this chunk in forward order ("embed", "layers.0", ...).
+    """
+
+    def __init__(self, model: nn.Module, units: tuple[str, ...]):
+        super().__init__()
+        self.units = units
+        for unit in units:
+            parent, _, name = unit.rpartition(".")
+            if parent:
+                if parent not in self._modules:
+                    self.add_module(parent, nn.ModuleDict())
+                self.get_submodule(parent)[name] = model.get_submodule(unit)
+            else:
+                self.add_module(name, model.get_submodule(unit))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for unit in self.units:
+            x = self.get_submodule(unit)(x)
+        return x
+
+
+def chunk_units(plan: Plan, units: tuple[str, ...], pp_rank: int) -> list[tuple[int, tuple[str, ...]]]:
+    """(global stage index, unit FQNs) of each chunk pipeline rank `pp_rank` runs, in order.
+
+    Raises:
+        PlannerError: the plan's stage does not split into `vpp` contiguous runs of units.
+    """
+    order = {unit: i for i, unit in enumerate(units)}
+    fqns = [f for f in plan.stages[pp_rank].fqns if f in order]
+    runs: list[list[str]] = []
+    for fqn in fqns:
+        if runs and order[fqn] == order[runs[-1][-1]] + 1:
+            runs[-1].append(fqn)
+        else:
+            runs.append([fqn])
+    vpp, pp = plan.config.vpp, plan.config.pp
+    if len(runs) != vpp:
+        raise invalid(f"plan stage {pp_rank}: its layers form {len(runs)} contiguous runs, vpp={vpp} expected; re-plan")
+    return [(pp_rank + k * pp, tuple(run)) for k, run in enumerate(runs)]
+
+
+def check_schedule(plan: Plan) -> None:
+    """Raises PlannerError when torch's schedule cannot run the plan's micro-batch count."""
+    config = plan.config
+    if config.pp == 1 or config.schedule not in _MULTI_STAGE:
+        return
+    rounds = max(1, config.num_microbatches // config.pp)
+    if config.num_microbatches % rounds:
+        raise invalid(f"num_microbatches={config.num_microbatches}: schedule {config.schedule} needs a multiple of "
+                      f"{rounds} (micro-batches per pipeline round); re-plan with another --micro-batch")
+
+
+def build_schedule(chunks: list[tuple[int, nn.Module]], plan: Plan, pp_mesh: DeviceMesh, device: torch.device,
+                   loss_fn: Callable):
+    """PipelineStages of this rank's chunks and the plan's schedule over them.
+
+    Args:
+        chunks: (global stage index, chunk module) of this rank.
+        plan: the plan (schedule, pp, vpp, micro-batch count).
+        pp_mesh: the pipeline mesh axis.
+        device: where the chunks run.
+        loss_fn: (last stage output, target) -> loss of one micro-batch.
+
+    Returns:
+        (stages, schedule). The schedule averages gradients over micro-batches.
+    """
+    config = plan.config
+    num_stages = config.pp * config.vpp
+    group = pp_mesh.get_group()
+    stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in chunks]
+    schedule_class = SCHEDULE_CLASSES[config.schedule]
+    target = stages if config.schedule in _MULTI_STAGE else stages[0]
+    return stages, schedule_class(target, n_microbatches=config.num_microbatches, loss_fn=loss_fn)

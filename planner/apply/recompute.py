@@ -1,0 +1,79 @@
+"""Activation checkpointing on exactly the layers the plan's memory plan names.
+
+- `full`: the whole unit (a block) is wrapped with `checkpoint_wrapper`; only its input is kept
+  and its forward runs again in backward.
+- `selective`: the block's attention module is checkpointed with selective activation
+  checkpointing that keeps matmul and collective outputs and recomputes everything else inside
+  it (rotary embedding, head reshapes and the attention core). This is Korthikanti et al.'s
+  attention-core recompute; it keeps the q/k/v/o projection outputs rather than exactly the core
+  inputs, so it holds about one (batch x seq x hidden) tensor per layer less than the planner's
+  SELECTIVE measurement when the core saves its output.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from planner.graph import Recompute
+from planner.apply.tensor_parallel import unsupported
+
+# Child of a block that holds the attention (zoo layout: `attn` with q/k/v/o projections).
+ATTENTION_CHILD = "attn"
+
+_aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
+# Ops whose outputs selective recompute keeps: GEMMs (expensive to redo) and collectives
+# (recomputing them would repeat communication).
+SAVED_OPS = frozenset({
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._scaled_mm.default,
+    _c10d.all_reduce.default, _c10d.reduce_scatter_tensor.default, _c10d.all_gather_into_tensor.default,
+    _c10d.all_to_all_single.default,
+})
+
+
+def _keep_matmuls(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _replace(root: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, child = fqn.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
+
+
+def apply_recompute(root: nn.Module, memory_plan: dict, units: tuple[str, ...]) -> dict[str, Recompute]:
+    """Wraps the units of `root` (FQNs as in the plan) that the memory plan recomputes.
+
+    Args:
+        root: the local module (whole model or a pipeline chunk keeping the model's FQNs).
+        memory_plan: `Plan.memory_plan` ({"recompute": {policy: [layer names]}, ...}).
+        units: the units present in `root`; layers elsewhere are skipped.
+
+    Returns:
+        Unit FQN -> policy applied, for the units that recompute.
+
+    Raises:
+        PlannerError: UNSUPPORTED_MODEL when a selective layer has no attention child.
+    """
+    applied: dict[str, Recompute] = {}
+    for policy, names in memory_plan.get("recompute", {}).items():
+        policy = Recompute(policy)
+        for name in names:
+            if policy == Recompute.NONE or name not in units:
+                continue
+            if policy == Recompute.FULL:
+                _replace(root, name, checkpoint_wrapper(root.get_submodule(name)))
+            else:
+                fqn = f"{name}.{ATTENTION_CHILD}"
+                try:
+                    attention = root.get_submodule(fqn)
+                except AttributeError:
+                    raise unsupported(f"recompute: layer {name} has no {ATTENTION_CHILD!r} child for selective "
+                                      f"recompute; re-plan with --recompute full or none") from None
+                context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+                _replace(root, fqn, checkpoint_wrapper(attention, context_fn=context_fn))
+            applied[name] = policy
+    return applied

@@ -1,0 +1,196 @@
+"""Layers of a captured fx / export graph, each layer measured as a standalone piece.
+
+Values propagate on meta layer by layer. Each layer's nodes are cut out of the graph as a
+standalone GraphModule and measured (`planner.measure.measure_piece`) once per layer signature
+(ops, module structure, parameter and input shapes), so a 126-block model measures one block.
+Every node with a tensor output becomes an `Op`.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from planner import measure
+from planner.graph import Layer, LayerKind, Op, OpKind
+from planner.layering import (Grouping, digest, layer_keys, layer_runs, make_layer, module_signature, new_params,
+                              unused_params_notes)
+from planner.op_kinds import KIND_BY_TARGET, module_target, op_attrs
+
+_CALL_OPS = ("call_function", "call_method", "call_module")
+
+
+def graph_layers(root: nn.Module, graph: fx.Graph, model: nn.Module, inputs: tuple,
+                 grouping: Grouping, notes: list[str]) -> list[Layer]:
+    """Layers of a captured graph. Values propagate on meta layer by layer; a layer whose
+    signature (which covers its input shapes) was seen before reuses that layer's node values,
+    FLOPs and measurement instead of running."""
+    interpreter = fx.Interpreter(root, graph=graph)
+    values = interpreter.env
+    values.update(zip([n for n in graph.nodes if n.op == "placeholder"], inputs))
+    values.update({n: _fetch_attr(root, n.target) for n in graph.nodes if n.op == "get_attr"})
+    nodes = [n for n in graph.nodes if n.op in _CALL_OPS]
+    keys = layer_keys([grouping.unit_of(_node_fqn(n)) for n in nodes], grouping)
+    flops: dict[fx.Node, int] = {}
+    first_seen: dict[str, list[fx.Node]] = {}
+    costs: dict[str, measure.PieceCost] = {}
+    param_names = {id(p): name for name, p in model.named_parameters()}
+    owned: set[int] = set()
+    layers = []
+    for (kind, name), layer_nodes in layer_runs(nodes, keys):
+        signature = _graph_signature(root, kind, layer_nodes, values)
+        if signature in first_seen:
+            for node, twin in zip(layer_nodes, first_seen[signature]):
+                values[node], flops[node] = values[twin], flops[twin]
+        else:
+            first_seen[signature] = layer_nodes
+            with torch.no_grad(), FlopCounterMode(display=False) as counter:
+                for node in layer_nodes:
+                    before = counter.get_total_flops()
+                    values[node] = _run_node(interpreter, node)
+                    flops[node] = counter.get_total_flops() - before
+            piece, piece_inputs = _extract(root, layer_nodes)
+            try:
+                costs[signature] = measure.measure_piece(
+                    piece, tuple(values[n] for n in piece_inputs),
+                    data_args=frozenset(i for i, n in enumerate(piece_inputs)
+                                        if n.op == "placeholder"))
+            except Exception as exc:  # noqa: BLE001 - user code may raise anything
+                raise measure.ModuleRunError(name) from exc
+        params = new_params(_node_params(root, layer_nodes), owned)
+        ops = tuple(op for n in layer_nodes if (op := _graph_op(root, n, values, flops)))
+        layers.append(make_layer(name, kind, _units(grouping, layer_nodes), costs[signature],
+                                 signature, params, param_names, ops))
+    notes += unused_params_notes(model, owned)
+    return layers
+
+
+def _run_node(interpreter: fx.Interpreter, node: fx.Node):
+    try:
+        return interpreter.run_node(node)
+    except Exception as exc:  # noqa: BLE001 - user code may raise anything
+        raise measure.ModuleRunError(_node_fqn(node)) from exc
+
+
+def _node_fqn(node: fx.Node) -> str:
+    """FQN of the module a node runs in ("" for the root)."""
+    if node.op == "call_module":
+        return node.target
+    stack = node.meta.get("nn_module_stack")
+    return next(reversed(stack.values()))[0] if stack else ""
+
+
+def _units(grouping: Grouping, nodes: Sequence[fx.Node]) -> tuple[str, ...]:
+    """The block or top-level module FQNs a layer's nodes run in, in run order."""
+    return tuple(dict.fromkeys(u for n in nodes
+                               if (u := grouping.unit_of(_node_fqn(n))) is not None))
+
+
+def _extract(root: nn.Module, nodes: Sequence[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """Cuts `nodes` out as a standalone GraphModule (parameters read via get_attr are copied in).
+
+    Returns:
+        The module, and the outside nodes whose values it takes as inputs, in order.
+    """
+    graph = fx.Graph()
+    inside = set(nodes)
+    copies: dict[fx.Node, fx.Node] = {}
+    inputs: list[fx.Node] = []
+
+    def remap(arg: fx.Node) -> fx.Node:
+        if arg not in copies:
+            if arg.op == "get_attr":
+                copies[arg] = graph.node_copy(arg)
+            else:
+                copies[arg] = graph.placeholder(arg.name)
+                inputs.append(arg)
+        return copies[arg]
+
+    for node in nodes:
+        copies[node] = graph.node_copy(node, remap)
+    graph.output(tuple(copies[n] for n in nodes if any(u not in inside for u in n.users)))
+    return fx.GraphModule(root, graph), inputs
+
+
+def _graph_signature(root: nn.Module, kind: LayerKind, nodes: Sequence[fx.Node],
+                     values: dict) -> str:
+    """Structural key: op targets, module settings, parameter and input shapes, constants."""
+    local = {n: i for i, n in enumerate(nodes)}
+
+    def describe(arg):
+        if not isinstance(arg, fx.Node):
+            return arg
+        if arg in local:
+            return f"%{local[arg]}"
+        return _shape_of(values[arg])
+
+    parts = [str(kind)]
+    for node in nodes:
+        target = node.target
+        if node.op == "call_module":
+            target = module_signature(root.get_submodule(node.target))
+        parts.append(f"{node.op}:{getattr(target, '__qualname__', target)}:"
+                     f"{fx.node.map_aggregate((node.args, node.kwargs), describe)}")
+    return digest(parts)
+
+
+def _shape_of(value) -> object:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype)
+    return pytree.tree_map_only(torch.Tensor, _shape_of, value)
+
+
+def _fetch_attr(root: nn.Module, target: str):
+    return operator.attrgetter(target)(root)
+
+
+def _node_params(root: nn.Module, nodes: Sequence[fx.Node]) -> list[nn.Parameter]:
+    params = []
+    for node in nodes:
+        if node.op == "call_module":
+            params += root.get_submodule(node.target).parameters()
+        params += [_fetch_attr(root, a.target) for a in node.all_input_nodes if a.op == "get_attr"]
+    return [p for p in params if isinstance(p, nn.Parameter)]
+
+
+def _graph_op(root: nn.Module, node: fx.Node, values: dict, flops: dict) -> Op | None:
+    value = values[node]
+    out = _first_tensor(value)
+    if out is None:
+        return None
+    if node.op == "call_module":
+        module = root.get_submodule(node.target)
+        target = module_target(module)
+        param_shapes = tuple(tuple(p.shape) for p in module.parameters())
+    else:
+        target = _function_target(node)
+        param_shapes = tuple(tuple(p.shape) for a in node.all_input_nodes if a.op == "get_attr"
+                             and isinstance(p := _fetch_attr(root, a.target), nn.Parameter))
+    kind = KIND_BY_TARGET.get(target, OpKind.OTHER)
+    attrs = op_attrs(kind, param_shapes, [values[a] for a in node.all_input_nodes
+                                          if a.op != "get_attr"])
+    return Op(name=node.name, fqn=_node_fqn(node), target=target, kind=kind,
+              inputs=tuple(a.name for a in node.all_input_nodes
+                           if a.op in _CALL_OPS and _first_tensor(values[a]) is not None),
+              out_shape=tuple(out.shape),
+              out_bytes=sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value)
+                            if isinstance(t, torch.Tensor)),
+              fwd_flops=float(flops[node]), param_shapes=param_shapes, attrs=attrs)
+
+
+def _first_tensor(value: object) -> torch.Tensor | None:
+    return next((t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)), None)
+
+
+def _function_target(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return node.target
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return getattr(target, "__name__", str(target))

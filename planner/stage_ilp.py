@@ -1,0 +1,221 @@
+"""Pipeline stage split with per-layer choices (e.g. a recompute policy per layer), as a MILP.
+
+`split_ilp` solves a MILP by HiGHS (`planner.milp`) over runs of identical consecutive layers
+(repeated blocks form one run): integers u[r, s] (layers of run r on stages <= s) and n[r, s, c]
+(layers of run r on stage s with choice c) instead of one binary per layer, stage and choice, which
+removes the symmetry of repeated blocks (96 identical blocks x 8 stages x 3 choices: optimal in
+under 1 s, where per-layer binaries stall at a 10% gap after 10 s). It starts from the best
+`split_dp` split that uses one choice for every layer, so it never returns worse. Memory
+feasibility is decided before the MILP, exactly, by the min-max DP on each layer's least-memory
+choice (`planner.stages.raise_if_no_split_fits`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+from ortools.math_opt.python import mathopt
+
+from planner.errors import PlannerError, PlannerErrorKind
+from planner.milp import SolveStatus, solve_milp
+from planner.stage_problem import StageProblem, StageSplit, make_split
+from planner.stages import least_pressure_split, least_stage_layer_mem_bytes, raise_if_no_split_fits, split_dp
+
+TIME_UNIT_FLOOR_S = 1e-12  # keeps the MILP's time normalisation finite when every layer time is 0
+
+
+def split_ilp(problem: StageProblem, time_limit_s: float = 10.0, rel_gap: float = 1e-4) -> StageSplit:
+    """Optimal split with per-layer choices, as a MILP solved by HiGHS.
+
+    Runs r of identical consecutive layers (start a_r, length len_r) are placed by counts:
+        u[r, s] in [0, len_r], integer: layers of run r on stages <= s (u[r, S-1] = len_r)
+        n[r, s, c] >= 0, integer:       layers of run r on stage s with choice c
+        f[r, s] in {0, 1}:              run r lies wholly on stages <= s
+        t_max:                          the slowest stage's time
+    Constraints (one `_add_*` function each, named):
+        count[r,s]      sum_c n[r, s, c] = u[r, s] - u[r, s-1]
+        complete/order  u[r, s] >= len_r f[r, s];  u[r+1, s] <= len_{r+1} f[r, s]  (stages <= s hold a layer prefix)
+        nonempty[s]     sum_{r,c} n[r, s, c] >= 1
+        memory[s]       sum_{r,c} (w[r, c] + in_flight_s a[r, c]) n[r, s, c] + overhead_s <= cap_s
+        t_max[s]        t_max >= T_s = sum_{r,c} t[r, c] n[r, s, c] / speed_s
+    Objective: (m - 1) t_max + sum_s T_s. A run's layers on one stage take their choices in sorted
+    order (identical layers, so any order costs the same).
+
+    Args:
+        problem: a StageProblem with any number of choices per layer.
+        time_limit_s: solver wall-clock limit.
+        rel_gap: relative gap at which the solver stops.
+
+    Returns:
+        The best StageSplit found: status "optimal" (within rel_gap) or "time_limit" with its gap.
+
+    Raises:
+        PlannerError: INSUFFICIENT_MEMORY when no split fits even with the least-memory choice for
+            every layer; SOLVER_LIMIT when the time limit passed before any feasible split was found.
+    """
+    start_s = time.perf_counter()
+    raise_if_no_split_fits(problem, least_stage_layer_mem_bytes(problem))
+    runs = _Runs.of(problem)
+    model = mathopt.Model(name="stage_split")
+    # time_unit_s: stage times enter the model divided by it, so the solver sees coefficients of order 1
+    time_unit_s = max(float(problem.layer_time_s.max(axis=1).sum() / problem.stage_speed.min()), TIME_UNIT_FLOOR_S)
+    variables = _RunVariables.add(model, runs, problem)
+    _add_count_constraints(model, variables, runs, problem)
+    _add_order_constraints(model, variables, runs, problem)
+    _add_nonempty_constraints(model, variables, runs, problem)
+    _add_memory_constraints(model, variables, runs, problem)
+    stage_time = _add_stage_time_constraints(model, variables, runs, problem, time_unit_s)
+    model.minimize((problem.num_microbatches - 1) * variables.t_max + mathopt.fast_sum(stage_time))
+    hint = _best_single_choice_split(problem)
+    result = solve_milp(
+        model,
+        time_limit_s=time_limit_s,
+        rel_gap=rel_gap,
+        what="stage split",
+        hint=None if hint is None else variables.values_of(hint, runs, time_unit_s),
+    )
+    if result.status == SolveStatus.INFEASIBLE:
+        raise PlannerError(PlannerErrorKind.INSUFFICIENT_MEMORY, "stage split: the MILP found no split that fits memory")
+    boundaries, choices = variables.decode(result.values, runs, problem)
+    return make_split(problem, boundaries, choices, "ilp", result.status, result.gap, time.perf_counter() - start_s)
+
+
+def _best_single_choice_split(problem: StageProblem) -> StageSplit | None:
+    """The best `split_dp` result over "every layer takes choice c", or None when no such split fits."""
+    best = None
+    for c in range(problem.num_choices):
+        one_choice = replace(
+            problem,
+            layer_time_s=problem.layer_time_s[:, c],
+            layer_static_bytes=problem.layer_static_bytes[:, c],
+            layer_act_bytes=problem.layer_act_bytes[:, c],
+        )
+        choices = np.zeros(problem.num_layers, dtype=int)
+        if np.any(least_pressure_split(one_choice, one_choice.stage_layer_mem_bytes(choices)) > problem.mem_cap_bytes):
+            continue
+        split = split_dp(one_choice)
+        if best is None or split.objective_s < best.objective_s:
+            best = replace(split, choices=(c,) * problem.num_layers)
+    return best
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """Maximal runs of identical consecutive layers (same time, static and activation bytes for every choice)."""
+
+    start: tuple[int, ...]
+    length: tuple[int, ...]
+
+    @classmethod
+    def of(cls, problem: StageProblem) -> _Runs:
+        rows = np.concatenate([problem.layer_time_s, problem.layer_static_bytes, problem.layer_act_bytes], axis=1)
+        new_run = np.concatenate([[True], np.any(rows[1:] != rows[:-1], axis=1)])
+        start = np.flatnonzero(new_run)
+        length = np.diff(np.append(start, problem.num_layers))
+        return cls(tuple(int(x) for x in start), tuple(int(x) for x in length))
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+
+@dataclass(frozen=True)
+class _RunVariables:
+    """MILP variables of the run-count formulation (see `split_ilp`)."""
+
+    prefix: dict  # (r, s) -> u[r, s]: layers of run r on stages <= s (integer; fixed to the run length at s = S-1)
+    count: dict  # (r, s, c) -> n[r, s, c]: layers of run r on stage s with choice c (integer)
+    full: dict  # (r, s) -> f[r, s]: run r lies wholly on stages <= s (binary; r < R-1, s < S-1)
+    t_max: mathopt.Variable  # the slowest stage's time / time_unit_s
+
+    @classmethod
+    def add(cls, model: mathopt.Model, runs: _Runs, problem: StageProblem) -> _RunVariables:
+        last = problem.num_stages - 1
+        prefix = {
+            (r, s): model.add_integer_variable(lb=length if s == last else 0, ub=length, name=f"u[{r},{s}]")
+            for r, length in enumerate(runs.length)
+            for s in range(problem.num_stages)
+        }
+        count = {
+            (r, s, c): model.add_integer_variable(lb=0, ub=length, name=f"n[{r},{s},{c}]")
+            for r, length in enumerate(runs.length)
+            for s in range(problem.num_stages)
+            for c in range(problem.num_choices)
+        }
+        full = {(r, s): model.add_binary_variable(name=f"f[{r},{s}]") for r in range(len(runs) - 1) for s in range(last)}
+        return cls(prefix, count, full, model.add_variable(lb=0.0, name="t_max"))
+
+    def values_of(self, split: StageSplit, runs: _Runs, time_unit_s: float) -> dict:
+        """Variable values of a known split (the solver's first incumbent)."""
+        values = {self.t_max: max(split.stage_time_s) / time_unit_s}
+        stage_of = np.repeat(np.arange(len(split.stage_time_s)), np.diff(split.boundaries))
+        for (r, s), var in self.prefix.items():
+            values[var] = float(np.clip(split.boundaries[s + 1] - runs.start[r], 0, runs.length[r]))
+        for (r, s), var in self.full.items():
+            values[var] = float(values[self.prefix[r, s]] == runs.length[r])
+        for (r, s, c), var in self.count.items():
+            layers = slice(runs.start[r], runs.start[r] + runs.length[r])
+            values[var] = float(np.sum((stage_of[layers] == s) & (np.asarray(split.choices)[layers] == c)))
+        return values
+
+    def decode(self, values, runs: _Runs, problem: StageProblem) -> tuple[np.ndarray, np.ndarray]:
+        """(boundaries, per-layer choices) of a solution; each run's layers on a stage take sorted choices."""
+        prefix = np.array([[round(values[self.prefix[r, s]]) for s in range(problem.num_stages)] for r in range(len(runs))])
+        boundaries = np.concatenate([[0], prefix.sum(axis=0)])
+        choices = np.zeros(problem.num_layers, dtype=int)
+        for r, start in enumerate(runs.start):
+            counts = [round(values[self.count[r, s, c]]) for s in range(problem.num_stages) for c in range(problem.num_choices)]
+            choices[start:start + runs.length[r]] = np.repeat(np.tile(np.arange(problem.num_choices), problem.num_stages), counts)
+        return boundaries, choices
+
+
+def _add_count_constraints(model, variables: _RunVariables, runs: _Runs, problem: StageProblem) -> None:
+    """count[r,s]: sum_c n[r, s, c] = u[r, s] - u[r, s-1] (layers of run r on stage s; u[r, -1] = 0)."""
+    for r in range(len(runs)):
+        for s in range(problem.num_stages):
+            on_stage = mathopt.fast_sum(variables.count[r, s, c] for c in range(problem.num_choices))
+            before = variables.prefix[r, s - 1] if s > 0 else 0
+            model.add_linear_constraint(on_stage == variables.prefix[r, s] - before, name=f"count[{r},{s}]")
+
+
+def _add_order_constraints(model, variables: _RunVariables, runs: _Runs, problem: StageProblem) -> None:
+    """Stages <= s hold a prefix of the layers: run r+1 starts there only once run r is complete.
+
+    order[r,s]: u[r, s] >= len_r * f[r, s] and u[r+1, s] <= len_{r+1} * f[r, s].
+    """
+    for (r, s), full in variables.full.items():
+        model.add_linear_constraint(variables.prefix[r, s] >= runs.length[r] * full, name=f"complete[{r},{s}]")
+        model.add_linear_constraint(variables.prefix[r + 1, s] <= runs.length[r + 1] * full, name=f"order[{r},{s}]")
+
+
+def _add_nonempty_constraints(model, variables: _RunVariables, runs: _Runs, problem: StageProblem) -> None:
+    for s in range(problem.num_stages):
+        on_stage = mathopt.fast_sum(variables.count[r, s, c] for r in range(len(runs)) for c in range(problem.num_choices))
+        model.add_linear_constraint(on_stage >= 1, name=f"nonempty[{s}]")
+
+
+def _add_memory_constraints(model, variables: _RunVariables, runs: _Runs, problem: StageProblem) -> None:
+    """memory[s]: stage memory / cap <= 1 (normalised so every row has coefficients of order 1)."""
+    for s in range(problem.num_stages):
+        cap = problem.mem_cap_bytes[s]
+        terms = [
+            (problem.layer_static_bytes[start, c] + problem.in_flight[s] * problem.layer_act_bytes[start, c]) / cap
+            * variables.count[r, s, c]
+            for r, start in enumerate(runs.start)
+            for c in range(problem.num_choices)
+        ]
+        model.add_linear_constraint(mathopt.fast_sum(terms) <= (cap - problem.stage_overhead_bytes[s]) / cap, name=f"memory[{s}]")
+
+
+def _add_stage_time_constraints(model, variables: _RunVariables, runs: _Runs, problem: StageProblem, time_unit_s: float) -> list:
+    """Returns the stage times T_s / time_unit_s and adds t_max[s]: t_max >= each."""
+    stage_time = []
+    for s in range(problem.num_stages):
+        scale = 1.0 / (problem.stage_speed[s] * time_unit_s)
+        stage_time.append(mathopt.fast_sum(
+            problem.layer_time_s[start, c] * scale * variables.count[r, s, c]
+            for r, start in enumerate(runs.start)
+            for c in range(problem.num_choices)
+        ))
+        model.add_linear_constraint(variables.t_max >= stage_time[-1], name=f"t_max[{s}]")
+    return stage_time

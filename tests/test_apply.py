@@ -1,0 +1,307 @@
+"""Plan.apply on gloo: every parallel mode trains like one process.
+
+Each case plans a tiny zoo model with constraints that force one mode, applies the plan in 2 or 4
+spawned processes (gloo, one thread each), runs 2 SGD steps on random tokens, and compares the
+losses and the updated parameters (gathered to full tensors) with the same model trained in this
+process on the same data. The expected values are that single-process run: every mode computes the
+same mean cross entropy over the same global batch, so only float32 summation order differs.
+All cases of one world size run in one spawned job (process start-up dominates their cost).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+
+import planner
+from costmodel.profile_files import PROFILES_DIR
+from planner.errors import PlannerError
+from planner.models import resolve_model
+from planner.result import Plan
+
+SEQ_LEN = 32
+GLOBAL_BATCH = 8
+STEPS = 2
+LEARNING_RATE = 0.5
+TOLERANCE = 1e-5
+SEED = 0
+VOCAB = 256
+
+# Small enough for a CPU step in milliseconds; hidden 128 makes the layout ILP pick Megatron-SP
+# (sequence-parallel norms, colwise q/k/v/fc1, rowwise o/fc2) on the cpu profile, hidden 96 a mix
+# (replicated norms, attention on local heads gathered before a replicated o_proj), so both
+# tensor-parallel paths run.
+GPT_SPEC = f"arch: gpt\nlayers: 4\nhidden: 128\nheads: 4\nvocab: {VOCAB}\nmax_seq_len: {SEQ_LEN}\ntie_embeddings: false\n"
+SPECS = {
+    "gpt": GPT_SPEC,
+    "gpt-mixed": GPT_SPEC.replace("hidden: 128", "hidden: 96"),
+    "llama": f"arch: llama\nlayers: 2\nhidden: 128\nheads: 4\nkv_heads: 2\nffn_hidden: 256\nvocab: {VOCAB}\n"
+             f"max_seq_len: {SEQ_LEN}\n",
+}
+
+
+@pytest.fixture(scope="module")
+def spec_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("specs")
+    for name, text in SPECS.items():
+        (root / f"{name}.yaml").write_text(text)
+    return root
+
+
+def _build(spec_path: str) -> torch.nn.Module:
+    torch.manual_seed(SEED)
+    return resolve_model(spec_path).build(seq_len=SEQ_LEN)
+
+
+def _batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(SEED + 1)
+    return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=generator) for _ in range(STEPS)]
+
+
+def _clean(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+@functools.cache
+def _reference(spec_path: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final parameters of single-process training on the full batches."""
+    model = _build(spec_path)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    losses = []
+    for tokens in _batches():
+        loss = model(tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _train(plan: Plan, spec_path: str) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    applied = plan.apply(_build(spec_path), device="cpu")
+    optimizer = torch.optim.SGD(list(applied.parameters()), lr=LEARNING_RATE)
+    losses = []
+    for tokens in _batches():
+        loss = applied.forward_backward(applied.local_batch(tokens))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(None if loss is None else loss.item())
+    params, local_numel = {}, 0
+    for module in applied.modules:
+        for name, p in module.named_parameters():
+            local_numel += (p.to_local() if isinstance(p, DTensor) else p).numel()
+            params[_clean(name)] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+    return {"losses": losses, "params": params, "local_numel": local_numel,
+            "recomputed": {k: str(v) for k, v in applied.recomputed.items()}}
+
+
+def _worker(rank: int, world: int, port: int, cases: list[tuple[str, str, str]], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    results = {}
+    for name, plan_json, spec_path in cases:
+        try:
+            results[name] = _train(Plan.from_json(plan_json), spec_path)
+        except Exception as error:
+            raise RuntimeError(f"case {name}: {error}") from error
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(world: int, cases: list[tuple[str, Plan, Path]]) -> dict[str, dict]:
+    """Spawns `world` ranks running every case; per case the mean loss per step and every parameter."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        jobs = [(name, plan.to_json(), str(spec)) for name, plan, spec in cases]
+        mp.spawn(_worker, args=(world, _free_port(), jobs, out_dir), nprocs=world)
+        per_rank = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(world)]
+    merged = {}
+    for name, _, _ in cases:
+        results = [r[name] for r in per_rank]
+        losses = []
+        for step in range(STEPS):
+            values = [r["losses"][step] for r in results if r["losses"][step] is not None]
+            losses.append(sum(values) / len(values))  # dp ranks hold equal shares; tp copies are equal
+        params, recomputed = {}, {}
+        for r in results:
+            params.update(r["params"])
+            recomputed.update(r["recomputed"])
+        merged[name] = {"losses": losses, "params": params, "recomputed": recomputed,
+                        "local_numel": [r["local_numel"] for r in results]}
+    return merged
+
+
+def _plan(spec: str | Path, cluster: str, **constraints) -> Plan:
+    return planner.plan(str(spec), cluster, global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32", **constraints)
+
+
+def _recompute_count(plan: Plan) -> int:
+    return len(plan.memory_plan["recompute"].get("full", []))
+
+
+def _memory_pressure_plan(spec: Path, tmp: Path) -> Plan:
+    """A pp=2 plan on a device just small enough that the memory plan recomputes some layers, not all.
+
+    The device capacity is bisected between one that needs recompute everywhere and one that needs
+    none, so the test follows the memory model rather than a hard-coded byte count.
+    """
+    device = yaml.safe_load((PROFILES_DIR / "devices" / "cpu.yaml").read_text())
+
+    def plan_at(capacity: float) -> Plan:
+        device["mem_bytes"] = capacity
+        path = tmp / f"cpu-{capacity:.0f}.yaml"
+        path.write_text(yaml.safe_dump(device))
+        return _plan(spec, f"{path}:1x2", pp=2, tp=1, micro_batch=2, schedule="1f1b", recompute="full")
+
+    low, high = 0.0, device["mem_bytes"]
+    for _ in range(60):
+        middle = (low + high) / 2
+        try:
+            plan = plan_at(middle)
+        except PlannerError:
+            low = middle
+            continue
+        count = _recompute_count(plan)
+        if 0 < count < 4:
+            return plan
+        low, high = (middle, high) if count else (low, middle)
+    raise AssertionError("no capacity makes the memory plan recompute a strict subset of the layers")
+
+
+@pytest.fixture(scope="module")
+def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
+    gpt, mixed, llama = spec_dir / "gpt.yaml", spec_dir / "gpt-mixed.yaml", spec_dir / "llama.yaml"
+    sp_plan = _plan(gpt, "cpu:1x2", tp=2, pp=1)
+    all_blocks = [f"layers.{i}" for i in range(4)]
+    two_rank = [
+        ("pp_1f1b", _plan(gpt, "cpu:1x2", pp=2, tp=1, schedule="1f1b", micro_batch=2), gpt),
+        ("pp_interleaved", _plan(gpt, "cpu:1x2", pp=2, tp=1, vpp=2, schedule="interleaved", micro_batch=2), gpt),
+        ("pp_zero_bubble", _plan(gpt, "cpu:1x2", pp=2, tp=1, schedule="zb", micro_batch=2), gpt),
+        ("pp_recompute", _memory_pressure_plan(gpt, tmp_path_factory.mktemp("device")), gpt),
+        ("tp_sequence_parallel", sp_plan, gpt),
+        # The planner picks selective recompute only when it is worth its time, which a tiny model on
+        # a roomy device never is; this case sets it to run the selective wrapper under TP.
+        ("tp_selective", dataclasses.replace(sp_plan, memory_plan={"recompute": {"selective": all_blocks}}), gpt),
+        ("tp_gathered", _plan(mixed, "cpu:1x2", tp=2, pp=1), mixed),
+        ("dp_zero3", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=3), gpt),
+        ("llama_tp", _plan(llama, "cpu:1x2", tp=2, pp=1), llama),
+    ]
+    four_rank = [
+        ("dp_x_tp", _plan(gpt, "cpu:1x4", dp=2, tp=2, pp=1, zero=2), gpt),
+        ("pp_x_dp", _plan(gpt, "cpu:1x4", dp=2, pp=2, tp=1, zero=0, schedule="1f1b"), gpt),
+    ]
+    results = {**_run(2, two_rank), **_run(4, four_rank)}
+    return {name: (plan, spec, results[name]) for name, plan, spec in two_rank + four_rank}
+
+
+def _check(case: tuple[Plan, Path, dict]) -> None:
+    plan, spec, result = case
+    expected_losses, expected = _reference(str(spec))
+    assert result["losses"] == pytest.approx(expected_losses, abs=TOLERANCE)
+    assert sorted(result["params"]) == sorted(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(result["params"][name], value, atol=TOLERANCE, rtol=0, msg=name)
+    initial = dict(_build(str(spec)).named_parameters())
+    moved = max((expected[n] - p).abs().max().item() for n, p in initial.items())
+    assert moved > 100 * TOLERANCE  # the steps changed the weights far beyond the tolerance
+    # Every mode splits the model: no rank holds all of it.
+    assert max(result["local_numel"]) < sum(p.numel() for p in initial.values())
+
+
+def test_pipeline_1f1b(trained):
+    plan = trained["pp_1f1b"][0]
+    assert (plan.config.pp, plan.config.num_microbatches, plan.config.schedule) == (2, 4, "1f1b")
+    _check(trained["pp_1f1b"])
+
+
+def test_pipeline_interleaved(trained):
+    assert trained["pp_interleaved"][0].config.vpp == 2
+    _check(trained["pp_interleaved"])
+
+
+def test_pipeline_zero_bubble(trained):
+    _check(trained["pp_zero_bubble"])
+
+
+def test_recompute_exactly_the_planned_layers(trained):
+    plan, _, result = trained["pp_recompute"]
+    assert result["recomputed"] == {name: "full" for name in plan.memory_plan["recompute"]["full"]}
+    _check(trained["pp_recompute"])
+
+
+def test_tensor_parallel_sequence_parallel(trained):
+    layouts = trained["tp_sequence_parallel"][0].layouts
+    assert (layouts["layers.0.attn_norm"], layouts["layers.0.mlp.fc2"]) == ("sequence", "rowwise")
+    _check(trained["tp_sequence_parallel"])
+
+
+def test_tensor_parallel_selective_recompute(trained):
+    assert set(trained["tp_selective"][2]["recomputed"].values()) == {"selective"}
+    _check(trained["tp_selective"])
+
+
+def test_tensor_parallel_gathered_outputs(trained):
+    layouts = trained["tp_gathered"][0].layouts
+    assert (layouts["layers.0.attn"], layouts["layers.0.attn.o_proj"]) == ("heads", "replicate")
+    _check(trained["tp_gathered"])
+
+
+def test_fsdp_zero3(trained):
+    _check(trained["dp_zero3"])
+
+
+def test_llama_grouped_query_attention_tp2(trained):
+    plan = trained["llama_tp"][0]
+    assert plan.layouts["layers.0.attn.k_proj"] == "colwise"
+    _check(trained["llama_tp"])
+
+
+def test_dp_x_tp_mesh(trained):
+    assert (trained["dp_x_tp"][0].config.dp, trained["dp_x_tp"][0].config.tp) == (2, 2)
+    _check(trained["dp_x_tp"])
+
+
+def test_pp_x_dp(trained):
+    _check(trained["pp_x_dp"])
+
+
+def test_wrong_world_size_fails_before_process_group(spec_dir, monkeypatch):
+    plan = _plan(spec_dir / "gpt.yaml", "cpu:1x2", tp=2, pp=1)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(PlannerError, match=r"world size 4: .*needs 2 processes"):
+        plan.apply(_build(str(spec_dir / "gpt.yaml")))
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("other, message", [
+    ("arch: gpt\nlayers: 3\nhidden: 128\nheads: 4\nvocab: 256\nmax_seq_len: 32\ntie_embeddings: false\n",
+     r"has 3 blocks but the plan .* has 4"),
+    ("arch: gpt\nlayers: 4\nhidden: 64\nheads: 4\nvocab: 256\nmax_seq_len: 32\ntie_embeddings: false\n",
+     r"parameters, the plan for gpt expects"),
+])
+def test_other_model_fails_before_process_group(spec_dir, tmp_path, monkeypatch, other, message):
+    plan = _plan(spec_dir / "gpt.yaml", "cpu:1x2", tp=2, pp=1)
+    (tmp_path / "other.yaml").write_text(other)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(PlannerError, match=message) as error:
+        plan.apply(_build(str(tmp_path / "other.yaml")))
+    assert "\n" not in str(error.value)
+    assert not dist.is_initialized()

@@ -1,0 +1,148 @@
+"""`paraplan profile`: measurements become a cluster profile whose op tables drive the cost model."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+import yaml
+
+import cli
+import planner
+from costmodel.compute import OpTable, OpWork, WorkKind, op_time_s
+from costmodel.profile_loader import load_cluster, load_device
+from costmodel.profile import Measurements, _coefficients, fit_link, run_profile, write_profile
+from planner.estimate import Evaluator
+
+TINY_GPT = "arch: gpt\nlayers: 2\nhidden: 64\nheads: 4\nvocab: 256\nmax_seq_len: 64\ntie_embeddings: false\n"
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("spec") / "tiny.yaml"
+    path.write_text(TINY_GPT)
+    return path
+
+
+def _measurements(matmul_scale: float = 1.0, link=None, world: int = 1) -> Measurements:
+    """A synthetic measurement: GEMMs at 50 GFLOP/s (fp32) and 25 GFLOP/s (bf16), times `matmul_scale`."""
+    sizes = [2.0 * n ** 3 for n in (64, 256, 1024)]
+    return Measurements(
+        device_type="cpu", device_name="test-cpu", world_size=world, mem_bytes=8e9,
+        matmul_times_s={"fp32": [(f, matmul_scale * f / 50e9) for f in sizes],
+                        "bf16": [(f, matmul_scale * f / 25e9) for f in sizes]},
+        stream_bytes_per_s=20e9,
+        elementwise_bytes_per_s={"add:1B:fp32": 10e9, "gelu:1B:fp32": 5e9, "add:1B:bf16": 1e9},
+        op_times_s={"fp32": {"attention_fwd:b1.h4.s128.d32": 1e-4}, "bf16": {}},
+        link=link,
+    )
+
+
+def test_fit_link_recovers_the_link_the_samples_come_from():
+    # Samples generated from the cost model's ring formulas with bw 2 GB/s and latency 30 us.
+    bw, latency, world = 2e9, 30e-6, 4
+    samples = []
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
+        for size in (4**6, 4**9, 4**12):
+            per_byte, steps = _coefficients(op, world, size)
+            samples.append({"op": op, "bytes": size, "seconds": per_byte / bw + steps * latency})
+    fitted_bw, fitted_latency = fit_link(samples, world)
+    assert fitted_bw == pytest.approx(bw, rel=1e-9)
+    assert fitted_latency == pytest.approx(latency, rel=1e-9)
+
+
+def test_written_profile_loads_with_measured_fields(tmp_path):
+    out = tmp_path / "box.yaml"
+    written = write_profile(out, _measurements(link=(3e9, 40e-6), world=2), load_device("cpu"))
+    assert [p.name for p in written] == ["box.yaml", "box-device.yaml", "box-ops-fp32.json", "box-ops-bf16.json"]
+    cluster = load_cluster(str(out))
+    device = cluster.groups[0].node.device
+    assert cluster.num_devices == 2 and device.name == "box-device"
+    # Peaks are the best measured throughput; fp32 is the faster dtype, so it anchors the curve at 1.0.
+    assert device.peak_flops_per_s == {"fp32": pytest.approx(50e9), "bf16": pytest.approx(25e9)}
+    assert [fraction for _, fraction in device.matmul_efficiency] == pytest.approx([1.0, 1.0, 1.0])
+    # Elementwise efficiency: median of the fp32 elementwise rates (10 and 5 GB/s) over the 20 GB/s copy.
+    assert device.mem_bw_bytes_per_s == 20e9 and device.mem_bw_efficiency == pytest.approx(7.5e9 / 20e9)
+    assert (device.intra_link.bw_bytes_per_s, device.intra_link.latency_s) == (3e9, 40e-6)
+    base_nic = load_device("cpu").nic
+    assert (device.nic.kind, device.nic.bw_bytes_per_s, device.nic.latency_s) == (base_nic.kind, base_nic.bw_bytes_per_s,
+                                                                                base_nic.latency_s)
+    table = OpTable.from_dict(json.loads(Path(device.op_tables["fp32"]).read_text()))
+    assert table.device == "box-device" and table.times_s_by_key == {"attention_fwd:b1.h4.s128.d32": 1e-4}
+
+
+def test_measured_op_table_overrides_the_roofline(tmp_path):
+    write_profile(tmp_path / "box.yaml", _measurements(), load_device("cpu"))
+    device = load_device(str(tmp_path / "box-device.yaml"))
+    table = OpTable.from_dict(json.loads(Path(device.op_tables["fp32"]).read_text()))
+    flops = 2.0 * 256 ** 3
+    gemm = OpWork(WorkKind.MATMUL, flops, 0.0)
+    # At a measured size the table's time is returned exactly: flops / 50 GFLOP/s, no launch overhead.
+    assert op_time_s(gemm, device, "fp32", table) == pytest.approx(flops / 50e9, rel=1e-12)
+    assert op_time_s(gemm, device, "fp32") != pytest.approx(flops / 50e9, rel=1e-3)
+    memory = OpWork(WorkKind.MEMORY, 0.0, 1e6)  # the table has no memory-bound entry: roofline
+    assert op_time_s(memory, device, "fp32", table) == op_time_s(memory, device, "fp32")
+
+
+def test_profile_op_tables_drive_the_evaluator(tmp_path, spec):
+    """Matmul time scales with the table: step time is linear in a uniform scale of every GEMM time."""
+    graph = planner.trace(str(spec), seq_len=64)
+    steps = []
+    for scale in (1.0, 2.0, 3.0):
+        out = tmp_path / f"box{int(scale)}.yaml"
+        write_profile(out, _measurements(scale), load_device("cpu"))
+        evaluator = Evaluator(graph, load_cluster(str(out)), "fp32")
+        device = load_cluster(str(out)).groups[0].node.device
+        assert evaluator.table_for(device, "fp32").matmul_times_s[0][1] == pytest.approx(scale * 2 * 64**3 / 50e9)
+        steps.append(evaluator.estimate(planner.make_config({"tp": 1, "pp": 1}, 1, 4), 4).time_breakdown["compute_s"])
+    assert steps[1] - steps[0] == pytest.approx(steps[2] - steps[1], rel=1e-9)
+    assert steps[1] > steps[0]
+
+
+def test_quick_profile_changes_predictions(tmp_path, spec):
+    written = run_profile(tmp_path / "here.yaml", quick=True, show_progress=False)
+    assert all(path.exists() for path in written)
+    config = {"tp": 1, "pp": 1}
+    measured = planner.evaluate(str(spec), str(tmp_path / "here.yaml"), config, global_batch=4, seq_len=64, dtype="fp32")
+    placeholder = planner.evaluate(str(spec), "cpu:1x1", config, global_batch=4, seq_len=64, dtype="fp32")
+    assert measured.step_time_s != pytest.approx(placeholder.step_time_s, rel=1e-3)
+
+
+def _profile_rank(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    run_profile(out, quick=True, show_progress=False)
+
+
+def test_profile_under_two_ranks_measures_the_link(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_profile_rank, args=(2, port, str(tmp_path / "pair.yaml")), nprocs=2)
+    device = yaml.safe_load((tmp_path / "pair-device.yaml").read_text())
+    assert device["node"]["devices_per_node"] == 2
+    assert "fit of all-reduce" in device["node"]["intra_link"]["sources"]["bw_bytes_per_s"]
+    assert load_cluster(str(tmp_path / "pair.yaml")).num_devices == 2
+
+
+def test_cli_rejects_a_non_yaml_output(tmp_path, capsys):
+    assert cli.main(["profile", "--out", str(tmp_path / "x.json"), "--quick"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_gpu_validation_dry_run_on_cpu():
+    # The GPU script's whole flow (profile, plan none/full recompute, apply, train, measure) at CPU scale.
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "benchmarks/gpu_validate.py", "--dry-run"], cwd=root, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["none"], ["full"])]
+    assert [row[0] for row in rows] == ["none", "full"]
+    predicted_gib = {row[0]: float(row[4]) for row in rows}
+    assert predicted_gib["full"] < predicted_gib["none"]  # recompute keeps fewer activations
+    assert all(float(row[5]) > 0 and float(row[2]) > 0 for row in rows)

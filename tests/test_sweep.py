@@ -1,0 +1,249 @@
+"""Sweeps: sweep files and flags, the results file, resume after a signal, local and Ray executors.
+
+Planning tests use the 4-layer GPT of tests/fixtures (about a second a point) on 8- and
+16-device clusters; one module-scoped uninterrupted run is the reference every other run must
+reproduce row for row (all columns but `plan_time_s`, which is a wall time).
+"""
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from costmodel.profile_loader import load_device
+from planner.errors import PlannerError, PlannerErrorKind
+from planner.sweeps.executors import PlanSettings, failure, plan_point
+from planner.sweeps.results import COLUMNS, ResultsFile, read_results
+from planner.sweeps.runner import sweep
+from planner.sweeps.spec import SweepPoint, load_sweep_spec, sweep_spec_from_dict
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = "tests.fixtures.custom_models:tiny_gpt_factory"
+GRID = {"models": [TINY], "devices": ["a100-80g", "h100-sxm", "l4"], "cluster_sizes": [8, 16], "global_batches": [32],
+        "seq_lens": [128]}
+FLAGS = ["--models", TINY, "--devices", "a100-80g,h100-sxm,l4", "--cluster-sizes", "8,16", "--global-batches", "32",
+         "--seq-lens", "128"]
+TIMING_COLUMNS = ("plan_time_s",)
+
+
+def comparable(rows: list[dict]) -> dict[SweepPoint, dict]:
+    """Rows keyed by point, without wall-time columns; a repeated point fails the test."""
+    out = {}
+    for row in rows:
+        point = SweepPoint(row["model"], row["cluster"], row["global_batch"], row["seq_len"])
+        assert point not in out, f"{point} has two rows"
+        out[point] = {key: value for key, value in row.items() if key not in TIMING_COLUMNS}
+    return out
+
+
+def assert_same_rows(got: dict[SweepPoint, dict], expected: dict[SweepPoint, dict], ignore: tuple[str, ...] = ()) -> None:
+    """`comparable` rows equal, point for point, apart from the `ignore` columns; names what differs."""
+    assert set(got) == set(expected)
+    differences = [f"{point.cluster} {key}: {got[point][key]!r} != {row[key]!r}"
+                   for point, row in expected.items() for key in row if key not in ignore and got[point][key] != row[key]]
+    assert not differences, "; ".join(differences)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    """The rows of an uninterrupted in-process run of GRID."""
+    out = tmp_path_factory.mktemp("reference") / "results.csv"
+    summary = sweep(GRID, out, workers=1)
+    assert summary.points == summary.planned == 6
+    return read_results(out)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(text)
+    return path
+
+
+# --- sweep files and flags ---------------------------------------------------------------------
+
+def test_grid_expands_every_combination_with_canonical_cluster_names(tmp_path):
+    path = write(tmp_path, "models: [gpt3-125m, gpt3-350m]\ndevices: [a100-80g, l4]\ncluster_sizes: [4, 16]\n"
+                           "clusters: [a100-80g:2x8]\nglobal_batches: [64]\nseq_lens: [512, 1024]\n")
+    spec = load_sweep_spec(path)
+    # 2 models x 2 seq_lens x 1 batch x (2 devices x 2 sizes + 1 cluster) = 20, less the cluster
+    # a100-80g:2x8, which is also a100-80g with 16 devices: 2 x 2 x 4 = 16 distinct points.
+    assert len(spec.points) == 16
+    assert list(spec.clusters) == ["a100-80g:1x4", "a100-80g:2x8", "l4:1x4", "l4:2x8"]
+    assert spec.points[0] == SweepPoint("gpt3-125m", "a100-80g:1x4", 64, 512)
+    assert spec.clusters["l4:2x8"].num_devices == 16
+    assert spec.settings == "dtype=bf16 attention=flash"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("models: [gpt3-125m]\ndevices: [a100-80g, h100-sxn]\ncluster_sizes: [8]\nglobal_batches: [64]\nseq_lens: [512]\n",
+     "sweep.yaml:2: devices[1]: device 'h100-sxn': unknown; did you mean h100-sxm"),
+    ("models: [gpt3-125m]\ndevices: [a100-80g]\ncluster_sizes: [8]\nglobal_batches: [64]\nseq_lens: []\n",
+     "sweep.yaml:5: seq_lens: empty"),
+    ("models: [gpt3-125m]\ndevice: [a100-80g]\ncluster_sizes: [8]\nglobal_batches: [64]\nseq_lens: [512]\n",
+     "sweep.yaml:2: device: unknown key; did you mean devices?"),
+    ("models: [gpt3-125m]\ndevices: [a100-80g]\ncluster_sizes:\n  - 8\n  - 12\nglobal_batches: [64]\nseq_lens: [512]\n",
+     "sweep.yaml:5: cluster_sizes[1]: cluster 'a100-80g:12': N: 12 devices do not fill whole 8-device"),
+    ("models: [gpt3-125m, gpt-9]\ndevices: [a100-80g]\ncluster_sizes: [8]\nglobal_batches: [64]\nseq_lens: [512]\n",
+     "sweep.yaml:1: models[1]:"),
+    ("models: [gpt3-125m]\ndevices: [a100-80g]\ncluster_sizes: [8]\nglobal_batches: [0]\nseq_lens: [512]\n",
+     "sweep.yaml:4: global_batches[0]: 0: must be a positive integer"),
+    ("models: [gpt3-125m]\ndevices: [a100-80g]\nglobal_batches: [64]\nseq_lens: [512]\n",
+     "sweep.yaml:2: devices: needs cluster_sizes too"),
+    ("points:\n  - {model: gpt3-125m, cluster: a100-80g:1x8, global_batch: 64}\n",
+     "sweep.yaml:2: points[0]: seq_len: missing"),
+    ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\nconstraints: {zeros: 1}\n",
+     "sweep.yaml:5: constraints: zeros: unknown constraint; did you mean zero?"),
+    ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64, 64]\nseq_lens: [512]\n",
+     "sweep.yaml:3: global_batches[1]: 64 is listed twice"),
+])
+def test_bad_sweep_files_name_the_line_and_field(tmp_path, text, message):
+    with pytest.raises(PlannerError) as error:
+        load_sweep_spec(write(tmp_path, text))
+    assert message in error.value.message
+    assert error.value.message.startswith(str(tmp_path / "sweep.yaml"))
+    assert "\n" not in error.value.message
+
+
+def test_flags_override_the_file_and_errors_name_the_flag(tmp_path):
+    path = write(tmp_path, "models: [gpt3-125m]\ndevices: [a100-80g]\ncluster_sizes: [8]\nglobal_batches: [64]\nseq_lens: [512]\n")
+    spec = load_sweep_spec(path, {"devices": ["l4", "h100-sxm"], "seq_lens": None})
+    assert [p.cluster for p in spec.points] == ["l4:1x8", "h100-sxm:1x8"]
+    with pytest.raises(PlannerError, match=r"^--cluster-sizes 12: cluster 'a100-80g:12'"):
+        load_sweep_spec(path, {"cluster_sizes": [12]})
+
+
+def test_a_bad_sweep_is_rejected_before_any_work(tmp_path):
+    out = tmp_path / "results.csv"
+    with pytest.raises(PlannerError, match=r"^sweep\['devices'\]\[0\]: device 'a100-90g': unknown"):
+        sweep({**GRID, "devices": ["a100-90g"]}, out)
+    with pytest.raises(PlannerError, match="unknown results extension '.txt'"):
+        sweep(GRID, tmp_path / "results.txt")
+    assert not out.exists() and not (tmp_path / "results.txt").exists()
+
+
+# --- the results file --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_results_round_trip_and_a_partial_last_line_is_cut(tmp_path, suffix, reference):
+    path = tmp_path / f"results{suffix}"
+    with ResultsFile.open(path) as results:
+        for row in reference[:3]:
+            results.append(row)
+    whole = path.read_bytes()
+    with path.open("ab") as stream:
+        stream.write(whole.splitlines(keepends=True)[-1][:25])  # a kill in the middle of a write
+    assert read_results(path) == reference[:3]
+    with ResultsFile.open(path) as results:
+        assert results.rows == reference[:3]
+        assert path.read_bytes() == whole
+        results.append(reference[3])
+    assert read_results(path) == reference[:4]
+
+
+def test_row_prices_the_cluster_and_records_failures(reference):
+    row = next(r for r in reference if r["cluster"] == "a100-80g:2x8")
+    price = load_device("a100-80g").price_per_hour
+    # 16 devices at `price` USD an hour; a million tokens take 1e6 / tokens_per_s seconds.
+    assert row["cluster_usd_per_hour"] == pytest.approx(16 * price)
+    assert row["usd_per_million_tokens"] == pytest.approx(16 * price / 3600 * 1e6 / row["tokens_per_s"])
+    assert (row["device"], row["devices"], row["nodes"], row["status"]) == ("a100-80g", 16, 2, "ok")
+    assert row["config"].startswith(f"dp{row['dp']} tp{row['tp']} pp{row['pp']}")
+    assert set(row) == set(COLUMNS)
+
+    spec = sweep_spec_from_dict({**GRID, "devices": ["a100-80g"], "cluster_sizes": [8]})
+    from planner.tracing import trace
+
+    graph = trace(TINY, seq_len=128)
+    cluster = spec.clusters["a100-80g:1x8"]
+    # dp=8 cannot split a global batch of 12 sequences.
+    bad_batch = plan_point(SweepPoint(TINY, "a100-80g:1x8", 12, 128), graph, cluster,
+                           PlanSettings("bf16", "flash", {"dp": 8}, "dp=8"))
+    assert bad_batch["status"] == "invalid" and bad_batch["reason"] and bad_batch["tokens_per_s"] is None
+    assert bad_batch["cluster_usd_per_hour"] == pytest.approx(8 * price)
+    no_tp3 = plan_point(SweepPoint(TINY, "a100-80g:1x8", 32, 128), graph, cluster, PlanSettings("bf16", "flash", {"tp": 3}, "tp=3"))
+    assert no_tp3["status"] == "invalid" and "tp=3" in no_tp3["reason"]
+    assert failure(PlannerError(PlannerErrorKind.INSUFFICIENT_MEMORY, "no plan fits")) == {"status": "infeasible", "reason": "no plan fits"}
+    assert failure(ZeroDivisionError("division by zero")) == {"status": "error", "reason": "ZeroDivisionError: division by zero"}
+
+
+# --- resume ------------------------------------------------------------------------------------
+
+def test_rerun_plans_only_missing_points_and_matches_an_uninterrupted_run(tmp_path, reference):
+    out = tmp_path / "results.jsonl"
+    first = sweep({**GRID, "devices": ["h100-sxm"]}, out, workers=1)
+    assert first.planned == 2
+    plans = tmp_path / "plans"
+    summary = sweep(GRID, out, workers=1, plan_dir=plans)
+    assert (summary.points, summary.planned, summary.status_counts) == (6, 4, {"ok": 6})
+    rows = read_results(out)
+    assert [r["cluster"] for r in rows] == [r["cluster"] for r in reference]  # the sweep's order once complete
+    assert_same_rows(comparable(rows), comparable(reference), ignore=("plan_path",))
+    assert sum(r["plan_path"] is not None for r in rows) == 4 and all(Path(r["plan_path"]).is_file() for r in rows if r["plan_path"])
+    assert sweep(GRID, out, workers=1).planned == 0
+    with pytest.raises(PlannerError, match="planned with 'dtype=bf16 attention=flash', this sweep uses 'dtype=fp16"):
+        sweep({**GRID, "dtype": "fp16"}, out, workers=1)
+
+
+def test_a_model_that_fails_to_trace_becomes_rows(tmp_path, monkeypatch):
+    import planner.sweeps.runner
+
+    def fail(model, seq_len=None):
+        raise PlannerError(PlannerErrorKind.UNSUPPORTED_MODEL, "capture failed in layers.0: boom")
+
+    monkeypatch.setattr(planner.sweeps.runner, "model_graph", fail)
+    summary = sweep({**GRID, "cluster_sizes": [8]}, tmp_path / "r.csv", workers=1)
+    rows = read_results(tmp_path / "r.csv")
+    assert summary.status_counts == {"invalid": 3}
+    assert {r["reason"] for r in rows} == {"capture failed in layers.0: boom"}
+
+
+@pytest.mark.parametrize("signum, suffix, workers, rerun", [(signal.SIGTERM, ".csv", "2", "command"),
+                                                            (signal.SIGINT, ".jsonl", "1", "api")])
+def test_a_signalled_sweep_resumes_to_the_uninterrupted_rows(tmp_path, reference, signum, suffix, workers, rerun):
+    """Stop `paraplan sweep` once it has written a row; re-run the command (or the same sweep
+    through the API, which is what the command runs, to save a process start)."""
+    out = tmp_path / f"results{suffix}"
+    command = [sys.executable, str(REPO / "cli.py"), "sweep", *FLAGS, "--out", str(out), "--workers", workers]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not out.exists() or len(read_results(out)) < 1):
+        time.sleep(0.05)
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + signum
+    assert stderr.strip().splitlines()[-1].startswith(f"paraplan: sweep stopped by {signal.Signals(signum).name} with ")
+    assert stderr.strip().endswith("re-run the same command to resume")
+    stopped = read_results(out)
+    assert 1 <= len(stopped) < 6 and out.read_bytes().endswith(b"\n")
+    if rerun == "command":
+        again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert again.returncode == 0, again.stderr
+        assert re.search(rf"planned now\s+│\s+{6 - len(stopped)} \(the other {len(stopped)} ", again.stdout)
+    else:
+        assert sweep(GRID, out, workers=int(workers)).planned == 6 - len(stopped)
+    assert_same_rows(comparable(read_results(out)), comparable(reference))
+
+
+# --- executors ---------------------------------------------------------------------------------
+
+def test_worker_processes_produce_the_same_rows(tmp_path, reference):
+    summary = sweep(GRID, tmp_path / "results.csv", workers=2)
+    assert summary.planned == 6
+    assert_same_rows(comparable(read_results(tmp_path / "results.csv")), comparable(reference))
+
+
+def test_ray_tasks_produce_the_same_rows(tmp_path, reference):
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        sweep({**GRID, "cluster_sizes": [8]}, tmp_path / "results.jsonl", executor="ray")
+    finally:
+        ray.shutdown()
+    expected = {point: row for point, row in comparable(reference).items() if point.cluster.endswith(":1x8")}
+    assert_same_rows(comparable(read_results(tmp_path / "results.jsonl")), expected)
