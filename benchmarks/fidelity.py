@@ -9,12 +9,10 @@ plan under torchrun (bf16 compute through FSDP2 mixed precision, fp32 master wei
 reduction, AdamW: the mixed-precision states the cost model assumes) and measures:
 
 - step time: the median over `--steps` steps after warm-up, each step fenced by barriers;
-- peak memory: the largest rank's peak over one step: the bytes alive when the step starts
-  (parameter shards, optimizer states) plus the highest running sum of the profiler's memory
-  events during the step (`torch.profiler`, `profile_memory=True`; MemTracker cannot follow a
-  module called once per micro-batch). It is compared with the predicted peak without the CUDA
-  context and allocator overhead, which a CPU process does not have (as `max_memory_allocated`
-  on a GPU does not count them).
+- peak memory: the largest rank's peak over one step, from PyTorch's `MemTracker` (parameters,
+  optimizer states and every tensor the step allocates; `StepPeakTracker`), against the predicted
+  peak without the CUDA context and allocator overhead, which a CPU process does not have (as
+  `max_memory_allocated` on a GPU does not count them).
 """
 from __future__ import annotations
 
@@ -28,8 +26,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import planner  # noqa: E402
+from planner.models import resolve_model  # noqa: E402
+from planner.result import Plan  # noqa: E402
 
 # A GPT-2-style model sized for seconds-long CPU steps, so per-op dispatch overhead stays small
 # against compute; untied so pipeline stages do not share the embedding.
@@ -68,43 +75,39 @@ def train_step(applied, optimizer, tokens) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def live_state_bytes(applied, optimizer) -> int:
-    """Bytes of the storages behind this rank's parameters, gradients and optimizer states."""
-    import torch
-    from torch.distributed.tensor import DTensor
+class StepPeakTracker(MemTracker):
+    """PyTorch's MemTracker following tensors only, without its per-module statistics.
 
-    tensors = [p for p in applied.parameters()] + [p.grad for p in applied.parameters() if p.grad is not None]
-    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    storages = {}
-    for tensor in tensors:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
-    return sum(storages.values())
+    Those statistics reject a root module that runs twice in one context (once per micro-batch
+    here); without them the tracker still follows every storage the step allocates, resizes and
+    frees (including frees on communication threads, which the profiler's memory events miss), so
+    its peak snapshot is the step's peak.
+    """
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        return None
+
+    def _post_fw_hook(self, module, inputs, outputs) -> None:
+        return None
+
+    def _pre_bw_hook(self, module, args) -> None:
+        return None
+
+    def _post_bw_hook(self, module, args) -> None:
+        return None
 
 
 def peak_step_bytes(applied, optimizer, tokens) -> int:
-    """Live state bytes at the step's start plus the highest running sum of its allocations."""
-    import numpy as np
-    import torch
-
-    start_bytes = live_state_bytes(applied, optimizer)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+    """Peak bytes of one training step: parameters, optimizer states and everything the step allocates."""
+    tracker = StepPeakTracker()
+    tracker.track_external(*applied.modules, optimizer)
+    with tracker:
         train_step(applied, optimizer, tokens)
-    events = sorted((e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    running = np.cumsum([e.nbytes() for e in events]) if events else np.zeros(1)
-    return int(start_bytes + max(0, running.max()))
+    return max(snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values())
 
 
 def worker(plan_path: str, spec_path: str, steps: int, out: str) -> None:
     """One rank: apply the plan, time steps, track one step's memory; rank 0 writes the result."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    from planner.models import resolve_model
-    from planner.result import Plan
-
     torch.set_num_threads(1)
     plan = Plan.load(plan_path)
     torch.manual_seed(SEED)
@@ -138,8 +141,6 @@ def predicted_allocated_bytes(plan) -> float:
 
 def run(worlds: list[int], steps: int) -> list[dict]:
     """Profiles, plans, applies and measures every mode of every world size."""
-    import planner
-
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         spec = Path(scratch) / "fidelity-gpt.yaml"

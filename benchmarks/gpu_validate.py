@@ -25,10 +25,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import planner  # noqa: E402
 from benchmarks.fidelity import peak_step_bytes, predicted_allocated_bytes, train_step  # noqa: E402
+from costmodel.profile import run_profile  # noqa: E402
+from planner.models import resolve_model  # noqa: E402
 
 # The run: GPT-3 XL (1.3B, Brown et al. 2020) at its published context, 2 micro-batches of 4.
 MODEL = "gpt3-1.3b"
@@ -62,8 +69,6 @@ class Run:
 
 def make_plans(run: Run, cluster: str) -> dict:
     """{recompute policy: Plan} for one device, no recompute and full recompute of every block."""
-    import planner
-
     base = planner.plan(run.model, cluster, global_batch=run.global_batch, seq_len=run.seq_len, dtype=DTYPE,
                         tp=1, pp=1, dp=1, micro_batch=run.micro_batch, recompute="none")
     full = planner.evaluate(run.model, cluster, {"tp": 1, "pp": 1, "micro_batch": run.micro_batch, "recompute": "full"},
@@ -75,12 +80,6 @@ def make_plans(run: Run, cluster: str) -> dict:
 
 def measure(plan, run: Run) -> tuple[float, float]:
     """(median step seconds, peak allocated bytes) of training under `plan` in this process."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    from planner.models import resolve_model
-
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     torch.manual_seed(SEED)
@@ -116,11 +115,6 @@ def main() -> int:
     parser.add_argument("--like", help="device profile for the unmeasured fields (default: h100-sxm on GPUs)")
     parser.add_argument("--out", help="write the table here (default on a GPU: benchmarks/results/gpu-validate-<device>.txt)")
     args = parser.parse_args()
-
-    import torch
-
-    from costmodel.profile import run_profile
-
     if not args.dry_run and not torch.cuda.is_available():
         sys.stderr.write("gpu_validate.py: no GPU; use --dry-run to check the flow on the CPU\n")
         return 2

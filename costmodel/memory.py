@@ -8,7 +8,7 @@ group, stage 2 also the gradients, stage 3 (FSDP) also the weights.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import NamedTuple
 
@@ -90,7 +90,10 @@ class MemoryBreakdown:
 
     def to_dict(self) -> dict[str, float]:
         """The categories and `total_bytes`, in bytes (JSON-ready)."""
-        return {**asdict(self), "total_bytes": self.total_bytes}
+        # direct field reads: `asdict` deep-copies and is a measurable share of a search
+        out = {f.name: float(getattr(self, f.name)) for f in fields(self)}
+        out["total_bytes"] = self.total_bytes
+        return out
 
 
 def model_state_bytes(

@@ -15,6 +15,9 @@ class Schedule(StrEnum):
     ZERO_BUBBLE = "zb"
 
 
+_VALUES = {kind: frozenset(str(member) for member in kind) for kind in (Recompute, Schedule)}
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Degrees, micro-batching, ZeRO stage, recompute policy and pipeline schedule.
@@ -50,7 +53,7 @@ class ParallelConfig:
             raise invalid(f"zero={self.zero!r}: must be 0, 1, 2 or 3")
         for name, kind in (("recompute", Recompute), ("schedule", Schedule)):
             value = getattr(self, name)
-            if value not in {str(member) for member in kind}:
+            if value not in _VALUES[kind]:
                 raise invalid(f"{name}={value!r}: use one of {', '.join(str(member) for member in kind)}")
             object.__setattr__(self, name, kind(value))
         if (self.dp * self.cp) % self.ep:

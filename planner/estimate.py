@@ -70,7 +70,20 @@ def _load_op_table(path: str) -> OpTable:
     return OpTable.from_dict(json.loads(Path(path).read_text()))
 
 
+_STAGE_DEVICES: dict = {}
+
+
 def stage_devices(cluster: Cluster, pp: int) -> list[tuple[DeviceSpec, NodeSpec]]:
+    """Cached `_stage_devices` (clusters are immutable; keyed by identity, which outlives no search)."""
+    key = (id(cluster), pp)
+    hit = _STAGE_DEVICES.get(key)
+    if hit is None or hit[0] is not cluster:
+        hit = (cluster, _stage_devices(cluster, pp))
+        _STAGE_DEVICES[key] = hit
+    return hit[1]
+
+
+def _stage_devices(cluster: Cluster, pp: int) -> list[tuple[DeviceSpec, NodeSpec]]:
     """The device and node of each pipeline stage (pp is the outermost mesh axis).
 
     Raises:
@@ -194,30 +207,42 @@ class Evaluator:
             return table
         groups = mesh_groups(config, node.devices_per_node)
         expert_group = expert_data_group(config, node)
+        state = state_options(config)
+        by_signature: dict = {}  # identical blocks under the same policy price identically
         rows = []
         for index, layer in enumerate(self.graph.layers):
-            cost = self.layer_cost(index, config, device, node, policies[index])
-            dense = (layer.params - layer.expert_params) / config.tp
-            expert = layer.expert_params / (config.ep * config.tp)
-            state = state_options(config)
-            static = sum(memory_model.model_state_bytes(dense, config.zero, config.dp * config.cp, **state)) + sum(
-                memory_model.model_state_bytes(expert, config.zero, expert_group.size, **state))
-            exposed = 0.0
-            if config.zero == 3:
-                gather_s = (collective_time_s(Collective.ALL_GATHER, dense * 2, groups.dp_cp, node)
-                            + collective_time_s(Collective.ALL_GATHER, expert * 2, expert_group, node))
-                scatter_s = (collective_time_s(Collective.REDUCE_SCATTER, dense * GRAD_REDUCE_BYTES_PER_PARAM, groups.dp_cp, node)
-                             + collective_time_s(Collective.REDUCE_SCATTER, expert * GRAD_REDUCE_BYTES_PER_PARAM, expert_group, node))
-                exposed = max(0.0, gather_s - cost.fwd_s) + max(0.0, gather_s + scatter_s - cost.bwd_s - cost.recompute_s)
-            fwd = cost.fwd_s + cost.tp_comm_s / 2 + cost.cp_comm_s / 3 + cost.ep_comm_s / 2
-            rows.append((
-                fwd, cost.total_s + exposed - fwd, cost.fwd_s + cost.bwd_s, cost.recompute_s, cost.tp_comm_s,
-                cost.cp_comm_s, cost.ep_comm_s, exposed, dense, expert, static, cost.act_bytes,
-                layer.out_bytes * config.micro_batch / self.graph.micro_batch,
-            ))
+            signature = (layer.signature or layer.name, policies[index])
+            row = by_signature.get(signature)
+            if row is None:
+                row = self._layer_row(index, config, device, node, policies[index], groups, expert_group, state)
+                by_signature[signature] = row
+            rows.append(row)
         table = np.array(rows, dtype=float)
         self._table_cache[key] = table
         return table
+
+    def _layer_row(self, index: int, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, policy: Recompute,
+                   groups, expert_group: CommGroup, state: dict) -> tuple:
+        """One row of `layer_table` (see COLUMNS)."""
+        layer = self.graph.layers[index]
+        cost = self.layer_cost(index, config, device, node, policy)
+        dense = (layer.params - layer.expert_params) / config.tp
+        expert = layer.expert_params / (config.ep * config.tp)
+        static = sum(memory_model.model_state_bytes(dense, config.zero, config.dp * config.cp, **state)) + sum(
+            memory_model.model_state_bytes(expert, config.zero, expert_group.size, **state))
+        exposed = 0.0
+        if config.zero == 3:
+            gather_s = (collective_time_s(Collective.ALL_GATHER, dense * 2, groups.dp_cp, node)
+                        + collective_time_s(Collective.ALL_GATHER, expert * 2, expert_group, node))
+            scatter_s = (collective_time_s(Collective.REDUCE_SCATTER, dense * GRAD_REDUCE_BYTES_PER_PARAM, groups.dp_cp, node)
+                         + collective_time_s(Collective.REDUCE_SCATTER, expert * GRAD_REDUCE_BYTES_PER_PARAM, expert_group, node))
+            exposed = max(0.0, gather_s - cost.fwd_s) + max(0.0, gather_s + scatter_s - cost.bwd_s - cost.recompute_s)
+        fwd = cost.fwd_s + cost.tp_comm_s / 2 + cost.cp_comm_s / 3 + cost.ep_comm_s / 2
+        return (
+            fwd, cost.total_s + exposed - fwd, cost.fwd_s + cost.bwd_s, cost.recompute_s, cost.tp_comm_s,
+            cost.cp_comm_s, cost.ep_comm_s, exposed, dense, expert, static, cost.act_bytes,
+            layer.out_bytes * config.micro_batch / self.graph.micro_batch,
+        )
 
     def stage_problem(self, config: ParallelConfig, policy_sets: list[tuple[Recompute, ...]], headroom: float = 0.0) -> StageProblem:
         """The stage-split instance of `config`: one column per candidate per-layer policy set."""
@@ -290,9 +315,10 @@ class Evaluator:
 
         sums, stage_plans, breakdowns = [], [], []
         dp_exposed_s = optimizer_s = p2p_s = 0.0
+        tables = {device.name: self.layer_table(config, device, node, policies) for device, node in per_device}
         for stage in range(config.pp):
             device, node = per_device[stage]
-            table = self.layer_table(config, device, node, policies)
+            table = tables[device.name]
             layer_ids = [i for c, s in enumerate(chunk_stage) if s == stage for i in range(boundaries[c], boundaries[c + 1])]
             rows = table[layer_ids]
             total = rows.sum(axis=0).tolist()  # Python floats: the Estimate must serialise (JSON, YAML)

@@ -117,7 +117,18 @@ def work_bound(evaluator: Evaluator, config: ParallelConfig) -> WorkBound:
     )
 
 
+_LEAST_SLOWEST: dict = {}
+
+
 def least_slowest_stage_s(layer_s: np.ndarray, stages: int) -> float:
+    """Cached `_least_slowest_stage_s`: many candidates share one per-layer time vector."""
+    key = (layer_s.tobytes(), stages)
+    if key not in _LEAST_SLOWEST:
+        _LEAST_SLOWEST[key] = _least_slowest_stage_s(layer_s, stages)
+    return _LEAST_SLOWEST[key]
+
+
+def _least_slowest_stage_s(layer_s: np.ndarray, stages: int) -> float:
     """A lower bound on max_s T_s over every split of `layer_s` into `stages` contiguous parts.
 
     The optimum lies in [low, low + max_l t_l] with low = max(max_l t_l, W / stages): packing layers
@@ -127,6 +138,8 @@ def least_slowest_stage_s(layer_s: np.ndarray, stages: int) -> float:
     the lower end, which is never above the optimum.
     """
     prefix = np.concatenate([[0.0], np.cumsum(layer_s)])
+    if stages == 1:
+        return float(prefix[-1])
     low = max(float(layer_s.max()), float(prefix[-1]) / stages)
     high = low + float(layer_s.max())
     for _ in range(MIN_MAX_ROUNDS):

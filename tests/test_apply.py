@@ -24,6 +24,8 @@ import yaml
 
 import planner
 from costmodel.profile_files import PROFILES_DIR
+from planner.apply.tensor_parallel import tensor_parallel_plan
+from planner.apply.validate import model_units
 from planner.errors import PlannerError
 from planner.models import resolve_model
 from planner.result import Plan
@@ -305,3 +307,31 @@ def test_other_model_fails_before_process_group(spec_dir, tmp_path, monkeypatch,
         plan.apply(_build(str(tmp_path / "other.yaml")))
     assert "\n" not in str(error.value)
     assert not dist.is_initialized()
+
+
+def test_tied_embeddings_across_pipeline_stages_fail_before_process_group(tmp_path, monkeypatch):
+    (tmp_path / "tied.yaml").write_text(GPT_SPEC.replace("tie_embeddings: false", "tie_embeddings: true"))
+    plan = _plan(tmp_path / "tied.yaml", "cpu:1x2", pp=2, tp=1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(PlannerError, match=r"share one parameter across pipeline stages; untie them"):
+        plan.apply(_build(str(tmp_path / "tied.yaml")))
+    assert not dist.is_initialized()
+
+
+def test_layout_naming_a_missing_module_fails(spec_dir, monkeypatch):
+    plan = _plan(spec_dir / "gpt.yaml", "cpu:1x2", tp=2, pp=1)
+    plan = dataclasses.replace(plan, layouts={**plan.layouts, "layers.0.attn.qkv_proj": "colwise"})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(PlannerError, match=r"lacks module 'layers.0.attn.qkv_proj'"):
+        plan.apply(_build(str(spec_dir / "gpt.yaml")))
+
+
+def test_heads_that_do_not_split_over_tp_are_rejected(spec_dir):
+    # Two key/value heads cannot give each of 4 ranks whole heads of a column-sharded k_proj.
+    model = _build(str(spec_dir / "llama.yaml"))
+    units, blocks = model_units(model)
+    layouts = {f"{block}.attn.{name}": "colwise" for block in blocks for name in ("q_proj", "k_proj", "v_proj")}
+    layouts.update({f"{block}.attn": "heads" for block in blocks})
+    assert tensor_parallel_plan(model, list(units), list(blocks), layouts, tp=2).styles
+    with pytest.raises(PlannerError, match=r"layout layers.0.attn.k_proj: its 2 heads do not split over tp=4"):
+        tensor_parallel_plan(model, list(units), list(blocks), layouts, tp=4)

@@ -10,8 +10,13 @@ promises (its lower bound is sound and it stops only when the bound cannot beat 
 from __future__ import annotations
 
 import json
+from itertools import combinations
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from ortools.math_opt.python import mathopt
 
 import planner
 from costmodel.profile_loader import load_cluster
@@ -19,7 +24,8 @@ from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.estimate import Evaluator
 from planner.graph import Recompute
-from planner.search import mean_capacity_bytes, memory_floor_bytes, pipeline_bound_s, work_bound, work_bound_key
+from planner.search import (fill_bound_s, least_slowest_stage_s, mean_capacity_bytes, memory_floor_bytes, pipeline_bound_s,
+                            work_bound, work_bound_key)
 from planner.space import configs_for, enumerate_degrees
 from planner.stages import split_uniform
 
@@ -114,6 +120,32 @@ def test_search_matches_brute_force(model_ref, model, seq_len, cluster, global_b
         assert plan.estimate.step_time_s == pytest.approx(best_s, rel=REL_TOL)
     if expect_pruning:
         assert plan.search["candidates_evaluated"] < priced
+
+
+@given(layer_s=st.lists(st.sampled_from([0.0, 0.5, 1.0, 1.5, 3.0, 7.25]), min_size=1, max_size=9), data=st.data())
+def test_least_slowest_stage_never_exceeds_the_best_contiguous_split(layer_s, data):
+    # Brute force over every contiguous split into `stages` non-empty parts.
+    stages = data.draw(st.integers(1, len(layer_s)))
+    best = min(max(sum(layer_s[a:b]) for a, b in zip((0,) + cuts, cuts + (len(layer_s),)))
+               for cuts in combinations(range(1, len(layer_s)), stages - 1))
+    bound = least_slowest_stage_s(np.array(layer_s), stages)
+    assert bound <= best * (1 + REL_TOL)
+    # Tight: the bracket is at most the largest layer wide and narrowed 15-fold per round, 3 rounds.
+    assert bound >= best - max(layer_s) / 15**3 - 1e-12
+
+
+@pytest.mark.parametrize("m,pp,share", [(1, 4, 1.0), (24, 8, 1.0), (24, 8, 0.5), (8, 16, 0.3), (512, 128, 1 / 3), (4, 8, 0.0)])
+def test_fill_bound_is_the_linear_programs_optimum(m, pp, share):
+    # min C s.t. C >= m T_d + share * sum_{d' < d} T_d' for every d, sum_d T_d = 1, T >= 0, solved by GLOP.
+    model = mathopt.Model()
+    times = [model.add_variable(lb=0.0) for _ in range(pp)]
+    bound = model.add_variable()
+    for d in range(pp):
+        model.add_linear_constraint(bound >= m * times[d] + share * sum(times[:d]))
+    model.add_linear_constraint(sum(times) == 1)
+    model.minimize(bound)
+    optimum = mathopt.solve(model, mathopt.SolverType.GLOP).objective_value()
+    assert fill_bound_s(1.0, m, pp, share) == pytest.approx(optimum, rel=1e-6)
 
 
 def test_exhaustive_flag_prices_everything():

@@ -48,7 +48,7 @@ from planner.result import Plan
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 
-__all__ = ["AppliedPlan", "apply_plan", "MESH_AXES"]
+__all__ = ["AppliedPlan", "MESH_AXES", "apply_plan", "default_device", "language_model_loss"]
 
 
 @dataclass
@@ -103,6 +103,8 @@ class AppliedPlan:
         """One step's forward and backward over `tokens` (this rank's slice) in the plan's micro-batches.
 
         Gradients are averaged over micro-batches, so they equal those of the mean loss of the slice.
+        Under ZeRO 1-3 gradients are reduce-scattered after every micro-batch, so they stay sharded
+        as the plan's memory assumes; under ZeRO-0 they are all-reduced once, after the last.
 
         Returns:
             The mean loss of this rank's slice where `has_loss`, else None.
@@ -119,7 +121,7 @@ class AppliedPlan:
         total = torch.zeros((), device=tokens.device)
         for index, chunk in enumerate(chunks):
             if isinstance(model, FSDPModule):
-                model.set_requires_gradient_sync(index == len(chunks) - 1)
+                model.set_requires_gradient_sync(config.zero > 0 or index == len(chunks) - 1)
             loss = model(chunk) / len(chunks)
             loss.backward()
             total += loss.detach()
@@ -206,8 +208,8 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
             parallelize_module(module, mesh["tp"], styles)
         recomputed.update(apply_recompute(module, plan.memory_plan, units))
         if config.dp > 1 or mp_policy is not None:
-            blocks = [module.get_submodule(u) for u in units if u in match.blocks]
-            apply_data_parallel(module, blocks, mesh["dp"], config.zero, mp_policy)
+            own_units = [module.get_submodule(u) for u in units if u not in match.tied]
+            apply_data_parallel(module, own_units, mesh["dp"], config.zero, mp_policy)
     if config.pp == 1:
         return AppliedPlan(plan, mesh, (model,), (), None, None, recomputed)
     loss_fn = loss_fn or language_model_loss(loss_module)

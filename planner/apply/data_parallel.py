@@ -7,9 +7,14 @@
 | 3 | `fully_shard(reshard_after_forward=True)` | parameters, gradients and optimizer states |
 
 FSDP2 has no optimizer-states-only mode, so ZeRO-1 runs as ZeRO-2: gradients are reduce-scattered
-too, which needs less memory than the plan budgets for ZeRO-1, never more. Every block is its own
-communication unit (parameters gathered and gradients reduced per block, overlapping compute),
-then the root takes the rest (embedding, final norm, head).
+too, which needs less memory than the plan budgets for ZeRO-1, never more. Every layer of the plan
+(embedding, each block, final norm, head) is its own communication unit, as the cost model prices
+gathers and reductions per layer; units sharing a parameter (tied embeddings) stay with the root.
+
+Gradient reduction with micro-batches: without pipelining, ZeRO 1-3 reduce-scatter after every
+micro-batch so gradients stay sharded (`AppliedPlan.forward_backward`); ZeRO-0 all-reduces once.
+With pipelining, torch's `PipelineStage` defers the reduction to the last micro-batch, so the
+unsharded gradients of the stage accumulate in between: more gradient memory than ZeRO-2/3 budgets.
 """
 from __future__ import annotations
 
@@ -19,21 +24,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
-def apply_data_parallel(root: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, zero: int,
+def apply_data_parallel(root: nn.Module, units: list[nn.Module], dp_mesh: DeviceMesh, zero: int,
                         mp_policy: MixedPrecisionPolicy | None = None) -> None:
-    """Wraps each block, then `root`, for data parallelism over `dp_mesh` at ZeRO stage `zero`.
+    """Wraps each unit, then `root`, for data parallelism over `dp_mesh` at ZeRO stage `zero`.
 
     Args:
         root: the local module (whole model or one pipeline chunk).
-        blocks: the repeated blocks inside `root`, each its own FSDP unit.
+        units: modules inside `root`, each its own FSDP unit (those without parameters are skipped).
         dp_mesh: the one-dimensional data-parallel mesh.
         zero: ZeRO stage 0-3 (see the module docstring for what each maps to).
         mp_policy: FSDP2 mixed precision (parameter and reduction dtypes); none keeps the model's dtype.
     """
     policy = mp_policy or MixedPrecisionPolicy()
-    if zero == 0:
-        for module in [*blocks, root]:
+    modules = [unit for unit in units if any(True for _ in unit.parameters())] + [root]
+    for module in modules:
+        if zero == 0:
             replicate(module, mesh=dp_mesh, mp_policy=policy)
-        return
-    for module in [*blocks, root]:
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=policy)
+        else:
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=policy)

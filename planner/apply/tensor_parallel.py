@@ -150,6 +150,7 @@ def _container_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stre
 
 
 def _norm_styles(fqn: str, layouts: dict[str, str], stream: TensorLayout) -> dict[str, ParallelStyle]:
+    """A norm: sequence-parallel on a sequence-split stream, else replicated (gathered around if needed)."""
     if _placement(layouts, fqn) == Placement.SEQUENCE and stream == Q:
         return {fqn: SequenceParallel(sequence_dim=SEQUENCE_DIM, use_local_output=True)}
     style = _convert(stream, R, R, stream)
@@ -157,18 +158,18 @@ def _norm_styles(fqn: str, layouts: dict[str, str], stream: TensorLayout) -> dic
 
 
 def _embedding_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: TensorLayout) -> dict[str, ParallelStyle]:
-    """Styles of the input embedding: one nn.Embedding, or a container summing several."""
+    """Styles of the input embedding: one nn.Embedding, or a container summing several (token ids in)."""
     if isinstance(module, nn.Embedding):
-        style = _linear_style(_placement(layouts, fqn), fqn, R, stream) if _placement(layouts, fqn) != Placement.REPLICATE \
-            else _convert(None, None, R, stream)
+        style = _linear_style(_placement(layouts, fqn), fqn, R, stream)
         return {fqn: style} if style is not None else {}
     styles: dict[str, ParallelStyle] = {}
     for name, child in module.named_children():
         placement = _placement(layouts, f"{fqn}.{name}")
-        if placement != Placement.REPLICATE:
-            if not isinstance(child, (nn.Embedding, nn.Linear)):
-                raise unsupported(f"layout {fqn}.{name}: placement {placement!r} on a {type(child).__name__} cannot be applied")
-            styles[f"{fqn}.{name}"] = _linear_style(placement, f"{fqn}.{name}", R, R)
+        if placement != Placement.REPLICATE and not isinstance(child, (nn.Embedding, nn.Linear)):
+            raise unsupported(f"layout {fqn}.{name}: placement {placement!r} on a {type(child).__name__} cannot be applied")
+        style = _linear_style(placement, f"{fqn}.{name}", R, R)
+        if style is not None:
+            styles[f"{fqn}.{name}"] = style
     style = _convert(None, None, R, stream)
     if style is not None:
         styles[fqn] = style
@@ -176,6 +177,7 @@ def _embedding_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stre
 
 
 def _head_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: TensorLayout) -> dict[str, ParallelStyle]:
+    """The output head reads the stream and hands full-vocabulary logits to the loss."""
     placement = _placement(layouts, fqn)
     if not isinstance(module, nn.Linear):
         if placement != Placement.REPLICATE:
@@ -184,7 +186,6 @@ def _head_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: T
     if placement == Placement.REPLICATE:
         style = _convert(stream, R, None, None)
         return {fqn: style} if style is not None else {}
-    # The logits are gathered: the loss runs replicated on full-vocabulary logits.
     style_type = {Placement.COLWISE: ColwiseParallel, Placement.ROWWISE: RowwiseParallel}.get(placement)
     if style_type is None:
         raise unsupported(f"layout {fqn}: placement {placement!r} on the output head cannot be applied; re-plan")

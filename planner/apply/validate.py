@@ -31,11 +31,13 @@ class ModelMatch:
         units: pipeline-cut unit FQNs in forward order.
         blocks: the units that are repeated blocks (children of a ModuleList or ModuleDict).
         layouts: placement of every module FQN of the model that the plan shards (all blocks).
+        tied: units that share a parameter with another unit (tied embeddings).
     """
 
     units: tuple[str, ...]
     blocks: tuple[str, ...]
     layouts: dict[str, str]
+    tied: frozenset[str] = frozenset()
 
 
 def world_size() -> int:
@@ -158,16 +160,22 @@ def expand_layouts(plan: Plan, model: nn.Module, units: tuple[str, ...], blocks:
     return out
 
 
-def _check_ties(plan: Plan, model: nn.Module, units: tuple[str, ...], layouts: dict[str, str]) -> None:
-    """Shared parameters must stay in one pipeline stage and must not be split by tensor parallelism."""
+def _check_ties(plan: Plan, model: nn.Module, units: tuple[str, ...], layouts: dict[str, str]) -> frozenset[str]:
+    """Shared parameters must stay in one pipeline stage and must not be split by tensor parallelism.
+
+    Returns:
+        The units that share a parameter with another unit.
+    """
     owners: dict[int, list[str]] = {}
     for unit in units:
         for name, param in model.get_submodule(unit).named_parameters(remove_duplicate=False):
             owners.setdefault(id(param), []).append(f"{unit}.{name}")
     stage_of = {fqn: stage.index for stage in plan.stages for fqn in stage.fqns}
+    tied: set[str] = set()
     for names in owners.values():
         if len(names) < 2:
             continue
+        tied.update(_owner(n, units) for n in names)
         stages = {stage_of[_owner(n, units)] for n in names}
         if len(stages) > 1:
             raise invalid(f"model: {names[0]} and {names[1]} share one parameter across pipeline stages; untie them "
@@ -176,6 +184,7 @@ def _check_ties(plan: Plan, model: nn.Module, units: tuple[str, ...], layouts: d
         if split:
             raise invalid(f"model: {split[0]} is shared with another module and split by tensor parallelism; untie it "
                           f"(spec: tie_embeddings: false) or re-plan with --tp 1")
+    return frozenset(tied)
 
 
 def match_model(plan: Plan, model: nn.Module) -> ModelMatch:
@@ -188,5 +197,4 @@ def match_model(plan: Plan, model: nn.Module) -> ModelMatch:
     _check_units(plan, units, blocks)
     _check_params(plan, model, units)
     layouts = expand_layouts(plan, model, units, blocks)
-    _check_ties(plan, model, units, layouts)
-    return ModelMatch(units, blocks, layouts)
+    return ModelMatch(units, blocks, layouts, _check_ties(plan, model, units, layouts))
