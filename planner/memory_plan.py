@@ -59,7 +59,7 @@ def memory_plan(evaluator: Evaluator, config: ParallelConfig, estimate: Estimate
     return {
         "zero": config.zero,
         "recompute": {k: v for k, v in recompute.items() if v},
-        "offload": "none",
+        "offload": "optimizer states in host memory (ZeRO-Offload)" if config.offload_optimizer else "none",
         "mem_headroom": headroom,
         "recompute_solver": solver,
         "stages": stages,

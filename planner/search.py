@@ -232,6 +232,69 @@ def _reason_key(reason: str) -> str:
     return reason.split(":")[0]
 
 
+class _Pass:
+    """Candidates of one pass over the space, priced in bound order; tallies what was rejected and why."""
+
+    def __init__(self, reasons: Counter, examples: dict, rejected: list):
+        self.reasons, self.examples, self.rejected = reasons, examples, rejected
+        self.total = self.evaluated = self.screened = 0
+        self.closest_miss = None
+
+    def candidates(self, evaluator: Evaluator, space, graph: ModelGraph, global_batch: int, constraints: dict) -> list:
+        """(bound, config) of every valid configuration, sorted by bound."""
+        candidates: list[tuple[float, ParallelConfig]] = []
+        work_bounds: dict[ParallelConfig, WorkBound] = {}
+        for degrees in space.degrees:
+            if global_batch % degrees[0]:
+                self.rejected.append(Rejection(f"dp={degrees[0]}", f"global_batch={global_batch} is not a multiple of dp"))
+                continue
+            for config in configs_for(degrees, graph, global_batch, constraints):
+                try:
+                    evaluator.check(config, global_batch)
+                except PlannerError as error:
+                    self.rejected.append(Rejection(config.short(), error.message))
+                    continue
+                key = work_bound_key(config)
+                if key not in work_bounds:
+                    work_bounds[key] = work_bound(evaluator, key)
+                candidates.append((pipeline_bound_s(config, work_bounds[key]), config))
+        candidates.sort(key=lambda item: item[0])
+        self.total += len(candidates)
+        return candidates
+
+    def run(self, evaluator: Evaluator, space, graph: ModelGraph, global_batch: int, constraints: dict,
+            headroom: float, top: int, exhaustive: bool) -> list:
+        """The `top` fitting configurations, best first, as (step time, config, estimate)."""
+        candidates = self.candidates(evaluator, space, graph, global_batch, constraints)
+        ranked: list[tuple[float, ParallelConfig, object]] = []
+        for index, (bound_s, config) in enumerate(candidates):
+            if not exhaustive and len(ranked) >= top and bound_s >= ranked[top - 1][0]:
+                pruned = len(candidates) - index
+                self.reasons["bound"] += pruned
+                self.examples.setdefault("bound", []).append(
+                    {"what": f"{pruned} configurations", "reason": f"lower bound >= {ranked[top - 1][0]:.3f} s of the plans kept"})
+                break
+            floor_bytes = memory_floor_bytes(evaluator, config)
+            if floor_bytes > mean_capacity_bytes(evaluator.cluster, config.pp) * (1 - headroom):
+                self.screened += 1
+                estimate = None
+            else:
+                self.evaluated += 1
+                estimate = evaluator.estimate(config, global_batch, headroom=headroom)
+            if estimate is None or not estimate.fits:
+                need = floor_bytes if estimate is None else estimate.peak_memory_bytes
+                at_least = "at least " if estimate is None else ""
+                if self.closest_miss is None or need < self.closest_miss[0]:
+                    self.closest_miss = (need, config, at_least)
+                self.reasons["memory"] += 1
+                if len(self.examples.setdefault("memory", [])) < EXPLAIN_EXAMPLES_PER_REASON:
+                    self.examples["memory"].append({"what": config.short(), "reason": f"out of memory: needs {at_least}{need / 2**30:.1f} GiB per device"})
+                continue
+            ranked.append((estimate.step_time_s, config, estimate))
+            ranked.sort(key=lambda item: item[0])
+        return ranked
+
+
 def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str = "bf16", attention: str = "flash",
            cluster_name: str = "", **constraints) -> Plan:
     """Best plan for `graph` on `cluster` (see the module docstring for how candidates are pruned).
@@ -251,54 +314,13 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     evaluator = Evaluator(graph, cluster, dtype, attention=attention)
     space = enumerate_degrees(graph, cluster, constraints)
     rejected: list[Rejection] = list(space.rejected)
-    candidates: list[tuple[float, ParallelConfig]] = []
-    work_bounds: dict[ParallelConfig, WorkBound] = {}
-    for degrees in space.degrees:
-        if global_batch % degrees[0]:
-            rejected.append(Rejection(f"dp={degrees[0]}", f"global_batch={global_batch} is not a multiple of dp"))
-            continue
-        for config in configs_for(degrees, graph, global_batch, constraints):
-            try:
-                evaluator.check(config, global_batch)
-            except PlannerError as error:
-                rejected.append(Rejection(config.short(), error.message))
-                continue
-            key = work_bound_key(config)
-            if key not in work_bounds:
-                work_bounds[key] = work_bound(evaluator, key)
-            candidates.append((pipeline_bound_s(config, work_bounds[key]), config))
-    candidates.sort(key=lambda item: item[0])
-
-    ranked: list[tuple[float, ParallelConfig, object]] = []
     reasons: Counter = Counter()
     examples: dict[str, list[dict]] = {}
-    evaluated = screened = 0
-    closest_miss = None
-    for index, (bound_s, config) in enumerate(candidates):
-        if not exhaustive and len(ranked) >= top and bound_s >= ranked[top - 1][0]:
-            pruned = len(candidates) - index
-            reasons["bound"] += pruned
-            examples.setdefault("bound", []).append({"what": f"{pruned} configurations", "reason": f"lower bound >= {ranked[top - 1][0]:.3f} s of the plans kept"})
-            break
-        floor_bytes = memory_floor_bytes(evaluator, config)
-        if floor_bytes > mean_capacity_bytes(cluster, config.pp) * (1 - headroom):
-            screened += 1
-            estimate = None
-        else:
-            evaluated += 1
-            estimate = evaluator.estimate(config, global_batch, headroom=headroom)
-        if estimate is None or not estimate.fits:
-            need = floor_bytes if estimate is None else estimate.peak_memory_bytes
-            at_least = "at least " if estimate is None else ""
-            if closest_miss is None or need < closest_miss[0]:
-                closest_miss = (need, config, at_least)
-            reason = f"out of memory: needs {at_least}{need / 2**30:.1f} GiB per device"
-            reasons["memory"] += 1
-            if len(examples.setdefault("memory", [])) < EXPLAIN_EXAMPLES_PER_REASON:
-                examples["memory"].append({"what": config.short(), "reason": reason})
-            continue
-        ranked.append((estimate.step_time_s, config, estimate))
-        ranked.sort(key=lambda item: item[0])
+    tally = _Pass(reasons, examples, rejected)
+    ranked = tally.run(evaluator, space, graph, global_batch, constraints, headroom, top, exhaustive)
+    if not ranked and constraints.get("allow_offload", True) and "offload_optimizer" not in constraints:
+        ranked = tally.run(evaluator, space, graph, global_batch, {**constraints, "offload_optimizer": True}, headroom, top, exhaustive)
+    candidates_total, evaluated, screened, closest_miss = tally.total, tally.evaluated, tally.screened, tally.closest_miss
 
     if not ranked:
         raise _nothing_fits(graph, cluster, global_batch, closest_miss, evaluated + screened)
@@ -324,7 +346,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
         memory_plan=plan_memory,
         search={
             "time_s": time.perf_counter() - started,
-            "candidates_total": len(candidates),
+            "candidates_total": candidates_total,
             "candidates_evaluated": evaluated,
             "screened_by_memory_floor": screened,
             "pruned_by_bound": reasons.get("bound", 0),

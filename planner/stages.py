@@ -46,6 +46,8 @@ def split_dp(problem: StageProblem) -> StageSplit:
         raise invalid(f"layer_time_s: {problem.num_choices} choices per layer; split_dp takes one, use split_ilp")
     choices = np.zeros(problem.num_layers, dtype=int)
     stage_layer_mem_bytes = problem.stage_layer_mem_bytes(choices)
+    if problem.num_stages == problem.num_layers:
+        return _one_layer_per_stage(problem, stage_layer_mem_bytes, choices, start_s)
     raise_if_no_split_fits(problem, stage_layer_mem_bytes)
     segment_mem_bytes = _segment_sums(stage_layer_mem_bytes) + problem.stage_overhead_bytes[:, None, None]
     segment_time_s = _segment_sums(problem.layer_time_s[:, 0][None, :] / problem.stage_speed[:, None])
@@ -67,6 +69,16 @@ def split_dp(problem: StageProblem) -> StageSplit:
             best = min(best, candidate, key=objective_s)
             bound_s = min(float(_segment_values(segment_time_s, candidate).max()), (objective_s(best) - min_sum_s) / (m - 1))
     return make_split(problem, best, choices, "dp", SolveStatus.OPTIMAL, 0.0, time.perf_counter() - start_s)
+
+
+def _one_layer_per_stage(problem: StageProblem, stage_layer_mem_bytes: np.ndarray, choices: np.ndarray,
+                         start_s: float) -> StageSplit:
+    """The only contiguous split when there are as many stages as layers (no O(S L^2) DP needed)."""
+    need_bytes = np.diag(stage_layer_mem_bytes) + problem.stage_overhead_bytes
+    if np.any(need_bytes > problem.mem_cap_bytes):
+        raise_if_no_split_fits(problem, stage_layer_mem_bytes)
+    boundaries = np.arange(problem.num_layers + 1)
+    return make_split(problem, boundaries, choices, "dp", SolveStatus.OPTIMAL, 0.0, time.perf_counter() - start_s)
 
 
 def split_uniform(problem: StageProblem) -> StageSplit:

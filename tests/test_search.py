@@ -293,3 +293,22 @@ def test_rejections_carry_reasons(small_plan):
     # tp=16 crosses the nodes of a100-40g:2x8; the reason says so.
     assert any(r["what"] == "tp=16" and "node" in r["reason"] for r in plan.rejected)
     assert sum(plan.search["rejected_counts"].values()) >= len(plan.rejected)
+
+
+def test_offloads_the_optimizer_only_when_nothing_fits_on_the_device():
+    # gpt3-2.7b on one 24 GB A10G: device-side mixed-precision Adam needs 2 + 4 + 12 = 18 B per
+    # parameter, 2.7e9 * 18 B = 49 GB, more than the card. With ZeRO-Offload the device keeps
+    # 2 + 2 B per parameter (10.8 GB) and the plan fits; forbidding offload leaves nothing.
+    plan = planner.plan("gpt3-2.7b", "a10g:1x1", global_batch=8, seq_len=1024)
+    assert plan.config.offload_optimizer
+    assert plan.estimate.fits
+    assert plan.memory_plan["offload"] != "none"
+    assert all(row["optimizer_bytes"] == 0 for row in plan.estimate.memory)
+    with pytest.raises(PlannerError) as error:
+        planner.plan("gpt3-2.7b", "a10g:1x1", global_batch=8, seq_len=1024, allow_offload=False)
+    assert error.value.kind == PlannerErrorKind.INSUFFICIENT_MEMORY
+
+
+def test_does_not_offload_when_the_device_holds_everything():
+    plan = planner.plan("gpt3-125m", "a100-80g:1x1", global_batch=8, seq_len=512)
+    assert not plan.config.offload_optimizer

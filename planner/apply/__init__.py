@@ -26,6 +26,7 @@ Example (one process per device, e.g. `torchrun --nproc-per-node 4 train.py`)::
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -35,7 +36,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from planner.apply.data_parallel import apply_data_parallel
 from planner.apply.pipeline import StageModule, build_schedule, check_schedule, chunk_units
@@ -63,6 +65,8 @@ class AppliedPlan:
         schedule: the pipeline schedule, or None without pipelining.
         loss_fn: (logits, targets) -> loss used by the last pipeline stage.
         recomputed: unit FQN -> recompute policy applied on this rank.
+        loss_parallel: the loss is vocab-parallel: run forward and backward inside
+            `torch.distributed.tensor.parallel.loss_parallel()` (forward_backward does).
     """
 
     plan: Plan
@@ -72,6 +76,7 @@ class AppliedPlan:
     schedule: object | None
     loss_fn: Callable | None
     recomputed: dict[str, Recompute]
+    loss_parallel: bool = False
 
     @property
     def dp_rank(self) -> int:
@@ -122,9 +127,10 @@ class AppliedPlan:
         for index, chunk in enumerate(chunks):
             if isinstance(model, FSDPModule):
                 model.set_requires_gradient_sync(config.zero > 0 or index == len(chunks) - 1)
-            loss = model(chunk) / len(chunks)
-            loss.backward()
-            total += loss.detach()
+            with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
+                loss = model(chunk) / len(chunks)
+                loss.backward()
+            total += (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
         return total
 
 
@@ -185,7 +191,10 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
     loss_module = getattr(model, "loss", None)
     if config.pp > 1 and loss_fn is None and not isinstance(loss_module, nn.modules.loss._Loss):
         raise invalid("loss_fn: the model has no `loss` module; pass loss_fn=(logits, targets) -> loss for pipelining")
-    tp_plan = tensor_parallel_plan(model, list(match.units), list(match.blocks), match.layouts, config.tp) if config.tp > 1 else None
+    tp_plan = None
+    if config.tp > 1:
+        tp_plan = tensor_parallel_plan(model, list(match.units), list(match.blocks), match.layouts, config.tp,
+                                       vocab_parallel_loss=config.pp == 1)
 
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda":
@@ -211,7 +220,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
             own_units = [module.get_submodule(u) for u in units if u not in match.tied]
             apply_data_parallel(module, own_units, mesh["dp"], config.zero, mp_policy)
     if config.pp == 1:
-        return AppliedPlan(plan, mesh, (model,), (), None, None, recomputed)
+        return AppliedPlan(plan, mesh, (model,), (), None, None, recomputed, tp_plan is not None and tp_plan.loss_parallel)
     loss_fn = loss_fn or language_model_loss(loss_module)
     stages, schedule = build_schedule([(index, module) for index, module, _ in chunks], plan, mesh["pp"], device, loss_fn)
     return AppliedPlan(plan, mesh, tuple(m for _, m, _ in chunks), tuple(stages), schedule, loss_fn, recomputed)

@@ -15,7 +15,9 @@ output back, so any mix of placements the sharding ILP chooses composes:
   input linears gather their outputs. The output projection is rowwise (reduces straight into the
   stream layout), colwise, or replicate (gathers a feature-split input first).
 - embedding: `rowwise` -> vocab-parallel (RowwiseParallel), `replicate` -> plain.
-- head: colwise/rowwise with the logits gathered for the loss; `replicate` -> plain.
+- head: colwise keeps the logits split over the vocabulary for a vocab-parallel cross entropy
+  (`loss_parallel`, Megatron's parallel cross entropy; without pipelining) or gathers them;
+  rowwise gathers them; `replicate` -> plain.
 
 Attention modules split heads through the projection widths: the zoo's attention infers its
 local head count from the projected tensor, so column-sharded q/k/v give `heads / tp` local heads
@@ -57,10 +59,15 @@ def unsupported(message: str) -> PlannerError:
 
 @dataclass(frozen=True)
 class TensorParallelPlan:
-    """Parallel style per module FQN and the stream layout they assume."""
+    """Parallel style per module FQN, the stream layout they assume, and whether the loss is vocab-parallel.
+
+    With `loss_parallel`, the head returns logits as a DTensor split over the vocabulary and the loss
+    must run (forward and backward) inside `torch.distributed.tensor.parallel.loss_parallel()`.
+    """
 
     stream: TensorLayout
     styles: dict[str, ParallelStyle]
+    loss_parallel: bool = False
 
 
 def _placement(layouts: dict[str, str], fqn: str) -> Placement:
@@ -176,8 +183,10 @@ def _embedding_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stre
     return styles
 
 
-def _head_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: TensorLayout) -> dict[str, ParallelStyle]:
-    """The output head reads the stream and hands full-vocabulary logits to the loss."""
+def _head_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: TensorLayout,
+                 vocab_parallel_loss: bool) -> dict[str, ParallelStyle]:
+    """The output head reads the stream; a colwise head keeps its logits vocabulary-split for a
+    vocab-parallel loss when allowed, every other head hands full logits to the loss."""
     placement = _placement(layouts, fqn)
     if not isinstance(module, nn.Linear):
         if placement != Placement.REPLICATE:
@@ -186,6 +195,9 @@ def _head_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: T
     if placement == Placement.REPLICATE:
         style = _convert(stream, R, None, None)
         return {fqn: style} if style is not None else {}
+    if placement == Placement.COLWISE and vocab_parallel_loss:
+        return {fqn: ColwiseParallel(input_layouts=_DTENSOR_PLACEMENT[stream], output_layouts=Shard(-1),
+                                     use_local_output=False)}
     style_type = {Placement.COLWISE: ColwiseParallel, Placement.ROWWISE: RowwiseParallel}.get(placement)
     if style_type is None:
         raise unsupported(f"layout {fqn}: placement {placement!r} on the output head cannot be applied; re-plan")
@@ -202,7 +214,7 @@ def stream_layout(layouts: dict[str, str], block_fqns: list[str], model: nn.Modu
 
 
 def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[str], layouts: dict[str, str],
-                         tp: int) -> TensorParallelPlan:
+                         tp: int, vocab_parallel_loss: bool = False) -> TensorParallelPlan:
     """Parallel styles for every unit of `model` under per-module `layouts` (FQN -> placement, all blocks).
 
     Args:
@@ -211,6 +223,8 @@ def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[st
         block_fqns: the units that are repeated blocks.
         layouts: placement of every module FQN that is not replicated.
         tp: tensor-parallel degree.
+        vocab_parallel_loss: let a colwise head feed a vocab-parallel loss (the caller runs the
+            loss under `loss_parallel()`); otherwise its logits are gathered.
 
     Raises:
         PlannerError: UNSUPPORTED_MODEL naming the module whose placement cannot be applied.
@@ -235,5 +249,6 @@ def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[st
             styles.update(_embedding_styles(unit, module, layouts, stream))
             embedded = True
         elif any(True for _ in module.parameters()):
-            styles.update(_head_styles(unit, module, layouts, stream))
-    return TensorParallelPlan(stream, styles)
+            styles.update(_head_styles(unit, module, layouts, stream, vocab_parallel_loss))
+    loss_parallel = any(isinstance(style, ColwiseParallel) and not style.use_local_output for style in styles.values())
+    return TensorParallelPlan(stream, styles, loss_parallel)
