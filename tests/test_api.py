@@ -113,9 +113,10 @@ def test_plan_rejects_an_unknown_constraint(small_graph):
 
 
 def test_plan_says_what_would_fit_when_nothing_does():
-    # llama2-7b's model states alone are 16 B x 6.7e9 = 108 GB, more than one 40 GB A100.
+    # llama2-7b's model states alone are 18 B x 6.7e9 = 121 GB, more than one 40 GB A100; with the
+    # optimizer offloaded it could fit (4 B x 6.7e9 = 27 GB), so offload is forbidden here.
     with pytest.raises(PlannerError) as error:
-        planner.plan("llama2-7b", "a100-40g:1x1", global_batch=8, seq_len=256)
+        planner.plan("llama2-7b", "a100-40g:1x1", global_batch=8, seq_len=256, allow_offload=False)
     assert error.value.kind == PlannerErrorKind.INSUFFICIENT_MEMORY
     assert error.value.exit_code == 3
     assert "devices" in error.value.message
