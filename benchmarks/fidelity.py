@@ -2,10 +2,10 @@
 
     python benchmarks/fidelity.py [--steps 5] [--worlds 2,4] [--out benchmarks/results/fidelity-cpu.txt]
 
-For each world size it first profiles the machine with that many ranks (`paraplan profile` under
-torchrun: matmul, memory and attention times measured while all ranks run, gloo collectives), then
-plans a small GPT on the measured cluster with constraints forcing each parallel mode, applies each
-plan under torchrun (bf16 compute through FSDP2 mixed precision, fp32 master weights and gradient
+For each world size and parallel mode it profiles the machine with that many ranks (`paraplan
+profile` under torchrun: GEMM, memory and attention times measured while all ranks run, gloo
+collectives), plans a small GPT on the measured cluster with constraints forcing the mode, applies
+the plan under torchrun (bf16 compute through FSDP2 mixed precision, fp32 master weights and gradient
 reduction, AdamW: the mixed-precision states the cost model assumes) and measures:
 
 - step time: the median over `--steps` steps after warm-up, each step fenced by barriers;
@@ -147,8 +147,9 @@ def run(worlds: list[int], steps: int) -> list[dict]:
         spec.write_text(SPEC)
         for world in worlds:
             cluster = Path(scratch) / f"cpu-x{world}.yaml"
-            _torchrun(world, "cli.py", "profile", "--out", str(cluster))
             for name, constraints in MODES[world].items():
+                # Profiled right before each run: on a shared machine the load drifts within minutes.
+                _torchrun(world, "cli.py", "profile", "--out", str(cluster))
                 fixed = {axis: constraints.get(axis, 1) for axis in PINNED}
                 plan = planner.plan(str(spec), str(cluster), global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype=DTYPE,
                                     **{**constraints, **fixed})

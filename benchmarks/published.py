@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.published_rows import GOAL_GROUPS, load_rows  # noqa: E402
+from benchmarks.published_rows import GOAL_GROUPS, fitting_configs, load_rows  # noqa: E402
 from planner.api import evaluate  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
 from planner.tracing import trace  # noqa: E402
@@ -36,7 +36,10 @@ def main() -> None:
         try:
             source = resolve_model(parse_spec(row.spec, f"{row.id}.yaml"))
             graph = trace(source, seq_len=row.seq_len)
-            est = evaluate(graph, row.cluster, row.config, global_batch=row.global_batch, attention=row.attention)
+            for config in fitting_configs(row):
+                est = evaluate(graph, row.cluster, config, global_batch=row.global_batch, attention=row.attention)
+                if est.fits:
+                    break
         except PlannerError as error:
             print(f"{row.id:58s} skipped: {error.message}")
             continue

@@ -21,8 +21,9 @@ GOAL_GROUPS = ("megatron2021_weak", "megatron2021_zero3_vs_ptd", "megatron_core_
 
 FILL_RULES = {
     "micro_batch": "1 when the source gives none (Megatron's default for its large-model runs)",
-    "recompute": "none when the source gives none",
-    "zero_stage": "0 when the source gives none (Megatron DDP); 'FSDP ...' means 3",
+    "recompute, zero_stage": "when the source gives none: the least memory-saving choice under which the run fits "
+                             "(ZeRO 0..3, then recompute none, selective, full), since the run did fit; "
+                             "'FSDP ...' means ZeRO-3",
     "model.ffn_hidden": "4 x hidden when absent (GPT)",
     "arch": "llama when the row has kv_heads or a non-4h FFN with a 'Llama' name, else gpt",
     "dtype": "fp16 on V100 (no bf16), bf16 otherwise; fp8 rows are skipped (fp8 GEMMs not modelled)",
@@ -48,6 +49,7 @@ class Row:
     metric: str
     unverified: bool
     attention: str
+    open_choices: tuple[str, ...] = ()
 
 
 def _device(gpu: str) -> str | None:
@@ -140,12 +142,23 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
         config = {"tp": plan["tp"], "pp": plan["pp"], "dp": plan.get("dp") or gpus // (plan["tp"] * plan["pp"]),
                   "cp": plan.get("cp") or 1, "micro_batch": plan.get("micro_batch") or 1,
                   "zero": _zero(plan.get("zero_stage")), "recompute": _recompute(plan.get("recompute"))}
+        open_choices = tuple(key for key, field in (("zero", "zero_stage"), ("recompute", "recompute")) if plan.get(field) is None)
         if plan.get("vpp") and plan["vpp"] > 1:
             config["vpp"] = plan["vpp"]
         attention = "unfused" if run["group"] in UNFUSED_ATTENTION_GROUPS else "flash"
         rows.append(Row(run["id"], run["group"], _spec(model), seq, cluster, config, gb, step[0], step[1],
-                        bool(run.get("unverified")), attention))
+                        bool(run.get("unverified")), attention, open_choices))
     return rows, skipped
+
+
+def fitting_configs(row: Row):
+    """The row's configuration, then, for choices the source left open, the variants in the order
+    FILL_RULES tries them (the caller keeps the first one that fits)."""
+    zeros = (0, 1, 2, 3) if "zero" in row.open_choices else (row.config["zero"],)
+    recomputes = ("none", "selective", "full") if "recompute" in row.open_choices else (row.config["recompute"],)
+    for recompute in recomputes:
+        for zero in zeros:
+            yield {**row.config, "zero": zero, "recompute": recompute}
 
 
 def spec_key(spec: dict) -> str:
