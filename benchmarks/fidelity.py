@@ -190,8 +190,11 @@ def main() -> int:
     args = parser.parse_args()
     print(HEADER)
     rows = run([int(w) for w in args.worlds.split(",")], args.steps)
+    machine = (f"{os.cpu_count()} cores, 1/5/15-min load average {' / '.join(f'{x:.1f}' for x in os.getloadavg())} "
+               f"at the end (other processes share the cores)")
+    print(machine)
     if args.out:
-        Path(args.out).write_text("\n".join([HEADER, *map(_format, rows)]) + "\n")
+        Path(args.out).write_text("\n".join([HEADER, *map(_format, rows), machine]) + "\n")
     return 0
 
 
