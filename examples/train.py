@@ -1,7 +1,7 @@
 """Train a few steps of a model under a paraplan plan, one process per device.
 
-    paraplan plan --model gpt3-125m --cluster cpu:1x2 --global-batch 8 --seq-len 256 --tp 2 --out plan.json
-    torchrun --nproc-per-node 2 examples/train.py --plan plan.json --steps 5
+    paraplan plan --model examples/tiny-llama.yaml --cluster cpu:1x2 --global-batch 8 --seq-len 128 --tp 2 --out plan.json
+    torchrun --nproc-per-node 2 examples/train.py --plan plan.json --model examples/tiny-llama.yaml --steps 5
 
 The model is built from the plan's model name (or --model) with the same seed on every rank, the
 plan is applied with `Plan.apply` (mesh, tensor parallelism, checkpointing, FSDP2, pipeline), and
