@@ -375,15 +375,6 @@ class Evaluator:
         }
         return self._assemble(config, global_batch, step_s, pipe_s, time_breakdown, breakdowns, tuple(stage_plans), headroom)
 
-    def lower_bound_s(self, config: ParallelConfig) -> float:
-        """A step time no schedule can beat: every device busy m * (its share of the layer work)."""
-        policies = self.policies(config)
-        best = min(
-            float(self.layer_table(config, device, node, policies)[:, [COL["fwd_s"], COL["bwd_s"]]].sum())
-            for device, node in {d.name: (d, n) for d, n in stage_devices(self.cluster, config.pp)}.values()
-        )
-        return config.num_microbatches * best / config.pp
-
     def _dp_exposed_s(self, config: ParallelConfig, node: NodeSpec, groups, dense: float, expert: float,
                       fwd_s: float, bwd_s: float) -> float:
         """Data-parallel traffic not hidden behind compute, per step.
