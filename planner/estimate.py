@@ -29,7 +29,7 @@ from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, invalid
 from planner.graph import LayerKind, ModelGraph, Recompute
 from planner.layer_cost import AttentionKernel, LayerContext, LayerCost, price_layer
-from planner.mesh import axis_group, mesh_groups
+from planner.mesh import expert_data_group, mesh_groups, stage_devices
 from planner.result import Estimate, StagePlan
 from planner.stage_problem import StageProblem
 from planner.stages import split_dp
@@ -68,44 +68,6 @@ COL = {name: i for i, name in enumerate(COLUMNS)}
 def _load_op_table(path: str) -> OpTable:
     """A measured op table written by `paraplan profile` (JSON of OpTable.to_dict)."""
     return OpTable.from_dict(json.loads(Path(path).read_text()))
-
-
-_STAGE_DEVICES: dict = {}
-
-
-def stage_devices(cluster: Cluster, pp: int) -> list[tuple[DeviceSpec, NodeSpec]]:
-    """Cached `_stage_devices` (clusters are immutable; keyed by identity, which outlives no search)."""
-    key = (id(cluster), pp)
-    hit = _STAGE_DEVICES.get(key)
-    if hit is None or hit[0] is not cluster:
-        hit = (cluster, _stage_devices(cluster, pp))
-        _STAGE_DEVICES[key] = hit
-    return hit[1]
-
-
-def _stage_devices(cluster: Cluster, pp: int) -> list[tuple[DeviceSpec, NodeSpec]]:
-    """The device and node of each pipeline stage (pp is the outermost mesh axis).
-
-    Raises:
-        PlannerError: a stage would span node groups of different device types.
-    """
-    per_stage = cluster.num_devices // pp
-    bounds = []
-    start = 0
-    for group in cluster.groups:
-        size = group.count * group.node.devices_per_node
-        bounds.append((start, start + size, group.node))
-        start += size
-    out = []
-    for stage in range(pp):
-        first, last = stage * per_stage, (stage + 1) * per_stage - 1
-        nodes = {node for lo, hi, node in bounds if lo <= first < hi or lo <= last < hi or (first < lo and hi <= last + 1)}
-        devices = {node.device.name for node in nodes}
-        if len(devices) > 1:
-            raise invalid(f"pp={pp}: stage {stage} spans device types {sorted(devices)}; choose pp so each stage sits on one node group")
-        node = next(node for lo, hi, node in bounds if lo <= first < hi)
-        out.append((node.device, node))
-    return out
 
 
 class Evaluator:
@@ -426,8 +388,3 @@ def state_options(config: ParallelConfig) -> dict:
     if config.offload_optimizer:
         return {"optimizer": memory_model.Optimizer.ADAM_MIXED_OFFLOAD}
     return {"grad_bytes_per_param": GRAD_BYTES_PER_PARAM}
-
-
-def expert_data_group(config: ParallelConfig, node: NodeSpec) -> CommGroup:
-    """The group that shares (and reduces gradients of) the same experts: dp*cp/ep ranks, ep*tp apart."""
-    return axis_group(max(1, config.dp * config.cp // config.ep), config.tp * config.ep, node.devices_per_node)

@@ -1,4 +1,5 @@
-"""Where each mesh axis lands on the topology, as the communication groups the cost model prices.
+"""Where the mesh lands on the topology: the device of each pipeline stage and the communication
+groups of each mesh axis, as the cost model prices them.
 
 Ranks are laid out row-major over the mesh (pp, dp, cp, tp): tp is innermost, so a tp group is a
 run of consecutive ranks inside one node; cp, then dp, then pp take larger strides. Expert
@@ -10,7 +11,9 @@ from dataclasses import dataclass
 from math import gcd
 
 from costmodel.comm import CommGroup
+from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
 from planner.config import ParallelConfig
+from planner.errors import invalid
 
 
 def axis_group(size: int, stride: int, devices_per_node: int) -> CommGroup:
@@ -51,3 +54,46 @@ def mesh_groups(config: ParallelConfig, devices_per_node: int) -> MeshGroups:
         dp_cp=axis_group(dp * cp, tp, devices_per_node),
         pp=axis_group(2, tp * cp * dp, devices_per_node),
     )
+
+
+def expert_data_group(config: ParallelConfig, node: NodeSpec) -> CommGroup:
+    """The group that shares (and reduces gradients of) the same experts: dp*cp/ep ranks, ep*tp apart."""
+    return axis_group(max(1, config.dp * config.cp // config.ep), config.tp * config.ep, node.devices_per_node)
+
+
+_STAGE_DEVICES: dict = {}
+
+
+def stage_devices(cluster: Cluster, pp: int) -> list[tuple[DeviceSpec, NodeSpec]]:
+    """Cached `_stage_devices` (clusters are immutable; keyed by identity, which outlives no search)."""
+    key = (id(cluster), pp)
+    hit = _STAGE_DEVICES.get(key)
+    if hit is None or hit[0] is not cluster:
+        hit = (cluster, _stage_devices(cluster, pp))
+        _STAGE_DEVICES[key] = hit
+    return hit[1]
+
+
+def _stage_devices(cluster: Cluster, pp: int) -> list[tuple[DeviceSpec, NodeSpec]]:
+    """The device and node of each pipeline stage (pp is the outermost mesh axis).
+
+    Raises:
+        PlannerError: a stage would span node groups of different device types.
+    """
+    per_stage = cluster.num_devices // pp
+    bounds = []
+    start = 0
+    for group in cluster.groups:
+        size = group.count * group.node.devices_per_node
+        bounds.append((start, start + size, group.node))
+        start += size
+    out = []
+    for stage in range(pp):
+        first, last = stage * per_stage, (stage + 1) * per_stage - 1
+        nodes = {node for lo, hi, node in bounds if lo <= first < hi or lo <= last < hi or (first < lo and hi <= last + 1)}
+        devices = {node.device.name for node in nodes}
+        if len(devices) > 1:
+            raise invalid(f"pp={pp}: stage {stage} spans device types {sorted(devices)}; choose pp so each stage sits on one node group")
+        node = next(node for lo, hi, node in bounds if lo <= first < hi)
+        out.append((node.device, node))
+    return out

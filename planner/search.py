@@ -21,7 +21,8 @@ from costmodel import pipeline
 from costmodel.hardware import Cluster
 from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, PlannerErrorKind, invalid
-from planner.estimate import COL, Evaluator, stage_devices
+from planner.estimate import COL, Evaluator
+from planner.mesh import stage_devices
 from planner.graph import ModelGraph
 from planner.memory_plan import memory_plan
 from planner.result import Alternative, Plan

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from costmodel.hardware import Cluster
 from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError
-from planner.estimate import stage_devices
+from planner.mesh import stage_devices
 from planner.graph import ModelGraph, Recompute
 
 # Context parallelism is offered from this sequence length up: Megatron-Core and torchtitan use

@@ -55,7 +55,7 @@ def layouts_for(evaluator, config) -> dict[str, str]:
     """Module FQN -> placement for one layer of each distinct structure (identical blocks share it)."""
     if config.tp == 1:
         return {}
-    from planner.estimate import stage_devices
+    from planner.mesh import stage_devices
 
     device, node = stage_devices(evaluator.cluster, config.pp)[0]
     dtype = evaluator.dtype_for(device)

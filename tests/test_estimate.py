@@ -17,7 +17,8 @@ from costmodel.compute import peak_flops_per_s
 from costmodel.memory import STATE_BYTES_PER_PARAM, Optimizer
 from costmodel.profile_loader import load_cluster
 from planner.config import ParallelConfig, Schedule
-from planner.estimate import COL, ZERO3_GATHERED_LAYERS, Evaluator, stage_devices
+from planner.estimate import COL, ZERO3_GATHERED_LAYERS, Evaluator
+from planner.mesh import stage_devices
 from planner.graph import LayerKind, Recompute
 from planner.layer_cost import AttentionKernel
 from planner.tracing import trace

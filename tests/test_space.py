@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from costmodel.profile_loader import load_cluster
 from planner.config import Schedule
 from planner.errors import PlannerError
-from planner.estimate import stage_devices
+from planner.mesh import stage_devices
 from planner.graph import Layer, LayerKind, ModelDims, ModelGraph, Op, OpKind, Recompute
 from planner.space import CP_MIN_SEQ_LEN, MAX_MICRO_BATCH, VPP_CHOICES, configs_for, divisors, enumerate_degrees
 
