@@ -8,6 +8,7 @@ group, stage 2 also the gradients, stage 3 (FSDP) also the weights.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import NamedTuple
@@ -81,8 +82,9 @@ class MemoryBreakdown:
     temp_bytes: float = 0.0
     overhead_bytes: float = 0.0
 
-    @property
+    @functools.cached_property
     def total_bytes(self) -> float:
+        # cached: a search reads it several times per stage of every priced candidate
         return sum(getattr(self, f.name) for f in fields(self))
 
     def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:

@@ -48,6 +48,9 @@ def split_dp(problem: StageProblem) -> StageSplit:
     stage_layer_mem_bytes = problem.stage_layer_mem_bytes(choices)
     if problem.num_stages == problem.num_layers:
         return _one_layer_per_stage(problem, stage_layer_mem_bytes, choices, start_s)
+    fast = _balanced_split_if_it_fits(problem, stage_layer_mem_bytes)
+    if fast is not None:
+        return make_split(problem, fast, choices, "dp", SolveStatus.OPTIMAL, 0.0, time.perf_counter() - start_s)
     raise_if_no_split_fits(problem, stage_layer_mem_bytes)
     segment_mem_bytes = _segment_sums(stage_layer_mem_bytes) + problem.stage_overhead_bytes[:, None, None]
     segment_time_s = _segment_sums(problem.layer_time_s[:, 0][None, :] / problem.stage_speed[:, None])
@@ -71,12 +74,31 @@ def split_dp(problem: StageProblem) -> StageSplit:
     return make_split(problem, best, choices, "dp", SolveStatus.OPTIMAL, 0.0, time.perf_counter() - start_s)
 
 
+def _balanced_split_if_it_fits(problem: StageProblem, stage_layer_mem_bytes: np.ndarray) -> np.ndarray | None:
+    """On equally fast stages, the least-max split when it also fits memory; None otherwise.
+
+    With equal speeds sum_s T_s is the same for every split, so the objective (m - 1) max + sum is
+    least exactly where max is; if that split fits, it is optimal. One [L+1, L+1] segment table is
+    shared by every stage (a broadcast view), instead of the S x L x L tables the full DP builds.
+    """
+    speed = problem.stage_speed
+    if not np.all(speed == speed[0]):
+        return None
+    segment_time_s = _segment_sums(problem.layer_time_s[:, 0][None, :] / speed[0])[0]
+    shape = (problem.num_stages, *segment_time_s.shape)
+    boundaries = _best_split(np.broadcast_to(segment_time_s, shape), np.maximum)
+    prefix = np.concatenate([np.zeros((problem.num_stages, 1)), np.cumsum(stage_layer_mem_bytes, axis=1)], axis=1)
+    stages = np.arange(problem.num_stages)
+    need_bytes = prefix[stages, boundaries[1:]] - prefix[stages, boundaries[:-1]] + problem.stage_overhead_bytes
+    return boundaries if np.all(need_bytes <= problem.mem_cap_bytes) else None
+
+
 def _one_layer_per_stage(problem: StageProblem, stage_layer_mem_bytes: np.ndarray, choices: np.ndarray,
                          start_s: float) -> StageSplit:
     """The only contiguous split when there are as many stages as layers (no O(S L^2) DP needed)."""
     need_bytes = np.diag(stage_layer_mem_bytes) + problem.stage_overhead_bytes
     if np.any(need_bytes > problem.mem_cap_bytes):
-        raise_if_no_split_fits(problem, stage_layer_mem_bytes)
+        raise _no_split_fits(problem, need_bytes)
     boundaries = np.arange(problem.num_layers + 1)
     return make_split(problem, boundaries, choices, "dp", SolveStatus.OPTIMAL, 0.0, time.perf_counter() - start_s)
 
@@ -171,9 +193,14 @@ def raise_if_no_split_fits(problem: StageProblem, stage_layer_mem_bytes: np.ndar
     stage_need_bytes = least_pressure_split(problem, stage_layer_mem_bytes)
     if np.all(stage_need_bytes <= problem.mem_cap_bytes):
         return
+    raise _no_split_fits(problem, stage_need_bytes)
+
+
+def _no_split_fits(problem: StageProblem, stage_need_bytes: np.ndarray) -> PlannerError:
+    """INSUFFICIENT_MEMORY naming the stage under most pressure in the least-pressured split."""
     worst = int(np.argmax(stage_need_bytes / problem.mem_cap_bytes))
     need, cap = stage_need_bytes[worst], problem.mem_cap_bytes[worst]
-    raise PlannerError(
+    return PlannerError(
         PlannerErrorKind.INSUFFICIENT_MEMORY,
         f"no split of {problem.num_layers} layers into {problem.num_stages} stages fits memory: the best needs "
         f"{need / GIB_BYTES:.2f} GiB on stage {worst} (cap {cap / GIB_BYTES:.2f} GiB, {need / cap:.2f}x); "
