@@ -71,7 +71,10 @@ def is_file(path: Path) -> bool:
 def resolve(kind_dir: str, what: str, name_or_path: str | Path, dirs: tuple[Path, ...]) -> Path:
     """Find the file behind a profile name or path, or raise naming the nearest known names."""
     if isinstance(name_or_path, Path) or looks_like_path(name_or_path):
-        path = Path(name_or_path).expanduser()
+        try:
+            path = Path(name_or_path).expanduser()
+        except RuntimeError:  # "~user" naming no known user: not a path we can open
+            raise ProfileError(f"{what} file {str(name_or_path)!r}: not found; check the path") from None
         if not is_file(path):
             raise ProfileError(f"{what} file {str(name_or_path)!r}: not found; check the path")
         return path
