@@ -90,6 +90,14 @@ class Evaluator:
         self.table = table
         self._layer_cache: dict = {}
         self._table_cache: dict = {}
+        self._stage_devices: dict = {}
+        self.layout_cache: dict = {}  # sharding-ILP layouts, shared by every config of this evaluator
+
+    def stage_devices(self, pp: int) -> list[tuple[DeviceSpec, NodeSpec]]:
+        """`planner.mesh.stage_devices` of this cluster, computed once per pp."""
+        if pp not in self._stage_devices:
+            self._stage_devices[pp] = stage_devices(self.cluster, pp)
+        return self._stage_devices[pp]
 
     def table_for(self, device: DeviceSpec, dtype: str) -> OpTable | None:
         """The op table given to the Evaluator, else the one `device`'s profile names for `dtype` (`op_tables`)."""
@@ -149,7 +157,7 @@ class Evaluator:
                 ep_group=groups.ep, top_k=self.graph.dims.top_k, hidden=self.graph.dims.hidden,
                 table=self.table_for(device, self.dtype_for(device)), attention=self.attention,
             )
-            cost = price_layer(layer, tp_plan_for(layer, config.tp, device, node, ctx.dtype), ctx)
+            cost = price_layer(layer, tp_plan_for(layer, config.tp, device, node, ctx.dtype, self.layout_cache), ctx)
             self._layer_cache[key] = cost
         return cost
 
@@ -209,7 +217,7 @@ class Evaluator:
     def stage_problem(self, config: ParallelConfig, policy_sets: list[tuple[Recompute, ...]], headroom: float = 0.0) -> StageProblem:
         """The stage-split instance of `config`: one column per candidate per-layer policy set."""
         chunks = config.pp * config.vpp
-        per_device = stage_devices(self.cluster, config.pp)
+        per_device = self.stage_devices(config.pp)
         refs = [self.layer_table(config, *per_device[0], policies) for policies in policy_sets]
         ref_total = float(refs[0][:, COL["fwd_s"]].sum() + refs[0][:, COL["bwd_s"]].sum())
         speeds, caps, in_flight = [], [], []
@@ -268,7 +276,7 @@ class Evaluator:
         """
         self.check(config, global_batch)
         graph, m = self.graph, config.num_microbatches
-        per_device = stage_devices(self.cluster, config.pp)
+        per_device = self.stage_devices(config.pp)
         policies = self.policies(config, recompute_per_layer)
         if boundaries is None:
             boundaries, _ = self.split(config, policies, headroom)

@@ -61,20 +61,7 @@ def expert_data_group(config: ParallelConfig, node: NodeSpec) -> CommGroup:
     return axis_group(max(1, config.dp * config.cp // config.ep), config.tp * config.ep, node.devices_per_node)
 
 
-_STAGE_DEVICES: dict = {}
-
-
 def stage_devices(cluster: Cluster, pp: int) -> list[tuple[DeviceSpec, NodeSpec]]:
-    """Cached `_stage_devices` (clusters are immutable; keyed by identity, which outlives no search)."""
-    key = (id(cluster), pp)
-    hit = _STAGE_DEVICES.get(key)
-    if hit is None or hit[0] is not cluster:
-        hit = (cluster, _stage_devices(cluster, pp))
-        _STAGE_DEVICES[key] = hit
-    return hit[1]
-
-
-def _stage_devices(cluster: Cluster, pp: int) -> list[tuple[DeviceSpec, NodeSpec]]:
     """The device and node of each pipeline stage (pp is the outermost mesh axis).
 
     Raises:

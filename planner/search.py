@@ -11,6 +11,7 @@ enumeration), found after pricing a small fraction of them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import Counter
 from typing import NamedTuple
@@ -38,6 +39,8 @@ OTHER_KEYS = {"schedules", "allow_tp_across_nodes", "mem_headroom", "top", "exha
 # layer. The bound stays sound at any precision; these only set how tight it is.
 MIN_MAX_PROBES = 16
 MIN_MAX_ROUNDS = 3
+# Distinct (per-layer time vector, stage count) bounds kept; a search touches a few thousand.
+MIN_MAX_CACHE_SIZE = 1 << 14
 
 # Examples of each rejection reason kept for `--explain`.
 EXPLAIN_EXAMPLES_PER_REASON = 3
@@ -98,7 +101,7 @@ def work_bound_key(config: ParallelConfig) -> ParallelConfig:
 def work_bound(evaluator: Evaluator, config: ParallelConfig) -> WorkBound:
     """The `WorkBound` of `config` (only the fields `work_bound_key` keeps matter)."""
     policies = evaluator.policies(config)
-    per_stage = stage_devices(evaluator.cluster, config.pp)
+    per_stage = evaluator.stage_devices(config.pp)
     tables = {device.name: evaluator.layer_table(config, device, node, policies) for device, node in dict(
         (device.name, (device, node)) for device, node in per_stage).values()}
     layer_s = {name: table[:, COL["fwd_s"]] + table[:, COL["bwd_s"]] for name, table in tables.items()}
@@ -118,15 +121,14 @@ def work_bound(evaluator: Evaluator, config: ParallelConfig) -> WorkBound:
     )
 
 
-_LEAST_SLOWEST: dict = {}
-
-
 def least_slowest_stage_s(layer_s: np.ndarray, stages: int) -> float:
     """Cached `_least_slowest_stage_s`: many candidates share one per-layer time vector."""
-    key = (layer_s.tobytes(), stages)
-    if key not in _LEAST_SLOWEST:
-        _LEAST_SLOWEST[key] = _least_slowest_stage_s(layer_s, stages)
-    return _LEAST_SLOWEST[key]
+    return _least_slowest_cached(np.ascontiguousarray(layer_s, dtype=float).tobytes(), stages)
+
+
+@functools.lru_cache(maxsize=MIN_MAX_CACHE_SIZE)
+def _least_slowest_cached(layer_bytes: bytes, stages: int) -> float:
+    return _least_slowest_stage_s(np.frombuffer(layer_bytes), stages)
 
 
 def _least_slowest_stage_s(layer_s: np.ndarray, stages: int) -> float:
@@ -214,7 +216,7 @@ def memory_floor_bytes(evaluator: Evaluator, config: ParallelConfig) -> float:
     every layer's states plus the least in-flight count times every layer's activations (each on
     the device type where it is smallest); the fullest stage holds at least the average.
     """
-    per_stage = stage_devices(evaluator.cluster, config.pp)
+    per_stage = evaluator.stage_devices(config.pp)
     policies = evaluator.policies(config)
     tables = [evaluator.layer_table(config, device, node, policies) for device, node in {d.name: (d, n) for d, n in per_stage}.values()]
     states = min(float(table[:, COL["static_bytes"]].sum()) for table in tables)

@@ -17,13 +17,11 @@ from planner.sharding import Layout, solve_layout
 LAYOUT_TIME_LIMIT_S = 10.0
 LAYOUT_REL_GAP = 1e-4
 
-_CACHE: dict = {}
-
-
-def layout_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str) -> Layout:
-    """The sharding ILP's layout of `layer` at degree `tp` (cached by layer signature)."""
+def layout_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str, cache: dict) -> Layout:
+    """The sharding ILP's layout of `layer` at degree `tp`, kept in `cache` by layer signature
+    (the caller's cache lives as long as its device profiles, so a device name is a safe key)."""
     key = (layer.signature or layer.name, tp, device.name, node.devices_per_node, dtype)
-    layout = _CACHE.get(key)
+    layout = cache.get(key)
     if layout is None:
         group = axis_group(tp, 1, node.devices_per_node)
 
@@ -35,15 +33,15 @@ def layout_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype:
 
         layout = solve_layout(layer.ops, tp, compute_time_s, comm_time_s, sequence_parallel=True,
                               time_limit_s=LAYOUT_TIME_LIMIT_S, rel_gap=LAYOUT_REL_GAP)
-        _CACHE[key] = layout
+        cache[key] = layout
     return layout
 
 
-def tp_plan_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str) -> TpPlan:
+def tp_plan_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str, cache: dict) -> TpPlan:
     """The TpPlan of `layer` at degree `tp` (replicated at tp=1 or for layers without ops)."""
     if tp == 1 or not layer.ops:
         return TpPlan(tp)
-    layout = layout_for(layer, tp, device, node, dtype)
+    layout = layout_for(layer, tp, device, node, dtype, cache)
     return TpPlan(
         tp=tp,
         split_ops=frozenset(choice.name for choice in layout.choices if choice.strategy.compute_shards > 1),
@@ -55,9 +53,7 @@ def layouts_for(evaluator, config) -> dict[str, str]:
     """Module FQN -> placement for one layer of each distinct structure (identical blocks share it)."""
     if config.tp == 1:
         return {}
-    from planner.mesh import stage_devices
-
-    device, node = stage_devices(evaluator.cluster, config.pp)[0]
+    device, node = evaluator.stage_devices(config.pp)[0]
     dtype = evaluator.dtype_for(device)
     out: dict[str, str] = {}
     seen = set()
@@ -65,5 +61,5 @@ def layouts_for(evaluator, config) -> dict[str, str]:
         if not layer.ops or layer.signature in seen:
             continue
         seen.add(layer.signature)
-        out.update({fqn: str(p) for fqn, p in layout_for(layer, config.tp, device, node, dtype).per_fqn.items()})
+        out.update({fqn: str(p) for fqn, p in layout_for(layer, config.tp, device, node, dtype, evaluator.layout_cache).per_fqn.items()})
     return out
