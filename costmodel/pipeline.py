@@ -106,7 +106,7 @@ def step_time_s(
     else:
         split = bwd_weight_fraction if schedule == PipeSchedule.ZERO_BUBBLE else 0.0
         compute = _compute_bound_s(schedule, fwd_s, bwd_s, m, vpp, split)
-    return compute + _critical_transfers(schedule, pp, m, vpp) * p2p_s
+    return compute + critical_transfers(schedule, pp, m, vpp) * p2p_s
 
 
 def in_flight_microbatches(
@@ -232,7 +232,7 @@ def _compute_bound_s(
     return max(device_work, total_fwd + back_to_device(0), to_last_forward + back_to_device(m - 1))
 
 
-def _critical_transfers(schedule: PipeSchedule, pp: int, m: int, vpp: int) -> int:
+def critical_transfers(schedule: PipeSchedule | str, pp: int, m: int, vpp: int) -> int:
     """Transfers on the critical path of an equal-stage pipeline (see `step_time_s`)."""
     if pp == 1:
         return 0

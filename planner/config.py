@@ -53,6 +53,8 @@ class ParallelConfig:
             raise invalid(f"zero={self.zero!r}: must be 0, 1, 2 or 3")
         for name, kind in (("recompute", Recompute), ("schedule", Schedule)):
             value = getattr(self, name)
+            if isinstance(value, kind):
+                continue
             if value not in _VALUES[kind]:
                 raise invalid(f"{name}={value!r}: use one of {', '.join(str(member) for member in kind)}")
             object.__setattr__(self, name, kind(value))
@@ -70,6 +72,11 @@ class ParallelConfig:
     @property
     def global_batch(self) -> int:
         return self.dp * self.micro_batch * self.num_microbatches
+
+    @property
+    def seq_split(self) -> int:
+        """Ways the sequence of an activation between layers is split: cp, times tp under sequence parallelism."""
+        return self.cp * (self.tp if self.sequence_parallel else 1)
 
     @property
     def tp_enabled(self) -> bool:

@@ -91,6 +91,9 @@ class Evaluator:
         self._layer_cache: dict = {}
         self._table_cache: dict = {}
         self._stage_devices: dict = {}
+        self._device_types: dict = {}
+        self._policies: dict = {}
+        self._distinct: dict = {}
         self.layout_cache: dict = {}  # sharding-ILP layouts, shared by every config of this evaluator
 
     def stage_devices(self, pp: int) -> list[tuple[DeviceSpec, NodeSpec]]:
@@ -98,6 +101,12 @@ class Evaluator:
         if pp not in self._stage_devices:
             self._stage_devices[pp] = stage_devices(self.cluster, pp)
         return self._stage_devices[pp]
+
+    def device_types(self, pp: int) -> list[tuple[DeviceSpec, NodeSpec]]:
+        """The distinct (device, node) kinds the pp stages sit on, in stage order of first use."""
+        if pp not in self._device_types:
+            self._device_types[pp] = list({device.name: (device, node) for device, node in self.stage_devices(pp)}.values())
+        return self._device_types[pp]
 
     def table_for(self, device: DeviceSpec, dtype: str) -> OpTable | None:
         """The op table given to the Evaluator, else the one `device`'s profile names for `dtype` (`op_tables`)."""
@@ -166,7 +175,10 @@ class Evaluator:
         """Recompute policy per layer: the config's policy on blocks, none on embedding and head."""
         if recompute_per_layer is not None:
             return tuple(recompute_per_layer)
-        return tuple(config.recompute if layer.kind == LayerKind.BLOCK else Recompute.NONE for layer in self.graph.layers)
+        if config.recompute not in self._policies:
+            self._policies[config.recompute] = tuple(
+                config.recompute if layer.kind == LayerKind.BLOCK else Recompute.NONE for layer in self.graph.layers)
+        return self._policies[config.recompute]
 
     def layer_table(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, policies: tuple[Recompute, ...]) -> np.ndarray:
         """[L, len(COLUMNS)] per-layer seconds and bytes of one micro-batch on `device` (cached)."""
@@ -178,18 +190,23 @@ class Evaluator:
         groups = mesh_groups(config, node.devices_per_node)
         expert_group = expert_data_group(config, node)
         state = state_options(config)
-        by_signature: dict = {}  # identical blocks under the same policy price identically
-        rows = []
-        for index, layer in enumerate(self.graph.layers):
-            signature = (layer.signature or layer.name, policies[index])
-            row = by_signature.get(signature)
-            if row is None:
-                row = self._layer_row(index, config, device, node, policies[index], groups, expert_group, state)
-                by_signature[signature] = row
-            rows.append(row)
-        table = np.array(rows, dtype=float)
+        representatives, index = self._distinct_layers(policies)
+        rows = [self._layer_row(layer, config, device, node, policies[layer], groups, expert_group, state) for layer in representatives]
+        table = np.array(rows, dtype=float)[index]
         self._table_cache[key] = table
         return table
+
+    def _distinct_layers(self, policies: tuple[Recompute, ...]) -> tuple[list[int], np.ndarray]:
+        """Layers that price differently under `policies` (identical blocks under one policy price
+        identically): one representative layer each, and per layer the position of its representative."""
+        found = self._distinct.get(policies)
+        if found is None:
+            positions: dict = {}
+            index = [positions.setdefault((layer.signature or layer.name, policy), len(positions))
+                     for layer, policy in zip(self.graph.layers, policies)]
+            representatives = [index.index(position) for position in range(len(positions))]
+            found = self._distinct[policies] = (representatives, np.array(index))
+        return found
 
     def _layer_row(self, index: int, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, policy: Recompute,
                    groups, expert_group: CommGroup, state: dict) -> tuple:
@@ -280,38 +297,27 @@ class Evaluator:
         policies = self.policies(config, recompute_per_layer)
         if boundaries is None:
             boundaries, _ = self.split(config, policies, headroom)
-        chunk_stage = [c % config.pp for c in range(config.pp * config.vpp)]
-        seq_split = config.cp * (config.tp if config.sequence_parallel else 1)
+        stage_layers: list[list[int]] = [[] for _ in range(config.pp)]
+        for chunk in range(config.pp * config.vpp):
+            stage_layers[chunk % config.pp].extend(range(boundaries[chunk], boundaries[chunk + 1]))
 
         sums, stage_plans, breakdowns = [], [], []
         dp_exposed_s = optimizer_s = p2p_s = 0.0
-        tables = {device.name: self.layer_table(config, device, node, policies) for device, node in per_device}
+        tables = {device.name: self.layer_table(config, device, node, policies) for device, node in self.device_types(config.pp)}
+        priced: dict = {}  # stages with the same device and layer totals price the same (identical blocks)
         for stage in range(config.pp):
             device, node = per_device[stage]
-            table = tables[device.name]
-            layer_ids = [i for c, s in enumerate(chunk_stage) if s == stage for i in range(boundaries[c], boundaries[c + 1])]
-            rows = table[layer_ids]
+            layer_ids = stage_layers[stage]
+            rows = tables[device.name][layer_ids]
             total = rows.sum(axis=0).tolist()  # Python floats: the Estimate must serialise (JSON, YAML)
             sums.append(total)
-            groups = mesh_groups(config, node.devices_per_node)
-            if config.pp > 1:
-                boundary_bytes = float(rows[-1, COL["out_bytes"]]) / seq_split
-                p2p_s = max(p2p_s, collective_time_s(Collective.P2P, boundary_bytes, groups.pp, node, self.cluster.oversubscription))
-            dense, expert = total[COL["dense_params"]], total[COL["expert_params"]]
-            dp_exposed_s = max(dp_exposed_s, self._dp_exposed_s(config, node, groups, dense, expert, total[COL["fwd_s"]], total[COL["bwd_s"]]))
-            dense_shard, expert_shard = (config.dp * config.cp, expert_data_group(config, node).size) if config.zero >= 1 else (1, 1)
-            owned = dense / dense_shard + expert / expert_shard
-            optimizer_s = max(optimizer_s, offload_step_s(owned) if config.offload_optimizer else
-                              owned * OPTIMIZER_BYTES_PER_PARAM / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency))
             in_flight = pipeline.in_flight_microbatches(str(config.schedule), config.pp, stage, m, config.vpp) if config.pp > 1 else 1.0
-            largest = float((rows[:, COL["dense_params"]] + rows[:, COL["expert_params"]]).max())
-            breakdown = memory_model.stage_memory(
-                params=dense + expert, expert_params=expert, activation_bytes_per_microbatch=total[COL["act_bytes"]],
-                in_flight=in_flight, zero=config.zero, dense_shard_group=config.dp * config.cp,
-                expert_shard_group=expert_data_group(config, node).size,
-                gathered_params=ZERO3_GATHERED_LAYERS * largest if config.zero == 3 else 0.0,
-                **state_options(config),
-            )
+            key = (device.name, tuple(total), float(rows[-1, COL["out_bytes"]]),
+                   float((rows[:, COL["dense_params"]] + rows[:, COL["expert_params"]]).max()), in_flight)
+            if key not in priced:
+                priced[key] = self._stage_costs(config, device, node, *key[1:])
+            stage_p2p_s, stage_dp_s, stage_optimizer_s, breakdown = priced[key]
+            p2p_s, dp_exposed_s, optimizer_s = max(p2p_s, stage_p2p_s), max(dp_exposed_s, stage_dp_s), max(optimizer_s, stage_optimizer_s)
             breakdowns.append((device, breakdown))
             first, last = layer_ids[0], layer_ids[-1]
             stage_plans.append(StagePlan(
@@ -345,7 +351,7 @@ class Evaluator:
         }
         return self._assemble(config, global_batch, step_s, pipe_s, time_breakdown, breakdowns, tuple(stage_plans), headroom)
 
-    def _dp_exposed_s(self, config: ParallelConfig, node: NodeSpec, groups, dense: float, expert: float,
+    def dp_exposed_s(self, config: ParallelConfig, node: NodeSpec, groups, dense: float, expert: float,
                       fwd_s: float, bwd_s: float) -> float:
         """Data-parallel traffic not hidden behind compute, per step.
 
@@ -366,6 +372,32 @@ class Evaluator:
             gather_s = (collective_time_s(Collective.ALL_GATHER, dense * 2, groups.dp_cp, node, over)
                         + collective_time_s(Collective.ALL_GATHER, expert * 2, expert_group, node, over))
         return max(0.0, reduce_s - bwd_s) + max(0.0, gather_s - fwd_s)
+
+    def _stage_costs(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, total: tuple, last_out_bytes: float,
+                     largest_params: float, in_flight: float) -> tuple:
+        """(p2p to the next stage, exposed data-parallel traffic, optimizer step, memory) of one
+        stage from its `layer_table` column sums, its last layer's output and its largest layer."""
+        groups = mesh_groups(config, node.devices_per_node)
+        p2p_s = 0.0
+        if config.pp > 1:
+            p2p_s = collective_time_s(Collective.P2P, last_out_bytes / config.seq_split, groups.pp, node, self.cluster.oversubscription)
+        dense, expert = total[COL["dense_params"]], total[COL["expert_params"]]
+        dp_s = self.dp_exposed_s(config, node, groups, dense, expert, total[COL["fwd_s"]], total[COL["bwd_s"]])
+        expert_group = expert_data_group(config, node).size
+        dense_shard, expert_shard = (config.dp * config.cp, expert_group) if config.zero >= 1 else (1, 1)
+        breakdown = memory_model.stage_memory(
+            params=dense + expert, expert_params=expert, activation_bytes_per_microbatch=total[COL["act_bytes"]],
+            in_flight=in_flight, zero=config.zero, dense_shard_group=config.dp * config.cp, expert_shard_group=expert_group,
+            gathered_params=ZERO3_GATHERED_LAYERS * largest_params if config.zero == 3 else 0.0,
+            **state_options(config),
+        )
+        return p2p_s, dp_s, self.optimizer_step_s(config, device, dense / dense_shard + expert / expert_shard), breakdown
+
+    def optimizer_step_s(self, config: ParallelConfig, device: DeviceSpec, owned_params: float) -> float:
+        """Seconds of the optimizer update over the `owned_params` whose states one device holds (linear in them)."""
+        if config.offload_optimizer:
+            return offload_step_s(owned_params)
+        return owned_params * OPTIMIZER_BYTES_PER_PARAM / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
 
     def _assemble(self, config, global_batch, step_s, pipe_s, time_breakdown, breakdowns, stage_plans, headroom) -> Estimate:
         graph = self.graph

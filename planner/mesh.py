@@ -7,6 +7,7 @@ parallelism shards experts over the innermost `ep` ranks of the dp x cp span (st
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from math import gcd
 
@@ -14,6 +15,9 @@ from costmodel.comm import CommGroup
 from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
 from planner.config import ParallelConfig
 from planner.errors import invalid
+
+# Distinct (degrees, node size) meshes kept; a search over 16k devices touches a few hundred.
+MESH_GROUPS_CACHE_SIZE = 4096
 
 
 def axis_group(size: int, stride: int, devices_per_node: int) -> CommGroup:
@@ -45,12 +49,16 @@ class MeshGroups:
 
 def mesh_groups(config: ParallelConfig, devices_per_node: int) -> MeshGroups:
     """Communication groups of every axis of `config` on nodes of `devices_per_node` devices."""
-    tp, cp, dp = config.tp, config.cp, config.dp
+    return _mesh_groups(config.tp, config.cp, config.dp, config.ep, devices_per_node)
+
+
+@functools.lru_cache(maxsize=MESH_GROUPS_CACHE_SIZE)
+def _mesh_groups(tp: int, cp: int, dp: int, ep: int, devices_per_node: int) -> MeshGroups:
     return MeshGroups(
         tp=axis_group(tp, 1, devices_per_node),
         cp=axis_group(cp, tp, devices_per_node),
         dp=axis_group(dp, tp * cp, devices_per_node),
-        ep=axis_group(config.ep, tp, devices_per_node),
+        ep=axis_group(ep, tp, devices_per_node),
         dp_cp=axis_group(dp * cp, tp, devices_per_node),
         pp=axis_group(2, tp * cp * dp, devices_per_node),
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import time
 from collections import Counter
 from typing import NamedTuple
@@ -22,8 +23,9 @@ from costmodel import pipeline
 from costmodel.hardware import Cluster
 from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, PlannerErrorKind, invalid
+from costmodel.comm import Collective, collective_time_s
 from planner.estimate import COL, Evaluator
-from planner.mesh import stage_devices
+from planner.mesh import expert_data_group, mesh_groups, stage_devices
 from planner.graph import ModelGraph
 from planner.memory_plan import memory_plan
 from planner.result import Alternative, Plan
@@ -60,11 +62,11 @@ def _check_constraints(constraints: dict) -> None:
 
 
 class WorkBound(NamedTuple):
-    """Schedule-free parts of a step-time bound, shared by every candidate with the same `work_bound_key`.
+    """Schedule-free parts of a step-time bound per micro-batch, shared by every candidate with the same `work_bound_key`.
 
     Per layer, t_l and f_l are its time (forward + backward of one micro-batch, exposed communication
     included) and forward time on the device type where each is least, W = sum_l t_l, and r_s >= 1
-    the least ratio of a layer's time on stage s's device type to t_l.
+    the least ratio of a layer's time on stage s's device type to t_l. A step runs m micro-batches.
 
     Attributes:
         microbatch_s: W, one micro-batch through every layer.
@@ -73,10 +75,15 @@ class WorkBound(NamedTuple):
             the first over any k (the first layer is left out: under ZeRO-3 its backward carries the
             embedding's exposed gathers, which would make phi useless).
         first_layer_s: t_1.
-        balanced_s: m W / sum_s (1 / r_s): the devices' work T_s >= r_s (their layers' t) cannot all
-            be below W / sum_s (1 / r_s); m W / pp on a homogeneous cluster.
-        slowest_stage_s: m M, with M the least max_s T_s over every contiguous split of the t_l into
-            pp stages (layers are indivisible, so some stage holds more than W / pp).
+        balanced_s: W / sum_s (1 / r_s): the devices' work per micro-batch T_s >= r_s (their layers'
+            t) cannot all be below it; W / pp on a homogeneous cluster.
+        slowest_stage_s: M, a lower bound on the least max_s T_s over every contiguous split of the
+            t_l into pp stages (layers are indivisible, so some stage holds more than W / pp):
+            max(max_l t_l, W / pp) when not `refined`, `least_slowest_stage_s` when refined.
+        refined: whether slowest_stage_s is the tight bound.
+        p2p_s: the least time of one pipeline transfer: the smallest output of a layer that can end
+            a stage before the last, sent between stages of the fastest device type (a transfer's
+            time grows with its size).
     """
 
     microbatch_s: float
@@ -85,40 +92,78 @@ class WorkBound(NamedTuple):
     first_layer_s: float
     balanced_s: float
     slowest_stage_s: float
+    refined: bool
+    p2p_s: float
 
 
-def work_bound_key(config: ParallelConfig) -> ParallelConfig:
-    """The configuration whose `WorkBound` equals that of `config`, shared by many candidates.
+def work_bound_key(config: ParallelConfig) -> tuple:
+    """What the `WorkBound` of `config` depends on; many candidates share it.
 
-    The work bound sums per-layer compute and exposed communication, which depend neither on the
-    schedule nor on ZeRO stages 0-2 (they differ only in memory and in the gradient reduction after
-    the backward); only ZeRO-3's parameter gathers add per-layer time. Pricing the bound once per
-    key instead of once per candidate saves most of the bound's cost.
+    The work bound sums per-layer compute and exposed communication of one micro-batch, which
+    depend neither on the schedule, the micro-batch count or optimizer offload, nor on ZeRO stages
+    0-2 (they differ only in memory and in the gradient reduction after the backward); only
+    ZeRO-3's parameter gathers add per-layer time. Pricing the bound once per key instead of once
+    per candidate saves most of the bound's cost.
     """
-    return dataclasses.replace(config, schedule=Schedule.ONE_F_ONE_B, vpp=1, zero=3 if config.zero == 3 else 0)
+    return (config.dp, config.tp, config.pp, config.cp, config.ep, config.micro_batch, config.recompute,
+            config.zero == 3, config.sequence_parallel)
 
 
-def work_bound(evaluator: Evaluator, config: ParallelConfig) -> WorkBound:
-    """The `WorkBound` of `config` (only the fields `work_bound_key` keeps matter)."""
+def work_bound(evaluator: Evaluator, config: ParallelConfig, refine: bool = True) -> WorkBound:
+    """The `WorkBound` of `config` (only the fields `work_bound_key` keeps matter).
+
+    Args:
+        refine: compute the tight `slowest_stage_s` (a search over splits) instead of its floor.
+    """
     policies = evaluator.policies(config)
     per_stage = evaluator.stage_devices(config.pp)
-    tables = {device.name: evaluator.layer_table(config, device, node, policies) for device, node in dict(
-        (device.name, (device, node)) for device, node in per_stage).values()}
+    types = evaluator.device_types(config.pp)
+    tables = {device.name: evaluator.layer_table(config, device, node, policies) for device, node in types}
     layer_s = {name: table[:, COL["fwd_s"]] + table[:, COL["bwd_s"]] for name, table in tables.items()}
     fastest_s = np.min(list(layer_s.values()), axis=0)
     fastest_fwd_s = np.min([table[:, COL["fwd_s"]] for table in tables.values()], axis=0)
     timed = fastest_s > 0
     slowdown = {name: float(np.min(times[timed] / fastest_s[timed])) if timed.any() else 1.0 for name, times in layer_s.items()}
     later_s, later_fwd_s = np.cumsum(fastest_s[1:]), np.cumsum(fastest_fwd_s[1:])
-    m, microbatch_s = config.num_microbatches, float(fastest_s.sum())
+    microbatch_s = float(fastest_s.sum())
+    refined = refine or config.pp == 1
     return WorkBound(
         microbatch_s=microbatch_s,
         microbatch_fwd_s=float(fastest_fwd_s.sum()),
         fwd_share=float(np.min(later_fwd_s[later_s > 0] / later_s[later_s > 0])) if np.any(later_s > 0) else 0.0,
         first_layer_s=float(fastest_s[0]),
-        balanced_s=m * microbatch_s / sum(1 / slowdown[device.name] for device, _ in per_stage),
-        slowest_stage_s=m * least_slowest_stage_s(fastest_s, config.pp),
+        balanced_s=microbatch_s / sum(1 / slowdown[device.name] for device, _ in per_stage),
+        slowest_stage_s=least_slowest_stage_s(fastest_s, config.pp) if refined else max(float(fastest_s.max()), microbatch_s / config.pp),
+        refined=refined,
+        p2p_s=min(collective_time_s(Collective.P2P, float(tables[device.name][:-1, COL["out_bytes"]].min()) / config.seq_split,
+                                    mesh_groups(config, node.devices_per_node).pp, node, evaluator.cluster.oversubscription)
+                  for device, node in types) if config.pp > 1 else 0.0,
     )
+
+
+def tail_bound_s(evaluator: Evaluator, config: ParallelConfig) -> float:
+    """A floor on what follows the pipeline: exposed data-parallel traffic and the optimizer step.
+
+    Both are maxima over stages of a function of the stage's share x_s of the parameters (and its
+    compute y_s, which hides the traffic). A collective's time t(x) is concave in its size with
+    t(0) >= 0 (min of affine ring and tree terms, plus latency), so t(x) >= x t(X) / X below the
+    whole model's X; max(0, x t(X) / X - y) is convex, so the maximum over stages is at least its
+    value at the average stage, (exposure of the whole model in one stage) / pp. With several
+    device types: the least such value, with the slowest type's compute. The optimizer step is
+    linear in the owned parameters; the average stage bounds it the same way.
+    """
+    policies = evaluator.policies(config)
+    totals = {device.name: evaluator.layer_table(config, device, node, policies).sum(axis=0) for device, node in evaluator.device_types(config.pp)}
+    fwd_s = max(float(total[COL["fwd_s"]]) for total in totals.values())
+    bwd_s = max(float(total[COL["bwd_s"]]) for total in totals.values())
+    floors = []
+    for device, node in evaluator.device_types(config.pp):
+        total = totals[device.name]
+        dense, expert = float(total[COL["dense_params"]]), float(total[COL["expert_params"]])
+        exposed_s = evaluator.dp_exposed_s(config, node, mesh_groups(config, node.devices_per_node), dense, expert, fwd_s, bwd_s)
+        dense_shard, expert_shard = (config.dp * config.cp, expert_data_group(config, node).size) if config.zero >= 1 else (1, 1)
+        floors.append(exposed_s + evaluator.optimizer_step_s(config, device, dense / dense_shard + expert / expert_shard))
+    return min(floors) / config.pp
 
 
 def least_slowest_stage_s(layer_s: np.ndarray, stages: int) -> float:
@@ -185,7 +230,7 @@ def pipeline_bound_s(config: ParallelConfig, bound: WorkBound) -> float:
     """A step time `config` cannot beat: its `WorkBound` plus the pipeline fill of its schedule.
 
     With T_d the work per micro-batch of device d, every schedule keeps some device busy
-    m max_d T_d >= max(balanced_s, m M) (M only for vpp = 1: the chunks of an interleaved device are
+    m max_d T_d >= m max(balanced_s, M) (M only for vpp = 1: the chunks of an interleaved device are
     not contiguous). The fill comes from the "device work" paths `costmodel.pipeline.step_time_s`
     takes the longest of: device d starts once the first forward has crossed the devices before it.
 
@@ -197,15 +242,16 @@ def pipeline_bound_s(config: ParallelConfig, bound: WorkBound) -> float:
     - GPipe: every forward runs before any backward, step >= sum_d T_d + (m - 1) max_d T_d.
     """
     m, pp, vpp = config.num_microbatches, config.pp, config.vpp
-    busy_s = max(bound.balanced_s, bound.slowest_stage_s if vpp == 1 else 0.0)
+    busy_s = m * max(bound.balanced_s, bound.slowest_stage_s if vpp == 1 else 0.0)
     if pp == 1:
         return busy_s
+    transfers_s = pipeline.critical_transfers(config.schedule, pp, m, vpp) * bound.p2p_s
     if config.schedule == Schedule.ZERO_BUBBLE:
         fill_s = fill_bound_s(bound.microbatch_s, m, pp, bound.fwd_share) - bound.fwd_share * bound.first_layer_s
-        return max(busy_s, bound.microbatch_fwd_s, fill_s)
+        return max(busy_s, bound.microbatch_fwd_s, fill_s) + transfers_s
     if config.schedule == Schedule.GPIPE:
-        return bound.microbatch_s + (m - 1) * busy_s / m
-    return max(busy_s, fill_bound_s(bound.microbatch_s, m, pp, 1 / vpp))
+        return bound.microbatch_s + (m - 1) * busy_s / m + transfers_s
+    return max(busy_s, fill_bound_s(bound.microbatch_s, m, pp, 1 / vpp)) + transfers_s
 
 
 def memory_floor_bytes(evaluator: Evaluator, config: ParallelConfig) -> float:
@@ -216,9 +262,8 @@ def memory_floor_bytes(evaluator: Evaluator, config: ParallelConfig) -> float:
     every layer's states plus the least in-flight count times every layer's activations (each on
     the device type where it is smallest); the fullest stage holds at least the average.
     """
-    per_stage = evaluator.stage_devices(config.pp)
     policies = evaluator.policies(config)
-    tables = [evaluator.layer_table(config, device, node, policies) for device, node in {d.name: (d, n) for d, n in per_stage}.values()]
+    tables = [evaluator.layer_table(config, device, node, policies) for device, node in evaluator.device_types(config.pp)]
     states = min(float(table[:, COL["static_bytes"]].sum()) for table in tables)
     activations = min(float(table[:, COL["act_bytes"]].sum()) for table in tables)
     in_flight = min(pipeline.in_flight_microbatches(str(config.schedule), config.pp, stage, config.num_microbatches, config.vpp)
@@ -242,11 +287,12 @@ class _Pass:
         self.reasons, self.examples, self.rejected = reasons, examples, rejected
         self.total = self.evaluated = self.screened = 0
         self.closest_miss = None
+        self.work_bounds: dict[tuple, WorkBound] = {}
+        self.tail_bounds: dict[tuple, float] = {}
 
     def candidates(self, evaluator: Evaluator, space, graph: ModelGraph, global_batch: int, constraints: dict) -> list:
-        """(bound, config) of every valid configuration, sorted by bound."""
-        candidates: list[tuple[float, ParallelConfig]] = []
-        work_bounds: dict[ParallelConfig, WorkBound] = {}
+        """A heap of (bound, order, config) over every valid configuration, with floor work bounds."""
+        heap: list[tuple[float, int, ParallelConfig]] = []
         for degrees in space.degrees:
             if global_batch % degrees[0]:
                 self.rejected.append(Rejection(f"dp={degrees[0]}", f"global_batch={global_batch} is not a multiple of dp"))
@@ -257,26 +303,45 @@ class _Pass:
                 except PlannerError as error:
                     self.rejected.append(Rejection(config.short(), error.message))
                     continue
-                key = work_bound_key(config)
-                if key not in work_bounds:
-                    work_bounds[key] = work_bound(evaluator, key)
-                candidates.append((pipeline_bound_s(config, work_bounds[key]), config))
-        candidates.sort(key=lambda item: item[0])
-        self.total += len(candidates)
-        return candidates
+                heap.append((self._bound_s(evaluator, config, refine=False), len(heap), config))
+        heapq.heapify(heap)
+        self.total += len(heap)
+        return heap
+
+    def _bound_s(self, evaluator: Evaluator, config: ParallelConfig, refine: bool) -> float:
+        """`pipeline_bound_s` + `tail_bound_s` of `config`, from bounds cached per key."""
+        key = work_bound_key(config)
+        bound = self.work_bounds.get(key)
+        if bound is None or (refine and not bound.refined):
+            bound = self.work_bounds[key] = work_bound(evaluator, config, refine=refine)
+        tail_key = (key, config.zero, config.offload_optimizer)
+        if tail_key not in self.tail_bounds:
+            self.tail_bounds[tail_key] = tail_bound_s(evaluator, config)
+        return pipeline_bound_s(config, bound) + self.tail_bounds[tail_key]
 
     def run(self, evaluator: Evaluator, space, graph: ModelGraph, global_batch: int, constraints: dict,
             headroom: float, top: int, exhaustive: bool) -> list:
-        """The `top` fitting configurations, best first, as (step time, config, estimate)."""
-        candidates = self.candidates(evaluator, space, graph, global_batch, constraints)
+        """The `top` fitting configurations, best first, as (step time, config, estimate).
+
+        Candidates leave the heap in bound order. The first time one comes out, its floor bound is
+        replaced by the tight one and it goes back in; only the few that reach the front ever pay
+        for the tight bound.
+        """
+        heap = self.candidates(evaluator, space, graph, global_batch, constraints)
         ranked: list[tuple[float, ParallelConfig, object]] = []
-        for index, (bound_s, config) in enumerate(candidates):
+        tight: set[int] = set()
+        while heap:
+            bound_s, order, config = heapq.heappop(heap)
             if not exhaustive and len(ranked) >= top and bound_s >= ranked[top - 1][0]:
-                pruned = len(candidates) - index
+                pruned = len(heap) + 1
                 self.reasons["bound"] += pruned
                 self.examples.setdefault("bound", []).append(
                     {"what": f"{pruned} configurations", "reason": f"lower bound >= {ranked[top - 1][0]:.3f} s of the plans kept"})
                 break
+            if order not in tight:
+                tight.add(order)
+                heapq.heappush(heap, (self._bound_s(evaluator, config, refine=True), order, config))
+                continue
             floor_bytes = memory_floor_bytes(evaluator, config)
             if floor_bytes > mean_capacity_bytes(evaluator.cluster, config.pp) * (1 - headroom):
                 self.screened += 1

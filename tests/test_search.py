@@ -25,7 +25,7 @@ from planner.errors import PlannerError, PlannerErrorKind
 from planner.estimate import Evaluator
 from planner.graph import Recompute
 from planner.search import (fill_bound_s, least_slowest_stage_s, mean_capacity_bytes, memory_floor_bytes, pipeline_bound_s,
-                            work_bound, work_bound_key)
+                            tail_bound_s, work_bound, work_bound_key)
 from planner.space import configs_for, enumerate_degrees
 from planner.stages import split_uniform
 
@@ -67,7 +67,7 @@ def brute_force(graph, cluster_name: str, global_batch: int, constraints: dict):
     """
     cluster = load_cluster(cluster_name)
     evaluator = Evaluator(graph, cluster)
-    priced, results = 0, []
+    priced, results, bounds = 0, [], {}
     for degrees in enumerate_degrees(graph, cluster, constraints).degrees:
         for config in configs_for(degrees, graph, global_batch, constraints):
             try:
@@ -76,10 +76,13 @@ def brute_force(graph, cluster_name: str, global_batch: int, constraints: dict):
                 continue
             estimate = evaluator.estimate(config, global_batch)
             priced += 1
-            # The search prices the work bound once per key configuration; the key must not change it.
-            bound = work_bound(evaluator, work_bound_key(config))
-            assert work_bound(evaluator, config) == bound, config.short()
-            assert pipeline_bound_s(config, bound) <= estimate.step_time_s * (1 + REL_TOL), config.short()
+            # The search prices the work bound once per key; every config with that key must share it.
+            bound = work_bound(evaluator, config)
+            assert bounds.setdefault(work_bound_key(config), bound) == bound, config.short()
+            floor = work_bound(evaluator, config, refine=False)
+            tail_s = tail_bound_s(evaluator, config)
+            assert pipeline_bound_s(config, floor) <= pipeline_bound_s(config, bound), config.short()
+            assert pipeline_bound_s(config, bound) + tail_s <= estimate.step_time_s * (1 + REL_TOL), config.short()
             if memory_floor_bytes(evaluator, config) > mean_capacity_bytes(cluster, config.pp):
                 assert not estimate.fits, config.short()
             if estimate.fits:
