@@ -71,6 +71,8 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool) -> None:
         parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp8"])
         parser.add_argument("--attention", default="flash", choices=["flash", "unfused"],
                             help="attention kernel of the training code (unfused: scores materialised, pre-FlashAttention)")
+        parser.add_argument("--tp-comm-overlap", action="store_true",
+                            help="the training code overlaps tensor-parallel collectives with GEMMs (Megatron-Core --tp-comm-overlap, async TP)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -161,7 +163,7 @@ def _run(args) -> int:
         from planner.report.estimate import estimate_json, render_estimate
 
         result = planner.evaluate(args.model, args.cluster, _constraints(args), global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype,
-                                  attention=args.attention)
+                                  attention=args.attention, tp_overlap=args.tp_comm_overlap)
         if args.json:
             _print_json(estimate_json(result))
         else:
@@ -174,7 +176,7 @@ def _run(args) -> int:
 
         check_plan_chart_paths(args.timeline, args.memory_chart)
         result = planner.plan(
-            args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, attention=args.attention,
+            args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, attention=args.attention, tp_overlap=args.tp_comm_overlap,
             mem_headroom=args.mem_headroom, top=args.top, allow_offload=args.allow_offload, **_constraints(args),
         )
         if args.out:

@@ -37,7 +37,8 @@ def main() -> None:
             source = resolve_model(parse_spec(row.spec, f"{row.id}.yaml"))
             graph = trace(source, seq_len=row.seq_len)
             for config in fitting_configs(row):
-                est = evaluate(graph, row.cluster, config, global_batch=row.global_batch, attention=row.attention)
+                est = evaluate(graph, row.cluster, config, global_batch=row.global_batch, attention=row.attention,
+                               tp_overlap=row.tp_overlap)
                 if est.fits:
                     break
         except PlannerError as error:

@@ -27,6 +27,9 @@ FILL_RULES = {
     "model.ffn_hidden": "4 x hidden when absent (GPT)",
     "arch": "llama when the row has kv_heads or a non-4h FFN with a 'Llama' name, else gpt",
     "dtype": "fp16 on V100 (no bf16), bf16 otherwise; fp8 rows are skipped (fp8 GEMMs not modelled)",
+    "tp_overlap": "on when the source's flags include --tp-comm-overlap (Megatron-Core userbuffer overlap)",
+    "zero_stage (Megatron-Core)": "1 when the source's flags include --overlap-param-gather, which needs the distributed "
+                                  "optimizer (ZeRO-1)",
     "attention": "unfused for runs published before FlashAttention (May 2022) and the frameworks of that era "
                  "(Megatron-LM 2020-2022, Megatron-DeepSpeed/BLOOM, metaseq/OPT, Alpa); flash otherwise",
 }
@@ -50,6 +53,7 @@ class Row:
     unverified: bool
     attention: str
     open_choices: tuple[str, ...] = ()
+    tp_overlap: bool = False
 
 
 def _device(gpu: str) -> str | None:
@@ -139,15 +143,19 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
         if step is None:
             skipped.append((run["id"], "no step time, tokens/s or TFLOP/s"))
             continue
+        flags = str(plan.get("overlap") or "")
+        zero_stage = plan.get("zero_stage")
+        if zero_stage is None and "--overlap-param-gather" in flags:
+            zero_stage = 1
         config = {"tp": plan["tp"], "pp": plan["pp"], "dp": plan.get("dp") or gpus // (plan["tp"] * plan["pp"]),
                   "cp": plan.get("cp") or 1, "micro_batch": plan.get("micro_batch") or 1,
-                  "zero": _zero(plan.get("zero_stage")), "recompute": _recompute(plan.get("recompute"))}
-        open_choices = tuple(key for key, field in (("zero", "zero_stage"), ("recompute", "recompute")) if plan.get(field) is None)
+                  "zero": _zero(zero_stage), "recompute": _recompute(plan.get("recompute"))}
+        open_choices = tuple(key for key, value in (("zero", zero_stage), ("recompute", plan.get("recompute"))) if value is None)
         if plan.get("vpp") and plan["vpp"] > 1:
             config["vpp"] = plan["vpp"]
         attention = "unfused" if run["group"] in UNFUSED_ATTENTION_GROUPS else "flash"
         rows.append(Row(run["id"], run["group"], _spec(model), seq, cluster, config, gb, step[0], step[1],
-                        bool(run.get("unverified")), attention, open_choices))
+                        bool(run.get("unverified")), attention, open_choices, "--tp-comm-overlap" in flags))
     return rows, skipped
 
 

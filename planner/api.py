@@ -79,7 +79,7 @@ def make_config(constraints: dict | ParallelConfig, num_devices: int, global_bat
 
 
 def evaluate(model, cluster, config: dict | ParallelConfig, *, global_batch: int, seq_len: int | None = None,
-             dtype: str = "bf16", attention: str = "flash") -> Estimate:
+             dtype: str = "bf16", attention: str = "flash", tp_overlap: bool = False) -> Estimate:
     """Predict step time, throughput, MFU and per-stage memory of one configuration.
 
     Example::
@@ -93,11 +93,11 @@ def evaluate(model, cluster, config: dict | ParallelConfig, *, global_batch: int
     graph = model_graph(model, seq_len)
     hardware = _cluster(cluster)
     full = make_config(config, hardware.num_devices, global_batch)
-    return Evaluator(graph, hardware, dtype, attention=attention).estimate(full, global_batch)
+    return Evaluator(graph, hardware, dtype, attention=attention, tp_overlap=tp_overlap).estimate(full, global_batch)
 
 
 def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype: str = "bf16", attention: str = "flash",
-         **constraints) -> Plan:
+         tp_overlap: bool = False, **constraints) -> Plan:
     """Search the plan with the highest throughput that fits in memory.
 
     Args:
@@ -107,6 +107,7 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
         seq_len: tokens per sequence (default: the model's).
         dtype: compute dtype.
         attention: attention kernel of the training code, "flash" or "unfused".
+        tp_overlap: the training code overlaps tensor-parallel collectives with GEMMs.
         **constraints: fix a choice (tp=8, zero=3, schedule="1f1b", ...), bound one (max_tp=...,
             max_pp=...), mem_headroom (fraction of memory kept free), top (alternatives kept).
 
@@ -118,5 +119,5 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
 
     graph = model_graph(model, seq_len)
     hardware = _cluster(cluster)
-    result = search(graph, hardware, global_batch=global_batch, dtype=dtype, attention=attention, cluster_name=str(cluster if isinstance(cluster, str) else hardware.name), **constraints)
+    result = search(graph, hardware, global_batch=global_batch, dtype=dtype, attention=attention, tp_overlap=tp_overlap, cluster_name=str(cluster if isinstance(cluster, str) else hardware.name), **constraints)
     return dataclasses.replace(result, layer_params=tuple(layer.params for layer in graph.layers))

@@ -6,7 +6,8 @@ compute, recompute, exposed tensor/context/expert-parallel communication, expose
 
 - DP gradient reduction (ZeRO 0-2) overlaps with the backward of the last micro-batch;
 - FSDP (ZeRO-3) gathers of the next layer overlap with the current layer's compute, per micro-batch;
-- TP/SP collectives are exposed (they sit between dependent matmuls);
+- TP/SP collectives are exposed (they sit between dependent matmuls), unless the training code
+  pipelines them with the GEMMs (`tp_overlap`, `layer_cost.overlapped_tp_comm_s`);
 - the CP ring overlaps with attention (`layer_cost`); EP all-to-all is exposed;
 - pipeline p2p sits on the critical path of the schedule (`costmodel.pipeline`).
 """
@@ -79,11 +80,14 @@ class Evaluator:
         dtype: compute dtype ("bf16", "fp16", "fp8").
         table: measured op times that override the roofline.
         attention: the attention kernel the training code uses (flash by default).
+        tp_overlap: the training code overlaps tensor-parallel collectives with GEMMs (Megatron-Core
+            `--tp-comm-overlap`, PyTorch async TP); otherwise they are exposed.
     """
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, dtype: str = "bf16", table: OpTable | None = None,
-                 attention: AttentionKernel | str = AttentionKernel.FLASH):
+                 attention: AttentionKernel | str = AttentionKernel.FLASH, tp_overlap: bool = False):
         self.attention = AttentionKernel(attention)
+        self.tp_overlap = tp_overlap
         self.graph = graph
         self.cluster = cluster
         self.dtype = dtype
@@ -165,6 +169,7 @@ class Evaluator:
                 sequence_parallel=config.sequence_parallel, tp_group=groups.tp, cp_group=groups.cp,
                 ep_group=groups.ep, top_k=self.graph.dims.top_k, hidden=self.graph.dims.hidden,
                 table=self.table_for(device, self.dtype_for(device)), attention=self.attention,
+                tp_overlap=self.tp_overlap,
             )
             cost = price_layer(layer, tp_plan_for(layer, config.tp, device, node, ctx.dtype, self.layout_cache), ctx)
             self._layer_cache[key] = cost

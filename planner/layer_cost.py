@@ -100,6 +100,7 @@ class LayerContext:
     hidden: int = 0
     table: OpTable | None = None
     attention: AttentionKernel = AttentionKernel.FLASH
+    tp_overlap: bool = False
 
 
 # Ops that only reinterpret a tensor's shape or strides: no kernel, no memory traffic.
@@ -226,6 +227,23 @@ def bytes_per_element(dtype: str) -> int:
     return {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}[dtype]
 
 
+def overlapped_tp_comm_s(comm_s: float, gemm_s: float, tp: int) -> float:
+    """Exposed seconds of tensor-parallel collectives pipelined with the GEMMs they feed or drain.
+
+    Communication-overlapped tensor parallelism (Megatron-Core `--tp-comm-overlap` through
+    Transformer Engine userbuffers; PyTorch async TP, Wang et al. 2023 "Overlap communication with
+    dependent computation via decomposition") splits each all-gather / reduce-scatter into its tp
+    ring steps and runs each beside one chunk of the GEMM: the collective hides behind the GEMMs
+    except for one step that has no chunk beside it, and except where it is longer than they are.
+
+    Args:
+        comm_s: the collectives' time when exposed.
+        gemm_s: the GEMM time they overlap with.
+        tp: tensor-parallel degree (ring steps of each collective).
+    """
+    return max(comm_s / tp, comm_s - gemm_s)
+
+
 def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
     """Seconds and activation bytes of one micro-batch of `layer` under `ctx`.
 
@@ -262,16 +280,22 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
     tp_fwd_s = sum(
         collective_time_s(kind, size * ctx.batch_scale / ctx.cp, ctx.tp_group, ctx.node) for kind, size in plan.collectives
     )
+    tp_exposed_fwd_s = tp_exposed_bwd_s = tp_fwd_s
+    if ctx.tp_overlap and tp_fwd_s > 0:
+        gemm_fwd_s, gemm_bwd_s = (layer_time_s([w for w in works if w.kind == WorkKind.MATMUL], ctx.device, ctx.dtype, ctx.table)
+                                  for works in (fwd_works, bwd_works))
+        tp_exposed_fwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_fwd_s, plan.tp)
+        tp_exposed_bwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_bwd_s, plan.tp)
     recompute_s = {
         Recompute.NONE: 0.0,
         Recompute.SELECTIVE: attention_fwd_s,
-        Recompute.FULL: fwd_s + tp_fwd_s,
+        Recompute.FULL: fwd_s + tp_exposed_fwd_s,
     }[ctx.recompute]
     return LayerCost(
         fwd_s=fwd_s,
         bwd_s=bwd_s,
         recompute_s=recompute_s,
-        tp_comm_s=2 * tp_fwd_s,
+        tp_comm_s=tp_exposed_fwd_s + tp_exposed_bwd_s,
         cp_comm_s=_cp_comm_s(layer, ctx, attention_fwd_s, attention_bwd_s),
         ep_comm_s=_ep_comm_s(layer, ctx),
         act_bytes=_activation_bytes(layer, ctx, plan.tp),

@@ -1,9 +1,12 @@
 """The search: enumerate configurations, bound, price, solve the split and layout, keep the best.
 
-Candidates are priced in order of a lower bound on their step time (every device busy with its
-share of the layer work plus the pipeline fill its schedule cannot avoid, no exposed reduction;
-`pipeline_bound_s`); once the bound of the next candidate is no better than the best plan found,
-no later one can win, so the search stops there. A candidate whose devices cannot even hold their
+Candidates are priced in order of a lower bound on their step time: every device busy with its
+share of the layer work, the pipeline fill and transfers its schedule cannot avoid
+(`pipeline_bound_s`), and what the average stage's gradient reduction and optimizer step add after
+the pipeline (`tail_bound_s`). A cheap form of the bound orders the heap; a candidate that reaches
+the front gets the tight one (a search over stage splits) before it is priced. Once the bound of
+the next candidate is no better than the best plans found, no later one can win, so the search
+stops there. A candidate whose devices cannot even hold their
 share of the model states and activations (`memory_floor_bytes`) is rejected without pricing. The
 result is the same optimum as pricing every configuration (tests check this against exhaustive
 enumeration), found after pricing a small fraction of them.
@@ -364,7 +367,7 @@ class _Pass:
 
 
 def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str = "bf16", attention: str = "flash",
-           cluster_name: str = "", **constraints) -> Plan:
+           tp_overlap: bool = False, cluster_name: str = "", **constraints) -> Plan:
     """Best plan for `graph` on `cluster` (see the module docstring for how candidates are pruned).
 
     Raises:
@@ -379,7 +382,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     exhaustive = constraints.get("exhaustive", False)
     if global_batch < 1:
         raise invalid(f"global_batch={global_batch}: must be a positive integer")
-    evaluator = Evaluator(graph, cluster, dtype, attention=attention)
+    evaluator = Evaluator(graph, cluster, dtype, attention=attention, tp_overlap=tp_overlap)
     space = enumerate_degrees(graph, cluster, constraints)
     rejected: list[Rejection] = list(space.rejected)
     reasons: Counter = Counter()

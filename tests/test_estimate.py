@@ -20,7 +20,7 @@ from planner.config import ParallelConfig, Schedule
 from planner.estimate import COL, ZERO3_GATHERED_LAYERS, Evaluator
 from planner.mesh import stage_devices
 from planner.graph import LayerKind, Recompute
-from planner.layer_cost import AttentionKernel
+from planner.layer_cost import AttentionKernel, overlapped_tp_comm_s
 from planner.tracing import trace
 
 GIB = 2**30
@@ -339,6 +339,25 @@ def test_tensor_parallel_communication_only_with_tp(gpt350m):
     split = evaluator.estimate(ParallelConfig(dp=4, tp=2, num_microbatches=4), 16)
     assert alone.time_breakdown["tp_comm_s"] == 0.0
     assert split.time_breakdown["tp_comm_s"] > 0.0
+
+
+@pytest.mark.parametrize("comm_s,gemm_s,tp,exposed_s", [
+    (1.0, 0.5, 8, 0.5),    # longer than the GEMMs beside it: the excess shows
+    (1.0, 5.0, 8, 0.125),  # hidden except one of the eight ring steps
+    (0.6, 0.1, 2, 0.5),
+])
+def test_overlapped_tp_comm_hides_behind_gemms_except_one_ring_step(comm_s, gemm_s, tp, exposed_s):
+    assert overlapped_tp_comm_s(comm_s, gemm_s, tp) == pytest.approx(exposed_s)
+
+
+def test_tp_overlap_hides_tensor_parallel_communication_only(gpt350m):
+    cluster = load_cluster("a100-80g:1x8")
+    config = ParallelConfig(dp=4, tp=2, num_microbatches=4)
+    exposed = Evaluator(gpt350m, cluster).estimate(config, 16).time_breakdown
+    overlapped = Evaluator(gpt350m, cluster, tp_overlap=True).estimate(config, 16).time_breakdown
+    assert overlapped["compute_s"] == exposed["compute_s"]
+    # With tp = 2 at least one of the two ring steps of every collective stays exposed.
+    assert exposed["tp_comm_s"] / 2 <= overlapped["tp_comm_s"] < exposed["tp_comm_s"]
 
 
 def test_heterogeneous_cluster_v100_stage_is_slower(gpt350m):
