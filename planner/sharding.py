@@ -28,6 +28,8 @@ strategies of v, and edges (u, v, k) "input k of v comes from u".
     tie[fqn,u,p]         ops of one module pick the same placement           (_add_module_tie_constraints)
     param_memory         sum x[v, s] * param_bytes(v) / param_shards(s) <= cap, when a budget is
                          given                                               (_add_param_memory_constraint)
+    least_params         with shard_params: sum x[v, s] * params(v) / param_shards(s) <= its least
+                         value, found by a first solve minimising it        (_add_least_params_constraint)
 
     minimise  sum x[v, s] * compute_time_s(v, shards(s))
             + COLLECTIVES_PER_CONVERSION * sum conv[u, l, t] * comm_time_s(collective(l -> t), bytes(u))
@@ -38,7 +40,6 @@ Conversions: P -> R all-reduce; P -> S(sequence) reduce-scatter; S(.) -> R all-g
 (impossible[u,l,t]: produced[u, l] + need[u, t] <= 1). No strategy consumes P, so P is only ever
 converted away. Size: |V| * max|S| binaries, the rest continuous (integral at the optimum).
 """
-from __future__ import annotations
 from __future__ import annotations
 
 import time
@@ -59,6 +60,9 @@ from planner.tp_strategies import (BOUNDARY, CONVERSIONS, SLICES, Collective, Pl
 # Shoeybi et al. 2019 Fig. 3, Korthikanti et al. 2022 Fig. 5), so a layer's forward+backward pays twice.
 COLLECTIVES_PER_CONVERSION = 2
 OBJECTIVE_FLOOR_S = 1e-12  # keeps the cost normalisation finite when every cost is 0
+# With shard_params, how far above its least value the (normalised) parameter count per device may
+# lie in the time solve: the solver's feasibility tolerance, not a trade-off.
+LEAST_PARAMS_TOLERANCE = 1e-6
 GIB_BYTES = 2**30  # only for rendering messages
 MS_PER_S = 1e3  # only for rendering `Layout.explain`
 
@@ -156,6 +160,7 @@ def solve_layout(
     boundary: TensorLayout | None = None,
     input_bytes: float | None = None,
     param_budget: ParamBudget | None = None,
+    shard_params: bool = False,
     time_limit_s: float = 10.0,
     rel_gap: float = 1e-4,
 ) -> Layout:
@@ -173,6 +178,9 @@ def solve_layout(
         input_bytes: bytes of the activation entering the layer; default: the largest output of the
             layer, which is right for a repeated block.
         param_budget: optional cap on parameter memory per device.
+        shard_params: first find the least parameters per device any layout reaches, then the
+            fastest layout holding no more (what tensor parallelism is for: Megatron-LM shards every
+            large weight, the embedding by vocabulary); otherwise time alone decides.
         time_limit_s: solver wall-clock limit.
         rel_gap: relative gap at which the solver stops.
 
@@ -204,6 +212,8 @@ def solve_layout(
     _add_module_tie_constraints(model, choose, graph)
     if param_budget is not None:
         _add_param_memory_constraint(model, choose, graph, param_budget)
+    if shard_params:
+        _add_least_params_constraint(model, choose, graph, tp, time_limit_s, rel_gap)
     compute_cost = {
         name: [0.0 if name == BOUNDARY else compute_time_s(graph.ops[name], s.compute_shards) for s in strategies]
         for name, strategies in graph.strategies.items()
@@ -293,6 +303,23 @@ def _add_param_memory_constraint(model: mathopt.Model, choose: dict, graph: Stra
         for s, strategy in enumerate(strategies)
     ]
     model.add_linear_constraint(mathopt.fast_sum(terms) <= 1.0, name="param_memory")
+
+
+def _add_least_params_constraint(model: mathopt.Model, choose: dict, graph: StrategyGraph, tp: int,
+                                 time_limit_s: float, rel_gap: float) -> None:
+    """Parameters per device (as a fraction of the layer's) <= the least any layout reaches."""
+    total = sum(graph.params.values())
+    if total == 0:
+        return
+    share = mathopt.fast_sum(
+        choose[name, s] * (graph.params[name] / strategy.param_shards / total)
+        for name, strategies in graph.strategies.items()
+        for s, strategy in enumerate(strategies)
+        if graph.params.get(name)
+    )
+    model.minimize(share)
+    least = solve_milp(model, time_limit_s=time_limit_s, rel_gap=rel_gap, what=f"least-parameter tp layout (tp={tp})")
+    model.add_linear_constraint(share <= least.objective + LEAST_PARAMS_TOLERANCE, name="least_params")
 
 
 def _placement_indicator(choose: dict, graph: StrategyGraph, name: str, placement: Placement):

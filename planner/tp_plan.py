@@ -1,5 +1,8 @@
 """Tensor-parallel plan of a layer: the sharding ILP's layout turned into what the cost model needs.
 
+The layout holds the fewest parameters per device any layout reaches (every large weight sharded,
+as the memory model assumes), and among those is the fastest.
+
 One layout is solved per (layer signature, tp, device, dtype) and reused by every identical block
 and every configuration of the search. Costs handed to the ILP are those of the traced micro-batch
 on the tp group inside one node (tp is innermost on the mesh).
@@ -17,24 +20,32 @@ from planner.sharding import Layout, solve_layout
 LAYOUT_TIME_LIMIT_S = 10.0
 LAYOUT_REL_GAP = 1e-4
 
+def solve_layer_layout(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str, shard_params: bool = True) -> Layout:
+    """The sharding ILP's layout of `layer` at degree `tp`, priced on `device` in a tp group inside `node`.
+
+    Args:
+        shard_params: hold the fewest parameters per device first (the planner's layouts); False
+            lets time alone decide.
+    """
+    group = axis_group(tp, 1, node.devices_per_node)
+
+    def compute_time_s(op: Op, shards: int) -> float:
+        return op_time_s(op, device, dtype, shards)
+
+    def comm_time_s(kind, size_bytes: float) -> float:
+        return collective_time_s(Collective(str(kind)), size_bytes, group, node)
+
+    return solve_layout(layer.ops, tp, compute_time_s, comm_time_s, sequence_parallel=True, shard_params=shard_params,
+                        time_limit_s=LAYOUT_TIME_LIMIT_S, rel_gap=LAYOUT_REL_GAP)
+
+
 def layout_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str, cache: dict) -> Layout:
-    """The sharding ILP's layout of `layer` at degree `tp`, kept in `cache` by layer signature
-    (the caller's cache lives as long as its device profiles, so a device name is a safe key)."""
+    """`solve_layer_layout` of `layer`, kept in `cache` by layer signature (the caller's cache lives
+    as long as its device profiles, so a device name is a safe key)."""
     key = (layer.signature or layer.name, tp, device.name, node.devices_per_node, dtype)
-    layout = cache.get(key)
-    if layout is None:
-        group = axis_group(tp, 1, node.devices_per_node)
-
-        def compute_time_s(op: Op, shards: int) -> float:
-            return op_time_s(op, device, dtype, shards)
-
-        def comm_time_s(kind, size_bytes: float) -> float:
-            return collective_time_s(Collective(str(kind)), size_bytes, group, node)
-
-        layout = solve_layout(layer.ops, tp, compute_time_s, comm_time_s, sequence_parallel=True,
-                              time_limit_s=LAYOUT_TIME_LIMIT_S, rel_gap=LAYOUT_REL_GAP)
-        cache[key] = layout
-    return layout
+    if key not in cache:
+        cache[key] = solve_layer_layout(layer, tp, device, node, dtype)
+    return cache[key]
 
 
 def tp_plan_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str, cache: dict) -> TpPlan:
