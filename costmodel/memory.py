@@ -4,12 +4,21 @@ Model states follow Rajbhandari et al. 2020 ("ZeRO: Memory Optimizations Toward 
 Parameter Models", §3.1 and §5): mixed-precision Adam keeps 2 bytes of half-precision weights,
 2 bytes of half-precision gradients and K = 12 bytes of fp32 optimizer state (master weights,
 momentum, variance) per parameter. ZeRO stage 1 shards the optimizer states over the data-parallel
-group, stage 2 also the gradients, stage 3 (FSDP) also the weights.
+group, stage 2 also the gradients, stage 3 (FSDP) also the weights. DeepSpeed's ZeRO-3 keeps a
+half-precision shard beside the fp32 master shard; FSDP2 (`fully_shard` with a mixed-precision
+policy) keeps only the fp32 shard, which is the master copy, and has half-precision weights only
+while gathered (`shard_is_master`).
+
+The peak of a step is the larger of two moments: the end of the forward (weights, optimizer
+states, every activation in flight and the loss's temporaries) and the optimizer step (weights,
+gradients, optimizer states). Gradients are alive at the first only when they accumulate over
+micro-batches, or when the framework keeps a persistent gradient buffer (Megatron-LM); PyTorch's
+`zero_grad(set_to_none=True)` frees them between steps.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 from typing import NamedTuple
 
@@ -39,6 +48,10 @@ class Optimizer(StrEnum):
     ADAM_MIXED = "adam-mixed"
     ADAM_FP32 = "adam-fp32"
     ADAM_MIXED_OFFLOAD = "adam-mixed-offload"
+
+
+# Optimizers whose states hold an fp32 master copy of the weights (on the device or in host memory).
+MASTER_COPY_OPTIMIZERS = frozenset({Optimizer.ADAM_MIXED, Optimizer.ADAM_MIXED_OFFLOAD})
 
 
 class StateBytes(NamedTuple):
@@ -107,6 +120,7 @@ def model_state_bytes(
     weight_bytes_per_param: float | None = None,
     grad_bytes_per_param: float | None = None,
     gathered_params: float = 0.0,
+    shard_is_master: bool = False,
 ) -> StateBytes:
     """Weights, gradients and optimizer states on one device under a ZeRO stage.
 
@@ -127,6 +141,9 @@ def model_state_bytes(
         grad_bytes_per_param: overrides the optimizer's gradient bytes (`FP32_GRAD_BYTES_PER_PARAM`
             for Megatron-style fp32 gradient accumulation).
         gathered_params: ZeRO-3 only: parameters all-gathered at once on this device.
+        shard_is_master: ZeRO-3 with a master-copy optimizer: the sharded parameters are the
+            master copy (FSDP2), so no half-precision shard is kept; False is the ZeRO paper's
+            (DeepSpeed's) accounting.
 
     Returns:
         `StateBytes(weights_bytes, grads_bytes, optimizer_bytes)`.
@@ -153,8 +170,10 @@ def model_state_bytes(
         raise ValueError(f"shard_group={shard_group!r}: must be a positive integer (the data-parallel group size)")
     if gathered_params and zero != 3:
         raise ValueError(f"gathered_params={gathered_params}: only ZeRO-3 gathers parameters; pass 0 for zero={zero}")
+    master_only = shard_is_master and zero >= 3 and _optimizer(optimizer) in MASTER_COPY_OPTIMIZERS
+    sharded_weights = 0.0 if master_only else params * weight_bytes / (shard_group if zero >= 3 else 1)
     return StateBytes(
-        weights_bytes=params * weight_bytes / (shard_group if zero >= 3 else 1) + gathered_params * weight_bytes,
+        weights_bytes=sharded_weights + gathered_params * weight_bytes,
         grads_bytes=params * grad_bytes / (shard_group if zero >= 2 else 1),
         optimizer_bytes=params * per_param.optimizer_bytes / (shard_group if zero >= 1 else 1),
     )
@@ -180,6 +199,8 @@ def stage_memory(
     grad_bytes_per_param: float | None = None,
     context_bytes: float = CUDA_CONTEXT_BYTES,
     fragmentation_fraction: float = ALLOCATOR_FRAGMENTATION_FRACTION,
+    grads_at_peak: bool = True,
+    shard_is_master: bool = False,
 ) -> MemoryBreakdown:
     """Peak bytes on one device of one pipeline stage.
 
@@ -219,9 +240,13 @@ def stage_memory(
         grad_bytes_per_param: overrides the optimizer's gradient bytes.
         context_bytes: per-process CUDA context.
         fragmentation_fraction: allocator fragmentation as a fraction of all other bytes.
+        grads_at_peak: gradients are alive while the activations are (gradient accumulation over
+            micro-batches, or a persistent gradient buffer); otherwise the peak is the larger of
+            the forward's end and the optimizer step (module docstring).
+        shard_is_master: see `model_state_bytes`.
 
     Returns:
-        The per-category breakdown.
+        The per-category breakdown at the peak.
 
     Raises:
         ValueError: on negative sizes, degrees below 1, or `expert_params > params`.
@@ -246,6 +271,7 @@ def stage_memory(
         "optimizer": optimizer,
         "weight_bytes_per_param": weight_bytes_per_param,
         "grad_bytes_per_param": grad_bytes_per_param,
+        "shard_is_master": shard_is_master,
     }
     dense = model_state_bytes(
         (params - expert_params) / tp, zero, dense_shard_group, gathered_params=gathered_params, **precision
@@ -259,6 +285,10 @@ def stage_memory(
         comm_buffers_bytes=comm_buffer_bytes,
         temp_bytes=temp_bytes,
     )
+    if not grads_at_peak:
+        forward_end = replace(breakdown, grads_bytes=0.0)
+        optimizer_step = replace(breakdown, activations_bytes=0.0, temp_bytes=0.0)
+        breakdown = max(forward_end, optimizer_step, key=lambda moment: moment.total_bytes)
     overhead = context_bytes + fragmentation_fraction * breakdown.total_bytes
     return breakdown + MemoryBreakdown(overhead_bytes=overhead)
 

@@ -61,7 +61,8 @@ ZERO3_GATHERED_LAYERS = 2
 
 # Columns of the per-layer table one device type yields for one configuration (one micro-batch).
 COLUMNS = ("fwd_s", "bwd_s", "compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s",
-           "fsdp_exposed_s", "dense_params", "expert_params", "static_bytes", "act_bytes", "out_bytes")
+           "fsdp_exposed_s", "dense_params", "expert_params", "static_bytes", "grad_bytes", "act_bytes", "temp_bytes",
+           "out_bytes")
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
 
@@ -220,8 +221,9 @@ class Evaluator:
         cost = self.layer_cost(index, config, device, node, policy)
         dense = (layer.params - layer.expert_params) / config.tp
         expert = layer.expert_params / (config.ep * config.tp)
-        static = sum(memory_model.model_state_bytes(dense, config.zero, config.dp * config.cp, **state)) + sum(
-            memory_model.model_state_bytes(expert, config.zero, expert_group.size, **state))
+        states = (memory_model.model_state_bytes(dense, config.zero, config.dp * config.cp, **state),
+                  memory_model.model_state_bytes(expert, config.zero, expert_group.size, **state))
+        static, grads = sum(sum(part) for part in states), sum(part.grads_bytes for part in states)
         exposed = 0.0
         if config.zero == 3:
             gather_s = (collective_time_s(Collective.ALL_GATHER, dense * 2, groups.dp_cp, node)
@@ -232,7 +234,7 @@ class Evaluator:
         fwd = cost.fwd_s + cost.tp_comm_s / 2 + cost.cp_comm_s / 3 + cost.ep_comm_s / 2
         return (
             fwd, cost.total_s + exposed - fwd, cost.fwd_s + cost.bwd_s, cost.recompute_s, cost.tp_comm_s,
-            cost.cp_comm_s, cost.ep_comm_s, exposed, dense, expert, static, cost.act_bytes,
+            cost.cp_comm_s, cost.ep_comm_s, exposed, dense, expert, static, grads, cost.act_bytes, cost.temp_bytes,
             layer.out_bytes * config.micro_batch / self.graph.micro_batch,
         )
 
@@ -394,6 +396,7 @@ class Evaluator:
             params=dense + expert, expert_params=expert, activation_bytes_per_microbatch=total[COL["act_bytes"]],
             in_flight=in_flight, zero=config.zero, dense_shard_group=config.dp * config.cp, expert_shard_group=expert_group,
             gathered_params=ZERO3_GATHERED_LAYERS * largest_params if config.zero == 3 else 0.0,
+            temp_bytes=total[COL["temp_bytes"]], grads_at_peak=config.num_microbatches > 1,
             **state_options(config),
         )
         return p2p_s, dp_s, self.optimizer_step_s(config, device, dense / dense_shard + expert / expert_shard), breakdown
@@ -429,7 +432,8 @@ class Evaluator:
 
 
 def state_options(config: ParallelConfig) -> dict:
-    """How model states are stored: fp32 gradients and device-side Adam, or ZeRO-Offload."""
+    """How model states are stored: fp32 gradients and device-side Adam, or ZeRO-Offload; under
+    ZeRO-3 as FSDP2 (what `Plan.apply` uses) stores them, the fp32 shard being the master copy."""
     if config.offload_optimizer:
-        return {"optimizer": memory_model.Optimizer.ADAM_MIXED_OFFLOAD}
-    return {"grad_bytes_per_param": GRAD_BYTES_PER_PARAM}
+        return {"optimizer": memory_model.Optimizer.ADAM_MIXED_OFFLOAD, "shard_is_master": True}
+    return {"grad_bytes_per_param": GRAD_BYTES_PER_PARAM, "shard_is_master": True}

@@ -42,6 +42,18 @@ UNSPLIT_ACTIVATION_FRACTION_WITHOUT_SP = 10 / 34
 # Backward of a matmul is two GEMMs (input gradient and weight gradient) of the forward's FLOPs.
 MATMUL_BWD_GEMMS = 2
 
+# Cross-entropy over fp32 logits holds two transient logits-sized fp32 tensors beyond what it saves
+# when its backward starts, right after the forward (the step's peak): the softmax rebuilt from the
+# saved log-probabilities and the logits' gradient. Measured: the TEMP category of PyTorch's
+# MemTracker at the peak of one step of benchmarks/fidelity.py's GPT, dp=2 and ZeRO-0 or -3 at
+# micro-batch 4: 32.0 MiB = 2 x (4 x 256 x 4096 fp32 logits); rerun: `python
+# benchmarks/fidelity.py --worlds 2` reports the step peak (the categories come from MemTracker's
+# `get_tracker_snapshot("peak")`).
+LOSS_TEMP_INPUT_COPIES = 2
+# Vocabulary-parallel cross-entropy (DTensor `loss_parallel`) holds one more: the same measurement at
+# tp=2, micro-batch 8 gives 48.1 MiB = 3 x (8 x 256 x 2048 fp32 logits per rank).
+LOSS_PARALLEL_TEMP_INPUT_COPIES = 3
+
 # Memory-bound ops read their inputs and write their output; a backward elementwise op reads the
 # output gradient and the saved input and writes the input gradient: twice the forward traffic.
 MEMORY_BWD_TRAFFIC_RATIO = 2.0
@@ -74,6 +86,7 @@ class LayerCost:
     cp_comm_s: float
     ep_comm_s: float
     act_bytes: float
+    temp_bytes: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -189,6 +202,20 @@ def _activation_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:
     return saved * (unsplit + (1 - unsplit) / tp) + scores / tp
 
 
+def _loss_temp_bytes(layer: Layer, plan: TpPlan, ctx: LayerContext) -> float:
+    """Transient bytes of the layer's loss at the step's peak (`LOSS_TEMP_INPUT_COPIES` of its input)."""
+    losses = [op for op in layer.ops if op.kind == OpKind.LOSS]
+    if not losses:
+        return 0.0
+    reads = input_bytes_of(layer)
+    temp = 0.0
+    for op in losses:
+        split = _split_of(op, plan, ctx)
+        copies = LOSS_PARALLEL_TEMP_INPUT_COPIES if split > 1 else LOSS_TEMP_INPUT_COPIES
+        temp += copies * reads[op.name] * ctx.batch_scale / (split * ctx.cp)
+    return temp
+
+
 def _cp_comm_s(layer: Layer, ctx: LayerContext, attention_fwd_s: float, attention_bwd_s: float) -> float:
     """Exposed ring exchange of K and V (forward) and of dK and dV (backward) under context parallelism."""
     if ctx.cp == 1:
@@ -299,4 +326,5 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         cp_comm_s=_cp_comm_s(layer, ctx, attention_fwd_s, attention_bwd_s),
         ep_comm_s=_ep_comm_s(layer, ctx),
         act_bytes=_activation_bytes(layer, ctx, plan.tp),
+        temp_bytes=_loss_temp_bytes(layer, plan, ctx),
     )

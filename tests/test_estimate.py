@@ -20,7 +20,7 @@ from planner.config import ParallelConfig, Schedule
 from planner.estimate import COL, ZERO3_GATHERED_LAYERS, Evaluator
 from planner.mesh import stage_devices
 from planner.graph import LayerKind, Recompute
-from planner.layer_cost import AttentionKernel, overlapped_tp_comm_s
+from planner.layer_cost import LOSS_TEMP_INPUT_COPIES, AttentionKernel, overlapped_tp_comm_s
 from planner.tracing import trace
 
 GIB = 2**30
@@ -169,19 +169,32 @@ def test_model_states_match_korthikanti_figure1(spec_dir, model):
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_zero_divides_model_states_by_the_data_parallel_group(gpt350m, zero):
     # gpt3-350m, tp=2, dp=4, pp=1: every parameter on the one stage, split by tp. Per device
-    # (P = all parameters): weights 2P/t (ZeRO-3: /dp, plus two gathered copies of the largest
-    # layer, FSDP's current + prefetched layer), gradients 4P/t in fp32 (ZeRO-2+: /dp), Adam states 12P/t
-    # (ZeRO-1+: /dp).
+    # (P = all parameters): weights 2P/t (ZeRO-3 as FSDP2: no bf16 shard, the fp32 shard is the
+    # master copy, only two gathered copies of the largest layer, FSDP's current + prefetched
+    # layer), gradients 4P/t in fp32 (ZeRO-2+: /dp), Adam states 12P/t (ZeRO-1+: /dp). With two
+    # micro-batches the gradients accumulate, so they are alive at the peak.
     tp, dp = 2, 4
     evaluator = Evaluator(gpt350m, load_cluster("a100-80g:1x8"))
     estimate = evaluator.estimate(ParallelConfig(dp=dp, tp=tp, num_microbatches=2, zero=zero), 8)
     per_device = gpt350m.params / tp
     largest = max(layer.params for layer in gpt350m.layers) / tp
-    weights = 2 * per_device / (dp if zero >= 3 else 1) + (2 * ZERO3_GATHERED_LAYERS * largest if zero == 3 else 0)
+    weights = 2 * ZERO3_GATHERED_LAYERS * largest if zero == 3 else 2 * per_device
     row = estimate.memory[0]
     assert row["weights_bytes"] == pytest.approx(weights)
     assert row["grads_bytes"] == pytest.approx(4 * per_device / (dp if zero >= 2 else 1))
     assert row["optimizer_bytes"] == pytest.approx(12 * per_device / (dp if zero >= 1 else 1))
+
+
+def test_loss_temporaries_are_two_fp32_logits_on_the_last_stage(gpt350m):
+    # gpt3-350m traced at seq 256: the cross-entropy reads fp32 logits of micro_batch x 256 x vocab
+    # x 4 B and holds two such copies at the peak (LOSS_TEMP_INPUT_COPIES). One micro-batch of 16:
+    # the activations (about 24 x 34 s b h = 3.4 GB) outweigh the fp32 gradients (4 B x 355M =
+    # 1.4 GB), so the peak is the forward's end, where the gradients are not yet alive.
+    evaluator = Evaluator(gpt350m, load_cluster("a100-80g:1x8"))
+    estimate = evaluator.estimate(ParallelConfig(dp=8, micro_batch=16, num_microbatches=1), 128)
+    row = estimate.memory[0]
+    assert row["temp_bytes"] == pytest.approx(LOSS_TEMP_INPUT_COPIES * 16 * 256 * gpt350m.dims.vocab * 4, rel=1e-3)
+    assert row["grads_bytes"] == 0.0 and row["activations_bytes"] > 4 * gpt350m.params
 
 
 @pytest.fixture(scope="module")

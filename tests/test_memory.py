@@ -63,6 +63,31 @@ def test_zero3_counts_the_gathered_working_copy_with_the_weights():
         model_state_bytes(8e9, 2, 16, gathered_params=4e8)
 
 
+def test_fsdp2_zero3_keeps_no_half_precision_shard():
+    # As above, but the fp32 shard is the master copy (FSDP2): weights are the gathered 0.8 GB only;
+    # the optimizer still holds master + moments, 12 B x 0.5e9 = 6 GB. Without a master copy (fp32
+    # Adam) the shard is the weights and stays.
+    states = model_state_bytes(8e9, 3, 16, gathered_params=4e8, shard_is_master=True)
+    assert (states.weights_bytes, states.optimizer_bytes) == (pytest.approx(0.8e9), pytest.approx(6e9))
+    fp32 = model_state_bytes(8e9, 3, 16, optimizer=Optimizer.ADAM_FP32, shard_is_master=True)
+    assert fp32.weights_bytes == pytest.approx(8e9 * 4 / 16)
+
+
+@pytest.mark.parametrize("activation_bytes,peak_moment", [(30e9, "forward end"), (1e9, "optimizer step")])
+def test_without_gradient_accumulation_the_peak_is_the_larger_moment(activation_bytes, peak_moment):
+    # 1e9 params, ZeRO-0, fp32 gradients: weights 2 GB, gradients 4 GB, optimizer 12 GB; temporaries 2 GB.
+    # Forward end: 2 + 12 + activations + 2; optimizer step: 2 + 4 + 12 = 18 GB.
+    common = dict(params=1e9, activation_bytes_per_microbatch=activation_bytes, in_flight=1, temp_bytes=2e9,
+                  grad_bytes_per_param=FP32_GRAD_BYTES_PER_PARAM, context_bytes=0, fragmentation_fraction=0)
+    held = stage_memory(**common)
+    freed = stage_memory(**common, grads_at_peak=False)
+    assert held.total_bytes == pytest.approx(2e9 + 4e9 + 12e9 + activation_bytes + 2e9)
+    if peak_moment == "forward end":
+        assert (freed.grads_bytes, freed.total_bytes) == (0.0, pytest.approx(16e9 + activation_bytes))
+    else:
+        assert (freed.activations_bytes, freed.temp_bytes, freed.total_bytes) == (0.0, 0.0, pytest.approx(18e9))
+
+
 def test_stage_memory_divides_dense_and_expert_parameters_separately():
     # 10e9 params of which 8e9 in experts; tp=2, ep=4, ZeRO-1; dense states sharded over 8 ranks,
     # expert states over 2. Dense per device: 2e9 / 2 = 1e9 -> weights 2 GB, grads 2 GB,
