@@ -78,6 +78,9 @@ class DeviceSpec:
         price_per_hour: on-demand price per device-hour in USD (0 when unknown).
         power_w: board power (0 when unknown).
         description: human-readable product name.
+        comm_overlaps_compute: collectives run beside compute (GPUs: copy engines or a few SMs on
+            their own stream); False where the same cores do both (CPU ranks under gloo), so no
+            communication hides behind compute.
         op_tables: dtype -> path of a measured op-time table (`paraplan profile` writes them; JSON
             of `costmodel.compute.OpTable.to_dict`); the cost model uses it instead of the roofline
             where it has a measurement.
@@ -93,6 +96,7 @@ class DeviceSpec:
     matmul_efficiency: tuple[tuple[float, float], ...] = ()
     mem_bw_efficiency: float = 1.0
     matmul_sustained_fraction: float = 1.0
+    comm_overlaps_compute: bool = True
     price_per_hour: float = 0.0
     power_w: float = 0.0
     source: dict = field(default_factory=dict, compare=False, hash=False)

@@ -334,6 +334,7 @@ def write_profile(out: str | Path, measured: Measurements, base: DeviceSpec) -> 
         "mem_bw_efficiency": min(1.0, elementwise_bw / measured.stream_bytes_per_s),
         "matmul_efficiency": curve,
         "matmul_sustained_fraction": 1.0,
+        "comm_overlaps_compute": measured.device_type != "cpu",
         "node": {"devices_per_node": measured.world_size, "intra_link": intra},
         "nic": _link_mapping(base.nic, base.name),
         "op_tables": tables,
@@ -346,6 +347,7 @@ def write_profile(out: str | Path, measured: Measurements, base: DeviceSpec) -> 
             "matmul_efficiency": f"{how}: Linear-layer training GEMMs (forward, input and weight gradient) in "
                                  f"{reference}, the fastest dtype; each dtype's own times are in its op table",
             "matmul_sustained_fraction": f"{how}: all ranks measured at once, so the curve is already sustained",
+            "comm_overlaps_compute": "CPU ranks: gloo runs collectives on the cores that compute; GPUs: on their own stream",
             "node": f"{how}" if measured.link is not None else f"ranks {how}; link from {base.name} (run under torchrun to measure it)",
             "nic": f"from {base.name} (not measured: one host)",
             "op_tables": f"{how}",

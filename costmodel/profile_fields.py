@@ -95,6 +95,13 @@ def fraction(origin: Origin, field_name: str, value) -> float:
     return parsed
 
 
+def boolean(origin: Origin, field_name: str, value) -> bool:
+    """true or false (YAML booleans only, not 0/1 or strings)."""
+    if not isinstance(value, bool):
+        raise origin.error(field_name, f"{value!r} must be true or false")
+    return value
+
+
 def count(origin: Origin, field_name: str, value) -> int:
     """A positive integer (booleans rejected)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -51,7 +51,7 @@ _SHORTHAND = re.compile(r"(?P<device>[^:]+):(?P<nodes>[0-9]+)(?:[xX](?P<gpus>[0-
 _LINK_KEYS = ("name", "kind", "bw_bytes_per_s", "latency_s", "efficiency", "sources")
 _LINK_REQUIRED = ("kind", "bw_bytes_per_s", "latency_s")
 _DEVICE_KEYS = ("name", "description", "peak_flops_per_s", "mem_bytes", "mem_bw_bytes_per_s",
-                "matmul_efficiency", "mem_bw_efficiency", "matmul_sustained_fraction", "node", "nic", "price_per_hour", "power_w",
+                "matmul_efficiency", "mem_bw_efficiency", "matmul_sustained_fraction", "comm_overlaps_compute", "node", "nic", "price_per_hour", "power_w",
                 "op_tables", "sources")
 _DEVICE_REQUIRED = ("peak_flops_per_s", "mem_bytes", "mem_bw_bytes_per_s", "node", "nic")
 _NODE_KEYS = ("devices_per_node", "intra_link")
@@ -211,6 +211,7 @@ def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Pat
                                           data.get("mem_bw_efficiency", DEFAULT_MEM_BW_EFFICIENCY)),
         matmul_sustained_fraction=fields.fraction(origin, "matmul_sustained_fraction",
                                                   data.get("matmul_sustained_fraction", DEFAULT_MATMUL_SUSTAINED_FRACTION)),
+        comm_overlaps_compute=fields.boolean(origin, "comm_overlaps_compute", data.get("comm_overlaps_compute", True)),
         price_per_hour=fields.optional_positive(origin, "price_per_hour", data),
         power_w=fields.optional_positive(origin, "power_w", data),
         op_tables=_op_tables(origin, data.get("op_tables", {}), base),

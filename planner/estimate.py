@@ -1,5 +1,8 @@
 """Evaluate one ParallelConfig: step time, throughput, MFU and memory per pipeline stage.
 
+On a device whose collectives do not run beside compute (`DeviceSpec.comm_overlaps_compute`,
+false for CPU ranks) nothing below overlaps: every collective is exposed.
+
 Step time = pipeline time of the stages (each stage's forward and backward per micro-batch:
 compute, recompute, exposed tensor/context/expert-parallel communication, exposed FSDP gathers)
 + exposed data-parallel gradient reduction + the optimizer step. Overlap is modelled explicitly:
@@ -226,11 +229,12 @@ class Evaluator:
         static, grads = sum(sum(part) for part in states), sum(part.grads_bytes for part in states)
         exposed = 0.0
         if config.zero == 3:
-            gather_s = (collective_time_s(Collective.ALL_GATHER, dense * 2, groups.dp_cp, node)
-                        + collective_time_s(Collective.ALL_GATHER, expert * 2, expert_group, node))
-            scatter_s = (collective_time_s(Collective.REDUCE_SCATTER, dense * GRAD_REDUCE_BYTES_PER_PARAM, groups.dp_cp, node)
-                         + collective_time_s(Collective.REDUCE_SCATTER, expert * GRAD_REDUCE_BYTES_PER_PARAM, expert_group, node))
-            exposed = max(0.0, gather_s - cost.fwd_s) + max(0.0, gather_s + scatter_s - cost.bwd_s - cost.recompute_s)
+            over = self.cluster.oversubscription
+            gather_s = _state_collective_s(Collective.ALL_GATHER, 2, dense, expert, groups.dp_cp, expert_group, node, over)
+            scatter_s = _state_collective_s(Collective.REDUCE_SCATTER, GRAD_REDUCE_BYTES_PER_PARAM, dense, expert, groups.dp_cp,
+                                            expert_group, node, over)
+            fwd_window_s, bwd_window_s = (cost.fwd_s, cost.bwd_s + cost.recompute_s) if device.comm_overlaps_compute else (0.0, 0.0)
+            exposed = max(0.0, gather_s - fwd_window_s) + max(0.0, gather_s + scatter_s - bwd_window_s)
         fwd = cost.fwd_s + cost.tp_comm_s / 2 + cost.cp_comm_s / 3 + cost.ep_comm_s / 2
         return (
             fwd, cost.total_s + exposed - fwd, cost.fwd_s + cost.bwd_s, cost.recompute_s, cost.tp_comm_s,
@@ -369,15 +373,15 @@ class Evaluator:
         """
         if config.zero == 3 or config.dp * config.cp == 1:
             return 0.0
+        if not node.device.comm_overlaps_compute:
+            fwd_s = bwd_s = 0.0  # nothing hides the traffic
         expert_group = expert_data_group(config, node)
         over = self.cluster.oversubscription
         kind = Collective.ALL_REDUCE if config.zero == 0 else Collective.REDUCE_SCATTER
-        reduce_s = (collective_time_s(kind, dense * GRAD_REDUCE_BYTES_PER_PARAM, groups.dp_cp, node, over)
-                    + collective_time_s(kind, expert * GRAD_REDUCE_BYTES_PER_PARAM, expert_group, node, over))
+        reduce_s = _state_collective_s(kind, GRAD_REDUCE_BYTES_PER_PARAM, dense, expert, groups.dp_cp, expert_group, node, over)
         gather_s = 0.0
         if config.zero in (1, 2):
-            gather_s = (collective_time_s(Collective.ALL_GATHER, dense * 2, groups.dp_cp, node, over)
-                        + collective_time_s(Collective.ALL_GATHER, expert * 2, expert_group, node, over))
+            gather_s = _state_collective_s(Collective.ALL_GATHER, 2, dense, expert, groups.dp_cp, expert_group, node, over)
         return max(0.0, reduce_s - bwd_s) + max(0.0, gather_s - fwd_s)
 
     def _stage_costs(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, total: tuple, last_out_bytes: float,
@@ -429,6 +433,14 @@ class Evaluator:
             bubble_fraction=time_breakdown["pp_bubble_s"] / pipe_s if pipe_s > 0 else 0.0,
             config=config,
         )
+
+
+def _state_collective_s(kind: Collective, bytes_per_param: float, dense: float, expert: float, dense_group: CommGroup,
+                        expert_group: CommGroup, node: NodeSpec, oversubscription: float) -> float:
+    """One collective over the dense parameters' group and one over the experts' group (none for
+    a part without parameters: nothing is issued)."""
+    return sum(collective_time_s(kind, params * bytes_per_param, group, node, oversubscription)
+               for params, group in ((dense, dense_group), (expert, expert_group)) if params > 0)
 
 
 def state_options(config: ParallelConfig) -> dict:

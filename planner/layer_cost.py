@@ -220,6 +220,8 @@ def _cp_comm_s(layer: Layer, ctx: LayerContext, attention_fwd_s: float, attentio
     """Exposed ring exchange of K and V (forward) and of dK and dV (backward) under context parallelism."""
     if ctx.cp == 1:
         return 0.0
+    if not ctx.device.comm_overlaps_compute:
+        attention_fwd_s = attention_bwd_s = 0.0  # nothing hides the ring
     exposed = 0.0
     for op in layer.ops:
         if op.kind != OpKind.ATTENTION:
@@ -308,7 +310,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         collective_time_s(kind, size * ctx.batch_scale / ctx.cp, ctx.tp_group, ctx.node) for kind, size in plan.collectives
     )
     tp_exposed_fwd_s = tp_exposed_bwd_s = tp_fwd_s
-    if ctx.tp_overlap and tp_fwd_s > 0:
+    if ctx.tp_overlap and ctx.device.comm_overlaps_compute and tp_fwd_s > 0:
         gemm_fwd_s, gemm_bwd_s = (layer_time_s([w for w in works if w.kind == WorkKind.MATMUL], ctx.device, ctx.dtype, ctx.table)
                                   for works in (fwd_works, bwd_works))
         tp_exposed_fwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_fwd_s, plan.tp)

@@ -13,12 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from costmodel.comm import Collective, collective_time_s
 from costmodel.compute import peak_flops_per_s
 from costmodel.memory import STATE_BYTES_PER_PARAM, Optimizer
 from costmodel.profile_loader import load_cluster
 from planner.config import ParallelConfig, Schedule
 from planner.estimate import COL, ZERO3_GATHERED_LAYERS, Evaluator
-from planner.mesh import stage_devices
+from planner.mesh import axis_group, stage_devices
 from planner.graph import LayerKind, Recompute
 from planner.layer_cost import LOSS_TEMP_INPUT_COPIES, AttentionKernel, overlapped_tp_comm_s
 from planner.tracing import trace
@@ -371,6 +372,17 @@ def test_tp_overlap_hides_tensor_parallel_communication_only(gpt350m):
     assert overlapped["compute_s"] == exposed["compute_s"]
     # With tp = 2 at least one of the two ring steps of every collective stays exposed.
     assert exposed["tp_comm_s"] / 2 <= overlapped["tp_comm_s"] < exposed["tp_comm_s"]
+
+
+def test_cpu_ranks_hide_no_communication(gpt350m):
+    # gloo on CPU ranks runs collectives on the cores that compute: the gradient all-reduce of
+    # dp=2 (fp32, 4 B per parameter) is exposed whole, not only what exceeds the backward.
+    cluster = load_cluster("cpu:1x2")
+    device, node = stage_devices(cluster, 1)[0]
+    estimate = Evaluator(gpt350m, cluster).estimate(ParallelConfig(dp=2, num_microbatches=1), 2)
+    reduce_s = collective_time_s(Collective.ALL_REDUCE, 4 * gpt350m.params, axis_group(2, 1, node.devices_per_node), node)
+    assert not device.comm_overlaps_compute
+    assert estimate.time_breakdown["dp_comm_exposed_s"] == pytest.approx(reduce_s)
 
 
 def test_heterogeneous_cluster_v100_stage_is_slower(gpt350m):

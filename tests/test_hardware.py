@@ -232,6 +232,7 @@ DEVICE_ERRORS = [
     ({"node__intra_link__kind": "ib"}, "node.intra_link.kind", "cannot serve here"),
     ({"nic__kind": "infiniband"}, "nic.kind", "not a known LinkKind"),
     ({"price_per_hour": 0}, "price_per_hour", "positive"),
+    ({"comm_overlaps_compute": "no"}, "comm_overlaps_compute", "true or false"),
 ]
 
 
