@@ -260,7 +260,8 @@ class Evaluator:
                              if config.pp > 1 else 1.0)
         column = lambda name: np.stack([ref[:, COL[name]] for ref in refs], axis=1)  # noqa: E731
         return StageProblem(
-            layer_time_s=column("fwd_s") + column("bwd_s"), layer_static_bytes=column("static_bytes"),
+            # the loss's temporaries sit on the stage holding the loss, once: additive like the states
+            layer_time_s=column("fwd_s") + column("bwd_s"), layer_static_bytes=column("static_bytes") + column("temp_bytes"),
             layer_act_bytes=column("act_bytes"), num_stages=chunks, in_flight=np.array(in_flight),
             mem_cap_bytes=np.array(caps), stage_speed=np.array(speeds), num_microbatches=config.num_microbatches,
         )

@@ -264,12 +264,14 @@ def memory_floor_bytes(evaluator: Evaluator, config: ParallelConfig) -> float:
     activations, plus buffers and overhead (left out here). Over all pp stages that is at least
     every layer's states plus the least in-flight count times every layer's activations (each on
     the device type where it is smallest); the fullest stage holds at least the average. Without
-    gradient accumulation the gradients are left out (they are not alive at the forward's end).
+    gradient accumulation the gradients are left out (they are not alive at the forward's end,
+    where the loss's temporaries are, which count).
     """
     policies = evaluator.policies(config)
     tables = [evaluator.layer_table(config, device, node, policies) for device, node in evaluator.device_types(config.pp)]
     grads_held = config.num_microbatches > 1
-    states = min(float(table[:, COL["static_bytes"]].sum() - (0.0 if grads_held else table[:, COL["grad_bytes"]].sum())) for table in tables)
+    states = min(float(table[:, COL["static_bytes"]].sum() + table[:, COL["temp_bytes"]].sum()
+                       - (0.0 if grads_held else table[:, COL["grad_bytes"]].sum())) for table in tables)
     activations = min(float(table[:, COL["act_bytes"]].sum()) for table in tables)
     in_flight = min(pipeline.in_flight_microbatches(str(config.schedule), config.pp, stage, config.num_microbatches, config.vpp)
                     for stage in range(config.pp)) if config.pp > 1 else 1.0

@@ -33,7 +33,8 @@ class StageProblem:
 
     Attributes:
         layer_time_s: forward+backward time of one micro-batch per layer on a reference device.
-        layer_static_bytes: weights + grads + optimizer bytes per device of each layer.
+        layer_static_bytes: weights + grads + optimizer bytes per device of each layer (plus the
+            loss's temporaries on the layer holding the loss).
         layer_act_bytes: activation bytes one micro-batch of each layer keeps until its backward.
         num_stages: S.
         in_flight: [S] micro-batches in flight on each stage (1F1B: min(S - s, m)).
