@@ -6,14 +6,13 @@ share of the layer work, the pipeline fill and transfers its schedule cannot avo
 the pipeline (`tail_bound_s`). A cheap form of the bound orders the heap; a candidate that reaches
 the front gets the tight one (a search over stage splits) before it is priced. Once the bound of
 the next candidate is no better than the best plans found, no later one can win, so the search
-stops there. A candidate whose devices cannot even hold their
-share of the model states and activations (`memory_floor_bytes`) is rejected without pricing. The
-result is the same optimum as pricing every configuration (tests check this against exhaustive
-enumeration), found after pricing a small fraction of them.
+stops there. A candidate whose devices cannot even hold their share of the model states and
+activations (`memory_floor_bytes`) is rejected without pricing. The result is the same optimum as
+pricing every configuration (tests check this against exhaustive enumeration), found after pricing
+a small fraction of them.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import heapq
 import time
@@ -23,10 +22,10 @@ from typing import NamedTuple
 import numpy as np
 
 from costmodel import pipeline
+from costmodel.comm import Collective, collective_time_s
 from costmodel.hardware import Cluster
 from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, PlannerErrorKind, invalid
-from costmodel.comm import Collective, collective_time_s
 from planner.estimate import COL, Evaluator
 from planner.mesh import expert_data_group, mesh_groups, stage_devices
 from planner.graph import ModelGraph
