@@ -312,6 +312,18 @@ def test_param_budget_forces_sharding():
     assert error.value.kind == PlannerErrorKind.INSUFFICIENT_MEMORY and "tp=4" in error.value.message
 
 
+def test_shard_params_takes_the_least_parameter_layout_then_the_fastest():
+    # Same slow links: time alone replicates everything (above). With shard_params the solver first
+    # finds the least parameters per device (both weights split four ways, as under the 5 MiB
+    # budget above), then the fastest layout holding no more: colwise fc1 -> rowwise fc2 with one
+    # all-reduce, the cheapest sharded pairing, found without any budget.
+    ops = tiny_block(4096, 1024, 4096)
+    slow = ring_comm_s(4, 1e9)
+    layout = solve_layout(ops, 4, roofline_compute_s, slow, sequence_parallel=False, shard_params=True)
+    assert (layout.per_op["up"], layout.per_op["down"]) == (Placement.COLWISE, Placement.ROWWISE)
+    assert [call.kind for call in layout.collectives] == [Collective.ALL_REDUCE]
+
+
 def test_invalid_inputs_name_the_field():
     ops = tiny_block(16, 64, 64)
     with pytest.raises(PlannerError, match="tp=0"):
