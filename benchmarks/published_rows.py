@@ -71,6 +71,8 @@ def _recompute(text) -> str:
     text = str(text or "none").lower()
     if text.startswith("full"):
         return "full"
+    if text.startswith("selective op"):
+        return "selective_op"
     if text.startswith("selective"):
         return "selective"
     return "none"

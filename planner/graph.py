@@ -15,12 +15,15 @@ class Recompute(StrEnum):
 
     NONE keeps every tensor autograd saves; SELECTIVE recomputes the attention core (scores,
     softmax, attention-weighted values) so only its inputs and output stay; FULL keeps only the
-    layer input and reruns the whole forward during backward.
+    layer input and reruns the whole forward during backward. SELECTIVE_OP is torchtitan's
+    op-level selective checkpointing (`planner.op_sac`): the attention kernels' outputs and every
+    other matmul output stay, the rest of the block is recomputed.
     """
 
     NONE = "none"
     SELECTIVE = "selective"
     FULL = "full"
+    SELECTIVE_OP = "selective_op"
 
 
 class LayerKind(StrEnum):

@@ -256,6 +256,22 @@ def bytes_per_element(dtype: str) -> int:
     return {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}[dtype]
 
 
+def op_sac_kept(layer: Layer) -> set[str]:
+    """Ops whose outputs op-level selective checkpointing keeps (`planner.op_sac`): the attention
+    cores and every other matmul that runs as one `aten.mm` (a Linear without bias, or `mm`), in
+    graph order; the others run again in backward. Their collectives are kept too (the TP
+    collectives follow the kept matmuls and are not repeated)."""
+    kept, matmuls = set(), 0
+    for op in layer.ops:
+        if op.kind == OpKind.ATTENTION:
+            kept.add(op.name)
+        elif op.kind == OpKind.MATMUL and (op.target == "mm" or (op.target == "linear" and len(op.param_shapes) == 1)):
+            matmuls += 1
+            if matmuls % 2 == 1:
+                kept.add(op.name)
+    return kept
+
+
 def overlapped_tp_comm_s(comm_s: float, gemm_s: float, tp: int) -> float:
     """Exposed seconds of tensor-parallel collectives pipelined with the GEMMs they feed or drain.
 
@@ -291,6 +307,8 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         bwd_works: list[OpWork] = []
         attention_fwd: list[OpWork] = []
         attention_bwd: list[OpWork] = []
+        op_sac_rerun: list[OpWork] = []
+        kept = op_sac_kept(layer)
         reads = input_bytes_of(layer)
         for op in layer.ops:
             fwd, bwd = _op_works(op, ctx, _split_of(op, plan, ctx), reads[op.name])
@@ -299,9 +317,11 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
             if op.kind == OpKind.ATTENTION:
                 attention_fwd += fwd
                 attention_bwd += bwd
+            if op.name not in kept:
+                op_sac_rerun += fwd
     else:
         fwd_works, bwd_works = _layer_level_works(layer, ctx, plan.tp)
-        attention_fwd, attention_bwd = [], []
+        attention_fwd, attention_bwd, op_sac_rerun = [], [], fwd_works
     fwd_s = layer_time_s(fwd_works, ctx.device, ctx.dtype, ctx.table)
     bwd_s = layer_time_s(bwd_works, ctx.device, ctx.dtype, ctx.table)
     attention_fwd_s = layer_time_s(attention_fwd, ctx.device, ctx.dtype, ctx.table) if attention_fwd else 0.0
@@ -319,6 +339,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         Recompute.NONE: 0.0,
         Recompute.SELECTIVE: attention_fwd_s,
         Recompute.FULL: fwd_s + tp_exposed_fwd_s,
+        Recompute.SELECTIVE_OP: layer_time_s(op_sac_rerun, ctx.device, ctx.dtype, ctx.table) if op_sac_rerun else 0.0,
     }[ctx.recompute]
     return LayerCost(
         fwd_s=fwd_s,

@@ -27,6 +27,8 @@ Recompute policies (`planner.graph.Recompute`), from the same forward:
   hand-written attention (matmul + softmax) nothing is recognised as the core and SELECTIVE
   equals NONE.
 - FULL: only the piece's input tensors (the activation checkpoint of the layer).
+- SELECTIVE_OP: the piece's inputs plus the outputs torchtitan's op-level policy keeps
+  (`planner.op_sac`), recorded op by op in the same forward (`OpSacRecorder`).
 """
 from __future__ import annotations
 
@@ -40,9 +42,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.graph import Recompute
+from planner.op_sac import OpSacCounter
 
 # The CPU device: under FakeTensorMode, bf16 SDPA on it dispatches to the flash-like kernel whose
 # saved tensors match flash attention on GPUs (measured, TOOLCHAIN.md). Fake CUDA tensors abort
@@ -100,8 +104,9 @@ def measure_piece(module: nn.Module, args: tuple, *, data_args: frozenset[int] =
     args = tuple(_as_input(arg, i not in data_args) for i, arg in enumerate(args))
     fwd_flops, bwd_flops, out = _count_flops(module, args)
     in_bytes = storage_bytes(args)
-    saved = _saved_bytes_by_policy(module, args)
+    saved, op_sac_kept = _saved_bytes_by_policy(module, args)
     saved[Recompute.FULL] = in_bytes
+    saved[Recompute.SELECTIVE_OP] = in_bytes + op_sac_kept
     return PieceCost(fwd_flops=float(fwd_flops), bwd_flops=float(bwd_flops), saved_bytes=saved,
                      in_bytes=in_bytes, out_bytes=storage_bytes(out))
 
@@ -152,7 +157,25 @@ def grads_kept(module: nn.Module) -> Iterator[None]:
             param.grad = grad
 
 
-def _saved_bytes_by_policy(module: nn.Module, args: tuple) -> dict[Recompute, int]:
+class OpSacRecorder(TorchDispatchMode):
+    """Bytes of the distinct storages torchtitan's op-level policy keeps in one forward (`planner.op_sac`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counter = OpSacCounter()
+        self.kept: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.counter.keeps(func):
+            for leaf in pytree.tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self.kept[leaf.untyped_storage()._cdata] = leaf.untyped_storage().nbytes()
+        return out
+
+
+def _saved_bytes_by_policy(module: nn.Module, args: tuple) -> tuple[dict[Recompute, int], int]:
+    """NONE and SELECTIVE bytes (`policy_bytes`) and the bytes op-level checkpointing keeps besides the inputs."""
     saved: list[tuple[torch.Tensor, bool]] = []
     with FakeTensorMode():
         fakes: dict[int, torch.Tensor] = {}
@@ -168,10 +191,10 @@ def _saved_bytes_by_policy(module: nn.Module, args: tuple) -> dict[Recompute, in
             return t
 
         with GpuKernelSaves(), core, torch.autograd.graph.saved_tensors_hooks(
-                pack, lambda t: t):
+                pack, lambda t: t), OpSacRecorder() as op_sac:
             torch.func.functional_call(module, state, fake_args)
     weights = {t.untyped_storage()._cdata for t in state.values()}
-    return policy_bytes(saved, weights, core.input_storages)
+    return policy_bytes(saved, weights, core.input_storages), sum(op_sac.kept.values())
 
 
 def policy_bytes(saved: list[tuple[torch.Tensor, bool]], weights: set[int],

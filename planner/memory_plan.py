@@ -30,6 +30,8 @@ def refine_recompute(evaluator: Evaluator, config: ParallelConfig, estimate: Est
     """Per-layer recompute choices that beat the uniform policy of `config`, when any do."""
     if config.recompute == Recompute.NONE:
         return estimate, {"method": "uniform", "status": "not needed"}
+    if config.recompute not in POLICY_ORDER:
+        return estimate, {"method": "uniform", "status": f"{config.recompute} is kept uniform"}
     policy_sets = [_uniform(evaluator, p) for p in POLICY_ORDER]
     problem = evaluator.stage_problem(config, policy_sets, headroom)
     try:
@@ -50,7 +52,7 @@ def memory_plan(evaluator: Evaluator, config: ParallelConfig, estimate: Estimate
     """The memory plan (recompute per layer, ZeRO stage, offload, headroom per stage) and the refined estimate."""
     estimate, solver = refine_recompute(evaluator, config, estimate, global_batch, headroom)
     per_layer = solver.get("per_layer") or [str(p) for p in _uniform(evaluator, config.recompute)]
-    recompute = {str(p): [evaluator.graph.layers[i].name for i, q in enumerate(per_layer) if q == str(p)] for p in POLICY_ORDER}
+    recompute = {str(p): [evaluator.graph.layers[i].name for i, q in enumerate(per_layer) if q == str(p)] for p in Recompute}
     stages = [
         {"stage": row["stage"], "total_bytes": row["total_bytes"], "capacity_bytes": row["capacity_bytes"],
          "headroom_bytes": row["capacity_bytes"] - row["total_bytes"]}

@@ -223,6 +223,7 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("tp_gathered", _time_only_layouts(_plan(mixed, "cpu:1x2", tp=2, pp=1), mixed), mixed),
         ("dp_zero3", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=3), gpt),
         ("llama_tp", _plan(llama, "cpu:1x2", tp=2, pp=1), llama),
+        ("llama_selective_op", _plan(llama, "cpu:1x2", dp=2, tp=1, pp=1, recompute="selective_op"), llama),
     ]
     four_rank = [
         ("dp_x_tp", _plan(gpt, "cpu:1x4", dp=2, tp=2, pp=1, zero=2), gpt),
@@ -286,6 +287,13 @@ def test_tensor_parallel_gathered_outputs(trained):
 
 def test_fsdp_zero3(trained):
     _check(trained["dp_zero3"])
+
+
+def test_op_level_selective_recompute(trained):
+    plan, _, result = trained["llama_selective_op"]
+    assert result["recomputed"] == {name: "selective_op" for name in plan.memory_plan["recompute"]["selective_op"]}
+    assert len(result["recomputed"]) == 2  # both blocks of the tiny Llama
+    _check(trained["llama_selective_op"])
 
 
 def test_llama_grouped_query_attention_tp2(trained):

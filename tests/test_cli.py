@@ -81,7 +81,7 @@ def test_inspect_json_contract(capsys):
     assert [layer["name"] for layer in layers] == ["embed", *(f"layers.{i}" for i in range(L)), "head"]
     for layer in layers:
         assert {"name", "kind", "params", "fwd_flops", "bwd_flops", "saved_bytes", "out_bytes"} <= set(layer)
-        assert set(layer["saved_bytes"]) == {"none", "selective", "full"}
+        assert set(layer["saved_bytes"]) == {"none", "selective", "full", "selective_op"}
     assert sum(layer["params"] for layer in layers) == data["params"]
 
 

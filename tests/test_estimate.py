@@ -374,6 +374,24 @@ def test_tp_overlap_hides_tensor_parallel_communication_only(gpt350m):
     assert exposed["tp_comm_s"] / 2 <= overlapped["tp_comm_s"] < exposed["tp_comm_s"]
 
 
+@pytest.fixture(scope="module")
+def llama_small():
+    return trace("llama3-8b", seq_len=512)
+
+
+def test_op_level_checkpointing_sits_between_selective_and_full(llama_small):
+    # Recompute time: the attention-core rerun (selective) < torchtitan's op-level rerun of norms,
+    # activations and three of seven matmuls < the whole forward (full); activation memory in the
+    # reverse order. Hand numbers for the saved bytes: tests/test_trace.py.
+    evaluator = Evaluator(llama_small, load_cluster("h100-sxm:1x8"))
+    estimates = {policy: evaluator.estimate(ParallelConfig(dp=8, num_microbatches=2, recompute=policy), 16)
+                 for policy in (Recompute.SELECTIVE, Recompute.SELECTIVE_OP, Recompute.FULL)}
+    recompute = {p: e.time_breakdown["recompute_s"] for p, e in estimates.items()}
+    activations = {p: e.memory[0]["activations_bytes"] for p, e in estimates.items()}
+    assert recompute[Recompute.SELECTIVE] < recompute[Recompute.SELECTIVE_OP] < recompute[Recompute.FULL]
+    assert activations[Recompute.SELECTIVE] > activations[Recompute.SELECTIVE_OP] > activations[Recompute.FULL]
+
+
 def test_cpu_ranks_hide_no_communication(gpt350m):
     # gloo on CPU ranks runs collectives on the cores that compute: the gradient all-reduce of
     # dp=2 (fp32, 4 B per parameter) is exposed whole, not only what exceeds the backward.

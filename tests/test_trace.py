@@ -11,6 +11,7 @@ from torch import nn
 from planner import measure
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.graph import LayerKind, OpKind, Recompute
+from planner.layer_cost import op_sac_kept
 from planner.models import resolve_model
 from planner.report.inspect import inspect_json, render_inspect
 from planner.source import ModelSource
@@ -83,7 +84,9 @@ def test_gpt_block_saved_bytes_match_hand_count():
       GELU output = fc2 input                     8 sbh
     NONE = 32 sbh + 8 sb + 4 abs. SELECTIVE drops only the log-sum-exp (kept by the attention
     core alone; q, k, v are core inputs and the output is also o_proj's input). FULL keeps the
-    block input, 2 sbh; the block output is 2 sbh.
+    block input, 2 sbh; the block output is 2 sbh. SELECTIVE_OP keeps the block input, the
+    attention output and its log-sum-exp, 4 sbh + 4 abs: every linear has a bias (aten.addmm), and
+    torchtitan's policy keeps only bias-free aten.mm outputs.
     """
     s, b, h, a = 64, 2, 64, 4
     graph = trace(f"{FIXTURES}:tiny_gpt_factory", seq_len=s, micro_batch=b)
@@ -92,7 +95,8 @@ def test_gpt_block_saved_bytes_match_hand_count():
     for block in graph.blocks:
         assert block.saved_bytes == {Recompute.NONE: none,
                                      Recompute.SELECTIVE: none - FP32_BYTES * a * b * s,
-                                     Recompute.FULL: BF16_BYTES * sbh}
+                                     Recompute.FULL: BF16_BYTES * sbh,
+                                     Recompute.SELECTIVE_OP: 2 * BF16_BYTES * sbh + FP32_BYTES * a * b * s}
         assert block.out_bytes == BF16_BYTES * sbh
 
 
@@ -106,6 +110,20 @@ def test_selective_never_exceeds_none_and_full_is_the_layer_input():
         assert block.saved_bytes[Recompute.FULL] == hidden_bytes
     # The head's input is the last block's output plus the token ids it scores against.
     assert graph.layers[-1].saved_bytes[Recompute.FULL] == hidden_bytes + 2 * 1024 * INT64_BYTES
+
+
+def test_op_level_checkpointing_keeps_attention_and_every_other_matmul():
+    # llama3-8b block at s = 1024, b = 2, bf16 (h 4096, 32 heads of 128, 8 kv heads, ffn 14336).
+    # torchtitan's op-level policy keeps, besides the block input (s b h), the attention output
+    # (s b h) and its fp32 log-sum-exp (b x 32 x s), and the 1st, 3rd, 5th and 7th bias-free
+    # matmuls of the forward: q (s b h), v (s b x 8 x 128), gate (s b ffn) and down (s b h).
+    graph = trace("llama3-8b", seq_len=1024, micro_batch=2)
+    sb, h, kv, ffn = 2 * 1024, graph.dims.hidden, 8 * 128, 14336
+    expected = BF16_BYTES * sb * (h + h + h + kv + ffn + h) + 4 * 2 * 32 * 1024
+    for block in graph.blocks:
+        assert block.saved_bytes[Recompute.SELECTIVE_OP] == expected
+        assert sorted(op_sac_kept(block)) == sorted(
+            op.name for op in block.ops if op.kind == OpKind.ATTENTION or op.fqn.endswith(("q_proj", "v_proj", "gate_proj", "down_proj")))
 
 
 def test_layers_split_embedding_blocks_head_and_count_tied_weights_once():
@@ -287,7 +305,7 @@ def test_inspect_json_contract_and_table():
     layer = data["layers"][1]
     assert {"name", "kind", "params", "fwd_flops", "bwd_flops", "saved_bytes",
             "out_bytes"} <= layer.keys()
-    assert layer["saved_bytes"].keys() == {"none", "selective", "full"}
+    assert layer["saved_bytes"].keys() == {"none", "selective", "full", "selective_op"}
     assert sum(entry["fwd_flops"] for entry in data["layers"]) == data["fwd_flops"]
     console = Console(record=True, width=160)
     console.print(render_inspect(graph))

@@ -8,6 +8,9 @@
   attention-core recompute; it keeps the q/k/v/o projection outputs rather than exactly the core
   inputs, so it holds about one (batch x seq x hidden) tensor per layer less than the planner's
   SELECTIVE measurement when the core saves its output.
+- `selective_op`: the whole block is checkpointed with torchtitan's op-level policy
+  (`planner.op_sac`): attention-kernel outputs and every other `aten.mm` output are kept, the rest
+  runs again in backward.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from planner.graph import Recompute
 from planner.apply.tensor_parallel import unsupported
+from planner.op_sac import OpSacCounter
 
 # Child of a block that holds the attention (zoo layout: `attn` with q/k/v/o projections).
 ATTENTION_CHILD = "attn"
@@ -37,6 +41,17 @@ SAVED_OPS = frozenset({
 
 def _keep_matmuls(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_sac_contexts():
+    """Checkpoint contexts of one run of a block: fresh counters for its forward and its recompute."""
+    counters = {False: OpSacCounter(), True: OpSacCounter()}
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        keep = counters[ctx.is_recompute].keeps(func)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def _replace(root: nn.Module, fqn: str, new: nn.Module) -> None:
@@ -66,6 +81,8 @@ def apply_recompute(root: nn.Module, memory_plan: dict, units: tuple[str, ...]) 
                 continue
             if policy == Recompute.FULL:
                 _replace(root, name, checkpoint_wrapper(root.get_submodule(name)))
+            elif policy == Recompute.SELECTIVE_OP:
+                _replace(root, name, checkpoint_wrapper(root.get_submodule(name), context_fn=_op_sac_contexts))
             else:
                 fqn = f"{name}.{ATTENTION_CHILD}"
                 try:

@@ -46,7 +46,7 @@ def _layer_json(layer: Layer) -> dict:
         "params": layer.params,
         "fwd_flops": layer.fwd_flops,
         "bwd_flops": layer.bwd_flops,
-        "saved_bytes": {policy.value: layer.saved_bytes[policy] for policy in Recompute},
+        "saved_bytes": {policy.value: layer.saved_bytes[policy] for policy in Recompute if policy in layer.saved_bytes},
         "out_bytes": layer.out_bytes,
         "fqns": list(layer.fqns),
         "param_bytes": layer.param_bytes,
@@ -82,8 +82,7 @@ def render_inspect(graph: ModelGraph) -> RenderableType:
     table.add_section()
     table.add_row("total", fmt_count(graph.params), fmt_flops(graph.fwd_flops),
                   fmt_flops(graph.bwd_flops),
-                  *(fmt_bytes(sum(layer.saved_bytes[p] for layer in graph.layers))
-                    for p in Recompute), "", style="bold")
+                  *(_total_saved(graph, p) for p in Recompute), "", style="bold")
     notes = [Text(f"note: {note}", style="dim") for note in graph.notes]
     return Group(table, *notes)
 
@@ -111,4 +110,12 @@ def _span(first: str, last: str) -> str:
 
 def _numbers(layer: Layer) -> list[str]:
     return [fmt_count(layer.params), fmt_flops(layer.fwd_flops), fmt_flops(layer.bwd_flops),
-            *(fmt_bytes(layer.saved_bytes[p]) for p in Recompute)]
+            *(fmt_bytes(layer.saved_bytes[p]) if p in layer.saved_bytes else "-" for p in Recompute)]
+
+
+def _total_saved(graph, policy: Recompute) -> str:
+    """Saved bytes of every layer under `policy`; "-" when some layer was not measured under it
+    (op-level checkpointing needs an op graph)."""
+    if any(policy not in layer.saved_bytes for layer in graph.layers):
+        return "-"
+    return fmt_bytes(sum(layer.saved_bytes[policy] for layer in graph.layers))
