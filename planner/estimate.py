@@ -145,8 +145,8 @@ class Evaluator:
         if dims.kv_heads and config.tp > 1 and dims.kv_heads % config.tp and config.tp % dims.kv_heads:
             raise invalid(f"tp={config.tp}: must divide, or be a multiple of, the {dims.kv_heads} key/value heads")
         if config.recompute not in self.measured_policies:
-            raise invalid(f"recompute={config.recompute}: not measured for this model (op-level checkpointing needs the op "
-                          "graph, and the model was traced at module level); use none, selective or full")
+            raise invalid(f"recompute={config.recompute}: not measured for this model (op-level checkpointing is measured on "
+                          "fx/export traces; this one was traced at module level); use none, selective or full")
         if config.tp > 1 and not any(layer.ops for layer in graph.layers):
             raise invalid(f"tp={config.tp}: the model was traced at module level (no op graph), so only tp=1 is supported")
         if config.ep > 1 and (not dims.experts or dims.experts % config.ep):

@@ -8,6 +8,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
+import planner
 from planner import measure
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.graph import LayerKind, OpKind, Recompute
@@ -203,6 +204,10 @@ def test_resnet_traces_with_fx_and_counts_convolutions():
 def test_data_dependent_model_falls_back_to_module_level():
     graph = trace(f"{FIXTURES}:dynamic_factory")
     assert graph.trace_method == "module"
+    # Op-level checkpointing is measured on fx/export traces only; evaluating it here is refused.
+    assert all(Recompute.SELECTIVE_OP not in layer.saved_bytes for layer in graph.layers)
+    with pytest.raises(PlannerError, match="recompute=selective_op: not measured"):
+        planner.evaluate(graph, "cpu:1x2", {"tp": 1, "pp": 1, "recompute": "selective_op"}, global_batch=4)
     assert any(n.startswith("fx failed") and "control flow" in n for n in graph.notes)
     assert any(n.startswith("export failed") and "data-dependent" in n for n in graph.notes)
     # Zero inputs take the `down` branch: one Linear(16, 16) on 4 rows.
