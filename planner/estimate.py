@@ -369,7 +369,7 @@ class Evaluator:
         return self._assemble(config, global_batch, step_s, pipe_s, time_breakdown, breakdowns, tuple(stage_plans), headroom)
 
     def dp_exposed_s(self, config: ParallelConfig, node: NodeSpec, groups, dense: float, expert: float,
-                      fwd_s: float, bwd_s: float) -> float:
+                     fwd_s: float, bwd_s: float) -> float:
         """Data-parallel traffic not hidden behind compute, per step.
 
         The gradient reduction (all-reduce, or reduce-scatter under ZeRO-1/2) runs bucket by bucket
