@@ -38,7 +38,7 @@ from planner.errors import PlannerError  # noqa: E402
 from planner.estimate import Evaluator  # noqa: E402
 from planner.graph import Recompute  # noqa: E402
 from planner.models import resolve_model  # noqa: E402
-from planner.space import configs_for, divisors, enumerate_degrees  # noqa: E402
+from planner.space import configs_for, divisors, enumerate_degrees, recompute_options  # noqa: E402
 from planner.stages import split_uniform  # noqa: E402
 from planner.tracing import trace  # noqa: E402
 from planner.zoo.spec import parse_spec  # noqa: E402
@@ -69,6 +69,8 @@ def outside_space(evaluator: Evaluator, config: ParallelConfig, global_batch: in
     if degrees not in space.degrees:
         named = [r for r in space.rejected if r.what in (f"tp={config.tp}", f"pp={config.pp}", "cp>1")]
         return f"degrees {degrees} not enumerated" + (f" ({named[0].what}: {named[0].reason})" if named else "")
+    if config.recompute not in recompute_options({}):
+        return f"recompute={config.recompute} is tried only when asked"
     if config not in set(configs_for(degrees, evaluator.graph, global_batch, {})):
         return f"micro_batch={config.micro_batch}, schedule={config.schedule}, vpp={config.vpp} not enumerated"
     return ""
