@@ -224,6 +224,7 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("dp_zero3", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=3), gpt),
         ("llama_tp", _plan(llama, "cpu:1x2", tp=2, pp=1), llama),
         ("llama_selective_op", _plan(llama, "cpu:1x2", dp=2, tp=1, pp=1, recompute="selective_op"), llama),
+        ("dp_offload", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=2, offload_optimizer=True), gpt),
     ]
     four_rank = [
         ("dp_x_tp", _plan(gpt, "cpu:1x4", dp=2, tp=2, pp=1, zero=2), gpt),
@@ -294,6 +295,11 @@ def test_op_level_selective_recompute(trained):
     assert result["recomputed"] == {name: "selective_op" for name in plan.memory_plan["recompute"]["selective_op"]}
     assert len(result["recomputed"]) == 2  # both blocks of the tiny Llama
     _check(trained["llama_selective_op"])
+
+
+def test_optimizer_offload(trained):
+    assert trained["dp_offload"][0].config.offload_optimizer
+    _check(trained["dp_offload"])
 
 
 def test_llama_grouped_query_attention_tp2(trained):

@@ -216,9 +216,9 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
                       if any(fqn == u or fqn.startswith(u + ".") for u in units)}
             parallelize_module(module, mesh["tp"], styles)
         recomputed.update(apply_recompute(module, plan.memory_plan, units))
-        if config.dp > 1 or mp_policy is not None:
+        if config.dp > 1 or mp_policy is not None or config.offload_optimizer:
             own_units = [module.get_submodule(u) for u in units if u not in match.tied]
-            apply_data_parallel(module, own_units, mesh["dp"], config.zero, mp_policy)
+            apply_data_parallel(module, own_units, mesh["dp"], config.zero, mp_policy, config.offload_optimizer)
     if config.pp == 1:
         return AppliedPlan(plan, mesh, (model,), (), None, None, recomputed, tp_plan is not None and tp_plan.loss_parallel)
     loss_fn = loss_fn or language_model_loss(loss_module)

@@ -5,6 +5,11 @@
 | 0 | FSDP2-based `replicate` (DDP semantics) | nothing; gradients all-reduced |
 | 1, 2 | `fully_shard(reshard_after_forward=False)` | gradients and optimizer states (parameters stay gathered from forward to backward) |
 | 3 | `fully_shard(reshard_after_forward=True)` | parameters, gradients and optimizer states |
+| any, with `offload_optimizer` | the above through `fully_shard` with `CPUOffloadPolicy` | as above; the sharded parameters, gradients and optimizer states live in host memory and the optimizer steps there |
+
+With offload, ZeRO-0 runs as ZeRO-2 (FSDP2 offloads sharded state only), which holds less on the
+device than the plan budgets. FSDP2 offloads the fp32 parameter shards too, where ZeRO-Offload keeps
+the bf16 weights on the device: the device holds at most what the plan budgets.
 
 FSDP2 has no optimizer-states-only mode, so ZeRO-1 runs as ZeRO-2: gradients are reduce-scattered
 too, which needs less memory than the plan budgets for ZeRO-1, never more. Every layer of the plan
@@ -21,11 +26,11 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 
 def apply_data_parallel(root: nn.Module, units: list[nn.Module], dp_mesh: DeviceMesh, zero: int,
-                        mp_policy: MixedPrecisionPolicy | None = None) -> None:
+                        mp_policy: MixedPrecisionPolicy | None = None, offload: bool = False) -> None:
     """Wraps each unit, then `root`, for data parallelism over `dp_mesh` at ZeRO stage `zero`.
 
     Args:
@@ -34,11 +39,13 @@ def apply_data_parallel(root: nn.Module, units: list[nn.Module], dp_mesh: Device
         dp_mesh: the one-dimensional data-parallel mesh.
         zero: ZeRO stage 0-3 (see the module docstring for what each maps to).
         mp_policy: FSDP2 mixed precision (parameter and reduction dtypes); none keeps the model's dtype.
+        offload: keep optimizer states (and the sharded parameters and gradients) in host memory.
     """
     policy = mp_policy or MixedPrecisionPolicy()
     modules = [unit for unit in units if any(True for _ in unit.parameters())] + [root]
+    offload_policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
     for module in modules:
-        if zero == 0:
+        if zero == 0 and not offload:
             replicate(module, mesh=dp_mesh, mp_policy=policy)
         else:
-            fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=policy)
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=policy, offload_policy=offload_policy)

@@ -62,8 +62,6 @@ def check_supported(plan: Plan) -> None:
         raise invalid(f"cp={config.cp}: applying context parallelism is not supported; re-plan with --cp 1")
     if config.ep > 1:
         raise invalid(f"ep={config.ep}: applying expert parallelism is not supported; re-plan with --ep 1")
-    if config.offload_optimizer:
-        raise invalid("offload_optimizer: applying ZeRO-Offload is not supported; re-plan with --no-offload")
 
 
 def model_units(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
