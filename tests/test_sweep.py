@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import planner
 from costmodel.profile_loader import load_device
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.sweeps.executors import PlanSettings, failure, plan_point
@@ -79,6 +80,21 @@ def test_grid_expands_every_combination_with_canonical_cluster_names(tmp_path):
     assert spec.settings == "dtype=bf16 attention=flash"
 
 
+def test_tp_overlap_is_a_sweep_setting(tmp_path):
+    path = write(tmp_path, "models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\n"
+                           "tp_overlap: true\nconstraints: {tp: 4}\n")
+    spec = load_sweep_spec(path)
+    assert spec.tp_overlap and spec.settings == "dtype=bf16 attention=flash tp_overlap=True tp=4"
+    assert load_sweep_spec(path, {"tp_overlap": None}).tp_overlap  # an absent flag keeps the file's value
+    graph = planner.trace("gpt3-125m", seq_len=512)
+    cluster = spec.clusters["a100-80g:1x8"]
+    point = spec.points[0]
+    # tp=4 in one node: the overlapped run exposes less TP communication, so it is faster.
+    exposed = plan_point(point, graph, cluster, PlanSettings("bf16", "flash", {"tp": 4}, "tp=4"))
+    overlapped = plan_point(point, graph, cluster, PlanSettings("bf16", "flash", {"tp": 4}, "tp=4", tp_overlap=True))
+    assert overlapped["step_time_s"] < exposed["step_time_s"]
+
+
 @pytest.mark.parametrize("text, message", [
     ("models: [gpt3-125m]\ndevices: [a100-80g, h100-sxn]\ncluster_sizes: [8]\nglobal_batches: [64]\nseq_lens: [512]\n",
      "sweep.yaml:2: devices[1]: device 'h100-sxn': unknown; did you mean h100-sxm"),
@@ -98,6 +114,8 @@ def test_grid_expands_every_combination_with_canonical_cluster_names(tmp_path):
      "sweep.yaml:2: points[0]: seq_len: missing"),
     ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\nconstraints: {zeros: 1}\n",
      "sweep.yaml:5: constraints: zeros: unknown constraint; did you mean zero?"),
+    ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\ntp_overlap: yes please\n",
+     "sweep.yaml:5: tp_overlap: 'yes please': use true or false"),
     ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64, 64]\nseq_lens: [512]\n",
      "sweep.yaml:3: global_batches[1]: 64 is listed twice"),
 ])

@@ -48,6 +48,7 @@ class PlanSettings:
     constraints: dict
     settings: str
     plan_dir: str | None = None
+    tp_overlap: bool = False
 
 
 GraphKey = tuple[str, int]  # (model, seq_len)
@@ -63,7 +64,7 @@ def plan_point(point: SweepPoint, graph: ModelGraph, cluster: Cluster, settings:
     row = base_row(point, cluster, settings)
     try:
         result = plan(graph, cluster, global_batch=point.global_batch, dtype=settings.dtype,
-                      attention=settings.attention, **settings.constraints)
+                      attention=settings.attention, tp_overlap=settings.tp_overlap, **settings.constraints)
     except Exception as error:  # noqa: BLE001 - a failed point is a row, never the end of a sweep
         row.update(failure(error))
     else:

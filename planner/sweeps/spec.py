@@ -12,6 +12,7 @@ keys is a point; explicit `points` follow:
     seq_lens: [2048, 4096]                  # tokens per sequence
     dtype: bf16                             # optional: bf16 (default), fp16 or fp8
     attention: flash                        # optional: flash (default) or unfused
+    tp_overlap: false                       # optional: TP collectives overlapped with GEMMs (as --tp-comm-overlap)
     constraints: {zero: 1}                  # optional: fixed choices or bounds, as `paraplan plan` takes
     points:                                 # optional: explicit points
       - {model: llama3-70b, cluster: h100-sxm:8x8, global_batch: 1024, seq_len: 8192}
@@ -41,7 +42,7 @@ from costmodel.profile_loader import load_cluster, load_device
 from planner.errors import PlannerError, invalid
 
 GRID_LIST_KEYS = ("models", "devices", "cluster_sizes", "clusters", "global_batches", "seq_lens")
-SETTING_KEYS = ("dtype", "attention", "constraints")
+SETTING_KEYS = ("dtype", "attention", "tp_overlap", "constraints")
 SPEC_KEYS = (*GRID_LIST_KEYS, *SETTING_KEYS, "points")
 POINT_KEYS = ("model", "cluster", "global_batch", "seq_len")
 DTYPES = ("bf16", "fp16", "fp8")
@@ -67,7 +68,7 @@ class SweepSpec:
     Attributes:
         points: in order, without repeats.
         clusters: the Cluster behind each point's `cluster` name.
-        dtype, attention, constraints: passed to `planner.plan` for every point.
+        dtype, attention, tp_overlap, constraints: passed to `planner.plan` for every point.
     """
 
     points: tuple[SweepPoint, ...]
@@ -75,11 +76,12 @@ class SweepSpec:
     dtype: str = "bf16"
     attention: str = "flash"
     constraints: dict = field(default_factory=dict)
+    tp_overlap: bool = False
 
     @property
     def settings(self) -> str:
         """The planning settings as one string, stored in each row so a resume can check them."""
-        extra = " ".join(f"{key}={self.constraints[key]}" for key in sorted(self.constraints))
+        extra = " ".join(["tp_overlap=True"] * self.tp_overlap + [f"{key}={self.constraints[key]}" for key in sorted(self.constraints)])
         return f"dtype={self.dtype} attention={self.attention}" + (f" {extra}" if extra else "")
 
 
@@ -163,6 +165,7 @@ def _validate(entries: dict[str, _Entry], base: Path) -> SweepSpec:
             raise invalid(f"{entry.where}: unknown key; {hint}")
     dtype = _choice(entries, "dtype", DTYPES)
     attention = _choice(entries, "attention", ATTENTION_KERNELS)
+    tp_overlap = _flag(entries, "tp_overlap")
     constraints = _constraints(entries.get("constraints"))
     clusters: dict[str, Cluster] = {}
     points = _grid_points(entries, base, clusters)
@@ -171,7 +174,7 @@ def _validate(entries: dict[str, _Entry], base: Path) -> SweepSpec:
     if not points:
         raise invalid("sweep: no points; give models, devices with cluster_sizes (or clusters), global_batches and seq_lens, or points")
     return SweepSpec(points=tuple(dict.fromkeys(points)), clusters=clusters, dtype=dtype, attention=attention,
-                     constraints=constraints)
+                     constraints=constraints, tp_overlap=tp_overlap)
 
 
 def _grid_points(entries: dict[str, _Entry], base: Path, clusters: dict[str, Cluster]) -> list[SweepPoint]:
@@ -300,6 +303,15 @@ def _choice(entries: dict[str, _Entry], key: str, allowed: tuple[str, ...]) -> s
     entry = entries[key]
     if entry.value not in allowed:
         raise invalid(f"{entry.where}: {entry.value!r}: use one of {', '.join(allowed)}")
+    return entry.value
+
+
+def _flag(entries: dict[str, _Entry], key: str) -> bool:
+    if key not in entries:
+        return False
+    entry = entries[key]
+    if not isinstance(entry.value, bool):
+        raise invalid(f"{entry.where}: {entry.value!r}: use true or false")
     return entry.value
 
 
