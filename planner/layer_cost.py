@@ -43,8 +43,8 @@ UNSPLIT_ACTIVATION_FRACTION_WITHOUT_SP = 10 / 34
 MATMUL_BWD_GEMMS = 2
 
 # Cross-entropy over fp32 logits holds two transient logits-sized fp32 tensors beyond what it saves
-# when its backward starts, right after the forward (the step's peak): the softmax rebuilt from the
-# saved log-probabilities and the logits' gradient. Measured: the TEMP category of PyTorch's
+# (the log-probabilities) when its backward starts, right after the forward (the step's peak): the
+# gradient with respect to the log-probabilities and the logits' gradient. Measured: the TEMP category of PyTorch's
 # MemTracker at the peak of one step of benchmarks/fidelity.py's GPT, dp=2 and ZeRO-0 or -3 at
 # micro-batch 4: 32.0 MiB = 2 x (4 x 256 x 4096 fp32 logits); rerun: `python
 # benchmarks/fidelity.py --worlds 2` reports the step peak (the categories come from MemTracker's
@@ -203,7 +203,8 @@ def _activation_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:
 
 
 def _loss_temp_bytes(layer: Layer, plan: TpPlan, ctx: LayerContext) -> float:
-    """Transient bytes of the layer's loss at the step's peak (`LOSS_TEMP_INPUT_COPIES` of its input)."""
+    """Transient bytes of the layer's loss at the step's peak: `LOSS_TEMP_INPUT_COPIES` of its input
+    (`LOSS_PARALLEL_TEMP_INPUT_COPIES` of the local share when the loss is vocabulary-parallel)."""
     losses = [op for op in layer.ops if op.kind == OpKind.LOSS]
     if not losses:
         return 0.0
@@ -259,8 +260,8 @@ def bytes_per_element(dtype: str) -> int:
 def op_sac_kept(layer: Layer) -> set[str]:
     """Ops whose outputs op-level selective checkpointing keeps (`planner.op_sac`): the attention
     cores and every other matmul that runs as one `aten.mm` (a Linear without bias, or `mm`), in
-    graph order; the others run again in backward. Their collectives are kept too (the TP
-    collectives follow the kept matmuls and are not repeated)."""
+    graph order; the others run again in backward. Under tensor parallelism the rerun may repeat a
+    sequence-parallel all-gather feeding a recomputed projection; that traffic is not priced."""
     kept, matmuls = set(), 0
     for op in layer.ops:
         if op.kind == OpKind.ATTENTION:
