@@ -66,13 +66,13 @@ class TpPlan:
     Attributes:
         tp: the tensor-parallel degree.
         split_ops: names of ops whose FLOPs and bytes are divided by tp.
-        collectives: (collective, bytes) per forward at the traced micro-batch; backward runs the
-            conjugate collectives of the same sizes.
+        collectives: (collective, bytes, producer op) per forward at the traced micro-batch: the
+            producer's output is converted; backward runs the conjugate collectives of the same sizes.
     """
 
     tp: int
     split_ops: frozenset[str] = frozenset()
-    collectives: tuple[tuple[Collective, float], ...] = ()
+    collectives: tuple[tuple[Collective, float, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -260,8 +260,8 @@ def bytes_per_element(dtype: str) -> int:
 def op_sac_kept(layer: Layer) -> set[str]:
     """Ops whose outputs op-level selective checkpointing keeps (`planner.op_sac`): the attention
     cores and every other matmul that runs as one `aten.mm` (a Linear without bias, or `mm`), in
-    graph order; the others run again in backward. Under tensor parallelism the rerun may repeat a
-    sequence-parallel all-gather feeding a recomputed projection; that traffic is not priced."""
+    graph order; the others run again in backward (`op_sac_reruns_collectives` for the tensor-
+    parallel collectives the rerun repeats)."""
     kept, matmuls = set(), 0
     for op in layer.ops:
         if op.kind == OpKind.ATTENTION:
@@ -271,6 +271,15 @@ def op_sac_kept(layer: Layer) -> set[str]:
             if matmuls % 2 == 1:
                 kept.add(op.name)
     return kept
+
+
+def op_sac_reruns_collectives(layer: Layer, plan: TpPlan) -> list[bool]:
+    """Per collective of `plan`, whether op-level checkpointing's rerun repeats it: its output (a
+    collective's output is not kept) feeds a matmul that is recomputed, e.g. the sequence-parallel
+    all-gather before k_proj when only q_proj and v_proj outputs are kept."""
+    kept = op_sac_kept(layer)
+    rerun_inputs = {name for op in layer.ops if op.kind == OpKind.MATMUL and op.name not in kept for name in op.inputs}
+    return [producer in rerun_inputs for _, _, producer in plan.collectives]
 
 
 def overlapped_tp_comm_s(comm_s: float, gemm_s: float, tp: int) -> float:
@@ -327,9 +336,9 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
     bwd_s = layer_time_s(bwd_works, ctx.device, ctx.dtype, ctx.table)
     attention_fwd_s = layer_time_s(attention_fwd, ctx.device, ctx.dtype, ctx.table) if attention_fwd else 0.0
     attention_bwd_s = layer_time_s(attention_bwd, ctx.device, ctx.dtype, ctx.table) if attention_bwd else 0.0
-    tp_fwd_s = sum(
-        collective_time_s(kind, size * ctx.batch_scale / ctx.cp, ctx.tp_group, ctx.node) for kind, size in plan.collectives
-    )
+    collective_s = [collective_time_s(kind, size * ctx.batch_scale / ctx.cp, ctx.tp_group, ctx.node)
+                    for kind, size, _ in plan.collectives]
+    tp_fwd_s = sum(collective_s)
     tp_exposed_fwd_s = tp_exposed_bwd_s = tp_fwd_s
     if ctx.tp_overlap and ctx.device.comm_overlaps_compute and tp_fwd_s > 0:
         gemm_fwd_s, gemm_bwd_s = (layer_time_s([w for w in works if w.kind == WorkKind.MATMUL], ctx.device, ctx.dtype, ctx.table)
@@ -340,7 +349,8 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         Recompute.NONE: 0.0,
         Recompute.SELECTIVE: attention_fwd_s,
         Recompute.FULL: fwd_s + tp_exposed_fwd_s,
-        Recompute.SELECTIVE_OP: layer_time_s(op_sac_rerun, ctx.device, ctx.dtype, ctx.table) if op_sac_rerun else 0.0,
+        Recompute.SELECTIVE_OP: (layer_time_s(op_sac_rerun, ctx.device, ctx.dtype, ctx.table) if op_sac_rerun else 0.0)
+                                + sum(t for t, rerun in zip(collective_s, op_sac_reruns_collectives(layer, plan)) if rerun),
     }[ctx.recompute]
     return LayerCost(
         fwd_s=fwd_s,

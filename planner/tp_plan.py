@@ -56,7 +56,7 @@ def tp_plan_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype
     return TpPlan(
         tp=tp,
         split_ops=frozenset(choice.name for choice in layout.choices if choice.strategy.compute_shards > 1),
-        collectives=tuple((Collective(str(call.kind)), call.bytes) for call in layout.collectives),
+        collectives=tuple((Collective(str(call.kind)), call.bytes, call.producer) for call in layout.collectives),
     )
 
 

@@ -21,8 +21,9 @@ from planner.config import ParallelConfig, Schedule
 from planner.estimate import COL, ZERO3_GATHERED_LAYERS, Evaluator
 from planner.mesh import axis_group, stage_devices
 from planner.graph import LayerKind, Recompute
-from planner.layer_cost import LOSS_TEMP_INPUT_COPIES, AttentionKernel, overlapped_tp_comm_s
+from planner.layer_cost import LOSS_TEMP_INPUT_COPIES, AttentionKernel, op_sac_reruns_collectives, overlapped_tp_comm_s
 from planner.tracing import trace
+from planner.tp_plan import tp_plan_for
 
 GIB = 2**30
 MIXED_ADAM = STATE_BYTES_PER_PARAM[Optimizer.ADAM_MIXED]  # 2 + 2 + 12 bytes per parameter
@@ -390,6 +391,24 @@ def test_op_level_checkpointing_sits_between_selective_and_full(llama_small):
     activations = {p: e.memory[0]["activations_bytes"] for p, e in estimates.items()}
     assert recompute[Recompute.SELECTIVE] < recompute[Recompute.SELECTIVE_OP] < recompute[Recompute.FULL]
     assert activations[Recompute.SELECTIVE] > activations[Recompute.SELECTIVE_OP] > activations[Recompute.FULL]
+
+
+def test_op_level_checkpointing_reruns_the_all_gathers_of_recomputed_projections(llama_small):
+    # tp=8 with sequence parallelism: the norm outputs are all-gathered before q/k/v and gate/up.
+    # k_proj and up_proj are recomputed (only q, v, gate, down are kept), so both all-gathers run
+    # again; the reduce-scatters after o_proj and down_proj feed no recomputed matmul.
+    cluster = load_cluster("h100-sxm:1x8")
+    evaluator = Evaluator(llama_small, cluster)
+    device, node = stage_devices(cluster, 1)[0]
+    block = llama_small.blocks[0]
+    plan = tp_plan_for(block, 8, device, node, "bf16", evaluator.layout_cache)
+    reruns = dict(zip(((str(kind), producer) for kind, _, producer in plan.collectives), op_sac_reruns_collectives(block, plan)))
+    assert {key: rerun for key, rerun in reruns.items()} == {
+        ("all_gather", f"{block.name.replace('.', '_')}_attn_norm"): True,
+        ("reduce_scatter", f"{block.name.replace('.', '_')}_attn_o_proj"): False,
+        ("reduce_scatter", f"{block.name.replace('.', '_')}_mlp_down_proj"): False,
+        ("all_gather", f"{block.name.replace('.', '_')}_mlp_norm"): True,
+    }
 
 
 def test_cpu_ranks_hide_no_communication(gpt350m):
