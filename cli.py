@@ -88,7 +88,7 @@ def _add_config_args(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("--micro-batch", type=_positive("micro-batch"))
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     parser.add_argument("--recompute", choices=["none", "selective", "full", "selective_op"],
-                        help="selective_op: torchtitan's op-level selective checkpointing (searched only when given)")
+                        help="selective_op: torchtitan's op-level selective checkpointing (default: search every policy the trace measured)")
     parser.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"])
     parser.add_argument("--offload-optimizer", action="store_const", const=True,
                         help="keep Adam states in host memory and update on the CPU (ZeRO-Offload)")

@@ -69,8 +69,8 @@ def outside_space(evaluator: Evaluator, config: ParallelConfig, global_batch: in
     if degrees not in space.degrees:
         named = [r for r in space.rejected if r.what in (f"tp={config.tp}", f"pp={config.pp}", "cp>1")]
         return f"degrees {degrees} not enumerated" + (f" ({named[0].what}: {named[0].reason})" if named else "")
-    if config.recompute not in recompute_options({}):
-        return f"recompute={config.recompute} is tried only when asked"
+    if config.recompute not in recompute_options({}, evaluator.graph.recompute_policies):
+        return f"recompute={config.recompute} was not measured for this model"
     if config not in set(configs_for(degrees, evaluator.graph, global_batch, {})):
         return f"micro_batch={config.micro_batch}, schedule={config.schedule}, vpp={config.vpp} not enumerated"
     return ""

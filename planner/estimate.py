@@ -100,8 +100,7 @@ class Evaluator:
         self._table_cache: dict = {}
         self._stage_devices: dict = {}
         self._device_types: dict = {}
-        # recompute policies the tracer measured on every layer
-        self.measured_policies = frozenset.intersection(*(frozenset(layer.saved_bytes) for layer in graph.layers))
+        self.measured_policies = frozenset(graph.recompute_policies)
         self._policies: dict = {}
         self._distinct: dict = {}
         self.layout_cache: dict = {}  # sharding-ILP layouts, shared by every config of this evaluator

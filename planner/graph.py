@@ -151,3 +151,8 @@ class ModelGraph:
     @property
     def blocks(self) -> tuple[Layer, ...]:
         return tuple(layer for layer in self.layers if layer.kind == LayerKind.BLOCK)
+
+    @property
+    def recompute_policies(self) -> tuple[Recompute, ...]:
+        """Recompute policies measured on every layer (op-level checkpointing needs an fx/export trace)."""
+        return tuple(policy for policy in Recompute if all(policy in layer.saved_bytes for layer in self.layers))

@@ -86,6 +86,8 @@ class WorkBound(NamedTuple):
         p2p_s: the least time of one pipeline transfer: the smallest output of a layer that can end
             a stage before the last, sent between stages of the fastest device type (a transfer's
             time grows with its size).
+        type_totals: per device type (`Evaluator.device_types` order), the whole model's forward
+            and backward seconds and dense and expert parameters per device, for `tail_bound_s`.
     """
 
     microbatch_s: float
@@ -96,6 +98,7 @@ class WorkBound(NamedTuple):
     slowest_stage_s: float
     refined: bool
     p2p_s: float
+    type_totals: tuple[tuple[float, float, float, float], ...]
 
 
 def work_bound_key(config: ParallelConfig) -> tuple:
@@ -140,10 +143,12 @@ def work_bound(evaluator: Evaluator, config: ParallelConfig, refine: bool = True
         p2p_s=min(collective_time_s(Collective.P2P, float(tables[device.name][:-1, COL["out_bytes"]].min()) / config.seq_split,
                                     mesh_groups(config, node.devices_per_node).pp, node, evaluator.cluster.oversubscription)
                   for device, node in types) if config.pp > 1 else 0.0,
+        type_totals=tuple((float(total[COL["fwd_s"]]), float(total[COL["bwd_s"]]), float(total[COL["dense_params"]]),
+                           float(total[COL["expert_params"]])) for total in (tables[device.name].sum(axis=0) for device, _ in types)),
     )
 
 
-def tail_bound_s(evaluator: Evaluator, config: ParallelConfig) -> float:
+def tail_bound_s(evaluator: Evaluator, config: ParallelConfig, bound: WorkBound) -> float:
     """A floor on what follows the pipeline: exposed data-parallel traffic and the optimizer step.
 
     Both are maxima over stages of a function of the stage's share x_s of the parameters (and its
@@ -152,16 +157,13 @@ def tail_bound_s(evaluator: Evaluator, config: ParallelConfig) -> float:
     whole model's X; max(0, x t(X) / X - y) is convex, so the maximum over stages is at least its
     value at the average stage, (exposure of the whole model in one stage) / pp. With several
     device types: the least such value, with the slowest type's compute. The optimizer step is
-    linear in the owned parameters; the average stage bounds it the same way.
+    linear in the owned parameters; the average stage bounds it the same way. The totals come from
+    `bound` (the `WorkBound` of the same key: they depend on neither the ZeRO stage 0-2 nor offload).
     """
-    policies = evaluator.policies(config)
-    totals = {device.name: evaluator.layer_table(config, device, node, policies).sum(axis=0) for device, node in evaluator.device_types(config.pp)}
-    fwd_s = max(float(total[COL["fwd_s"]]) for total in totals.values())
-    bwd_s = max(float(total[COL["bwd_s"]]) for total in totals.values())
+    fwd_s = max(totals[0] for totals in bound.type_totals)
+    bwd_s = max(totals[1] for totals in bound.type_totals)
     floors = []
-    for device, node in evaluator.device_types(config.pp):
-        total = totals[device.name]
-        dense, expert = float(total[COL["dense_params"]]), float(total[COL["expert_params"]])
+    for (device, node), (_, _, dense, expert) in zip(evaluator.device_types(config.pp), bound.type_totals):
         exposed_s = evaluator.dp_exposed_s(config, node, mesh_groups(config, node.devices_per_node), dense, expert, fwd_s, bwd_s)
         dense_shard, expert_shard = (config.dp * config.cp, expert_data_group(config, node).size) if config.zero >= 1 else (1, 1)
         floors.append(exposed_s + evaluator.optimizer_step_s(config, device, dense / dense_shard + expert / expert_shard))
@@ -322,7 +324,7 @@ class _Pass:
             bound = self.work_bounds[key] = work_bound(evaluator, config, refine=refine)
         tail_key = (key, config.zero, config.offload_optimizer)
         if tail_key not in self.tail_bounds:
-            self.tail_bounds[tail_key] = tail_bound_s(evaluator, config)
+            self.tail_bounds[tail_key] = tail_bound_s(evaluator, config, bound)
         return pipeline_bound_s(config, bound) + self.tail_bounds[tail_key]
 
     def run(self, evaluator: Evaluator, space, graph: ModelGraph, global_batch: int, constraints: dict,

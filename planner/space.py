@@ -170,10 +170,11 @@ def schedules(pp: int, layers: int, num_microbatches: int, constraints: dict) ->
     return out
 
 
-def recompute_options(constraints: dict) -> list[Recompute]:
+def recompute_options(constraints: dict, measured: tuple[Recompute, ...]) -> list[Recompute]:
+    """The fixed policy, else every policy the tracer measured (`ModelGraph.recompute_policies`)."""
     if "recompute" in constraints:
         return [Recompute(constraints["recompute"])]
-    return [Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL]
+    return list(measured)
 
 
 def zero_options(constraints: dict, dp_cp: int) -> list[int]:
@@ -187,11 +188,12 @@ def configs_for(degrees: tuple[int, int, int, int, int], graph: ModelGraph, glob
     dp, tp, pp, cp, ep = degrees
     if global_batch % dp:
         return
+    policies = recompute_options(constraints, graph.recompute_policies)
     for mb in micro_batches(global_batch // dp, constraints):
         m = global_batch // (dp * mb)
         for schedule, vpp in schedules(pp, len(graph.layers), m, constraints):
             for zero in zero_options(constraints, dp * cp):
-                for recompute in recompute_options(constraints):
+                for recompute in policies:
                     yield ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp, micro_batch=mb,
                                          num_microbatches=m, zero=zero, recompute=recompute, schedule=schedule,
                                          offload_optimizer=bool(constraints.get("offload_optimizer", False)))

@@ -80,7 +80,7 @@ def brute_force(graph, cluster_name: str, global_batch: int, constraints: dict):
             bound = work_bound(evaluator, config)
             assert bounds.setdefault(work_bound_key(config), bound) == bound, config.short()
             floor = work_bound(evaluator, config, refine=False)
-            tail_s = tail_bound_s(evaluator, config)
+            tail_s = tail_bound_s(evaluator, config, bound)
             assert pipeline_bound_s(config, floor) <= pipeline_bound_s(config, bound), config.short()
             assert pipeline_bound_s(config, bound) + tail_s <= estimate.step_time_s * (1 + REL_TOL), config.short()
             if memory_floor_bytes(evaluator, config) > mean_capacity_bytes(cluster, config.pp):
