@@ -94,7 +94,14 @@ class Measurements:
 
 
 def _time_s(stmt: str, values: dict, min_run_time_s: float) -> float:
-    """Median seconds of `stmt` (torch.utils.benchmark: warm-up, device sync, blocked autorange)."""
+    """Median seconds of `stmt` (torch.utils.benchmark: warm-up, device sync, blocked autorange).
+
+    Under torchrun every rank starts each measurement together (a barrier first), so each op is
+    timed while all ranks run it, as in training; without it the ranks drift apart and an op timed
+    while the other ranks wait runs faster than it ever will in a step (on a 2-core machine, 2-3x).
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
     return Timer(stmt, globals=values, num_threads=torch.get_num_threads()).blocked_autorange(
         min_run_time=min_run_time_s).median
 
