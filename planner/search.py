@@ -24,7 +24,7 @@ from planner.bounds import (WorkBound, mean_capacity_bytes, memory_floor_bytes, 
 from planner.config import ParallelConfig
 from planner.errors import PlannerError, PlannerErrorKind, invalid
 from planner.estimate import Evaluator
-from planner.graph import ModelGraph
+from planner.graph import ModelGraph, Recompute
 from planner.memory_plan import memory_plan
 from planner.result import Alternative, Plan
 from planner.space import Rejection, configs_for, enumerate_degrees
@@ -207,15 +207,21 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
 
 
 def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closest_miss, evaluated: int) -> PlannerError:
-    """INSUFFICIENT_MEMORY with what would fit: more devices, smaller micro-batch, or ZeRO-3 + full recompute."""
+    """INSUFFICIENT_MEMORY with what would fit: more devices, and of a smaller micro-batch, ZeRO-3 with full
+    recompute and optimizer offload whichever the closest miss does not use already."""
     capacity = min(g.node.device.mem_bytes for g in cluster.groups)
     if closest_miss is None:
         return invalid(f"no configuration of {graph.name} on {cluster.num_devices} devices is valid with these constraints; relax them")
     need, config, at_least = closest_miss
-    devices_needed = cluster.num_devices * need / capacity
+    remedies = [f"about {cluster.num_devices * need / capacity:.0f}+ devices"]
+    if config.micro_batch > 1:
+        remedies.append("a smaller micro-batch")
+    if config.zero < 3 or config.recompute is not Recompute.FULL:
+        remedies.append("allowing zero=3 with recompute=full")
+    if not config.offload_optimizer:
+        remedies.append("allowing optimizer offload")
     return PlannerError(
         PlannerErrorKind.INSUFFICIENT_MEMORY,
         f"no plan fits: the closest ({config.short()}) needs {at_least}{need / 2**30:.1f} GiB per device of {capacity / 2**30:.1f} GiB "
-        f"after {evaluated} candidates; try about {devices_needed:.0f}+ devices, a smaller micro-batch or global batch, "
-        f"or allow zero=3 with recompute=full",
+        f"after {evaluated} candidates; try {' or '.join(remedies)}",
     )

@@ -267,7 +267,21 @@ def test_nothing_fits_says_what_would():
         planner.plan(graph, "a100-40g:1x2", global_batch=8, allow_offload=False)
     assert error.value.kind == PlannerErrorKind.INSUFFICIENT_MEMORY
     message = error.value.message
-    assert "devices" in message and "micro-batch" in message and "zero=3" in message and "recompute" in message
+    # The closest miss already shards everything and recomputes fully, so the remedies left are
+    # more devices, a smaller micro-batch and the offload the caller forbade.
+    assert "z3 full" in message
+    assert "devices" in message and "smaller micro-batch" in message and "optimizer offload" in message
+    assert "zero=3" not in message
+
+
+def test_nothing_fits_suggests_only_what_the_closest_miss_lacks():
+    # gpt3-13b on two a100-40g with ZeRO fixed at 0: the remedies name ZeRO-3 with full recompute.
+    graph = planner.trace("gpt3-13b", seq_len=1024)
+    with pytest.raises(PlannerError) as error:
+        planner.plan(graph, "a100-40g:1x2", global_batch=8, allow_offload=False, zero=0, micro_batch=1)
+    message = error.value.message
+    assert "z0" in message and "zero=3 with recompute=full" in message
+    assert "micro-batch" not in message
 
 
 def test_plan_round_trips_through_json(small_plan):
