@@ -30,7 +30,7 @@ def evaluate_row(row: Row) -> Estimate:
     graph = trace(source, seq_len=row.seq_len)
     for config in fitting_configs(row):
         est = evaluate(graph, row.cluster, config, global_batch=row.global_batch, attention=row.attention,
-                       tp_overlap=row.tp_overlap)
+                       tp_overlap=row.tp_overlap, dtype=row.dtype)
         if est.fits:
             break
     return est

@@ -26,8 +26,10 @@ FILL_RULES = {
                              "'FSDP ...' means ZeRO-3",
     "model.ffn_hidden": "4 x hidden when absent (GPT)",
     "arch": "llama when the row has kv_heads or a non-4h FFN with a 'Llama' name, else gpt",
-    "dtype": "fp16 on V100 (no bf16), bf16 otherwise; fp8 rows are skipped (fp8 GEMMs not modelled)",
-    "tp_overlap": "on when the source's flags include --tp-comm-overlap (Megatron-Core userbuffer overlap)",
+    "dtype": "fp16 on V100 (no bf16), fp8 when the precision names fp8 (fp8 linear GEMMs, the rest bf16), "
+             "bf16 otherwise",
+    "tp_overlap": "on when the source's flags include --tp-comm-overlap (Megatron-Core userbuffer overlap) or the run "
+                  "names AsyncTP (PyTorch's async tensor parallelism)",
     "zero_stage (Megatron-Core)": "1 when the source's flags include --overlap-param-gather, which needs the distributed "
                                   "optimizer (ZeRO-1)",
     "attention": "unfused for runs published before FlashAttention (May 2022) and the frameworks of that era "
@@ -54,6 +56,7 @@ class Row:
     attention: str
     open_choices: tuple[str, ...] = ()
     tp_overlap: bool = False
+    dtype: str = "bf16"
 
 
 def _device(gpu: str) -> str | None:
@@ -135,9 +138,6 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
         if device is None or not seq or not gb or plan.get("tp") is None or plan.get("pp") is None:
             skipped.append((run["id"], "missing device, seq_len, global batch or degrees"))
             continue
-        if "fp8" in str(run.get("precision", "")).lower():
-            skipped.append((run["id"], "fp8 GEMMs are not modelled"))
-            continue
         gpus, per_node = hw["num_gpus"], hw.get("gpus_per_node") or 8
         per_node = per_node if isinstance(per_node, int) else 8
         cluster = f"{device}:{gpus // per_node}x{per_node}" if gpus >= per_node else f"{device}:1x{gpus}"
@@ -156,8 +156,10 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
         if plan.get("vpp") and plan["vpp"] > 1:
             config["vpp"] = plan["vpp"]
         attention = "unfused" if run["group"] in UNFUSED_ATTENTION_GROUPS else "flash"
+        tp_overlap = "--tp-comm-overlap" in flags or "asynctp" in run["id"].lower()
+        dtype = "fp8" if "fp8" in str(run.get("precision", "")).lower() else "bf16"
         rows.append(Row(run["id"], run["group"], _spec(model), seq, cluster, config, gb, step[0], step[1],
-                        bool(run.get("unverified")), attention, open_choices, "--tp-comm-overlap" in flags))
+                        bool(run.get("unverified")), attention, open_choices, tp_overlap, dtype))
     return rows, skipped
 
 

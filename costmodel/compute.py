@@ -5,8 +5,9 @@ An op is reduced to `OpWork`: its kind, FLOPs and device-memory bytes. Its time 
     max(flops / (peak[dtype] * efficiency), bytes / (mem_bw * mem_bw_efficiency)) + LAUNCH_OVERHEAD_S
 
 where `efficiency` is the device's matmul efficiency curve at the op's FLOPs (scaled for attention),
-and memory-kind ops (elementwise, norms, embedding lookups) have no compute term. An `OpTable` of
-measured times, when given, overrides the roofline for the ops it covers.
+and memory-kind ops (elementwise, norms, embedding lookups) have no compute term. Under fp8 only the
+matmuls run in fp8, each with the cast of its operand; the rest runs in bf16 (`GEMM_ONLY_DTYPES`).
+An `OpTable` of measured times, when given, overrides the roofline for the ops it covers.
 """
 from __future__ import annotations
 
@@ -44,6 +45,23 @@ DEFAULT_MATMUL_EFFICIENCY_CURVE: tuple[tuple[float, float], ...] = (
 # matmul efficiency at the same FLOPs: forward 0.73 / 0.85 = 0.86, backward 0.63 / 0.85 = 0.74.
 ATTENTION_FWD_EFFICIENCY_RATIO = 0.86
 ATTENTION_BWD_EFFICIENCY_RATIO = 0.74
+
+# Float8 training (torchao's Float8Linear, NVIDIA Transformer Engine) runs the GEMMs of the linear
+# layers in fp8 and everything else (attention, norms, elementwise, communication buffers) in the
+# base dtype named here.
+GEMM_ONLY_DTYPES = {"fp8": "bf16"}
+
+# fp8 GEMMs reach a lower fraction of their peak than bf16 GEMMs on the same device: H100 SXM MAMF
+# fp8 1402.6 / 1978.9 = 0.709 of peak against bf16 794.5 / 989.4 = 0.803 (stas00/ml-engineering
+# compute/accelerator MAMF tables), a ratio of 0.883 applied to the device's bf16 curve.
+FP8_MATMUL_EFFICIENCY_RATIO = 0.883
+
+# Dynamic tensorwise scaling of each fp8 GEMM operand: one pass reads the bf16 tensor for its amax
+# (2 B per element), the cast reads it again and writes fp8 (3 B): 5 B per element, 2.5 times the
+# operand's bf16 bytes. One activation-sized operand is cast per GEMM (the input in the forward, the
+# output gradient in the backward), taken to be the size of the GEMM's output; weights are small
+# beside activations at training batch sizes and are not counted.
+FP8_CAST_TRAFFIC_RATIO = 2.5
 
 # Distinct (work, device, dtype) prices kept by the roofline cache; a search over thousands of
 # configs touches a few thousand distinct ops.
@@ -256,9 +274,19 @@ def op_time_s(work: OpWork, device: DeviceSpec, dtype: str = "bf16", table: OpTa
     return layer_time_s((work,), device, dtype, table)
 
 
+def base_dtype(dtype: str) -> str:
+    """The dtype of everything but the linear layers' GEMMs: bf16 under fp8 training, else `dtype`."""
+    return GEMM_ONLY_DTYPES.get(dtype, dtype)
+
+
 def layer_time_s(works: Sequence[OpWork], device: DeviceSpec, dtype: str = "bf16",
                  table: OpTable | None = None) -> float:
     """Sum of `op_time_s` over `works`, resolving the device's rates once (the search's hot path).
+
+    Under fp8 (`GEMM_ONLY_DTYPES`) matmul works run at the fp8 peak, at FP8_MATMUL_EFFICIENCY_RATIO of
+    the curve taken at the FLOPs that last as long at the base peak (the curve's saturation is a matter
+    of time), and each pays the cast of one operand (FP8_CAST_TRAFFIC_RATIO); attention runs in the
+    base dtype.
 
     Raises:
         ProfileError: as `op_time_s`.
@@ -268,10 +296,18 @@ def layer_time_s(works: Sequence[OpWork], device: DeviceSpec, dtype: str = "bf16
     curve = _device_curve(device)
     if table is not None:
         _check_table(table, device, dtype)
+    base = base_dtype(dtype)
+    base_peak = peak_flops_per_s(device, base) if base != dtype else peak
     total_s = 0.0
     for work in works:
         op_s = table.lookup(work) if table is not None else None
-        if op_s is None:
-            op_s = _roofline_time_s(work, device.name, peak, mem_bytes_per_s, curve, device.matmul_sustained_fraction)
+        if op_s is None and base != dtype and work.kind is WorkKind.MATMUL:
+            gemm = OpWork(work.kind, work.flops * base_peak / peak, work.bytes, work.key)
+            op_s = (_roofline_time_s(gemm, device.name, base_peak, mem_bytes_per_s, curve,
+                                     device.matmul_sustained_fraction * FP8_MATMUL_EFFICIENCY_RATIO)
+                    + _roofline_time_s(OpWork(WorkKind.MEMORY, 0.0, FP8_CAST_TRAFFIC_RATIO * work.bytes), device.name,
+                                       peak, mem_bytes_per_s, curve, device.matmul_sustained_fraction))
+        elif op_s is None:
+            op_s = _roofline_time_s(work, device.name, base_peak, mem_bytes_per_s, curve, device.matmul_sustained_fraction)
         total_s += op_s
     return total_s

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from costmodel.comm import Collective, CommGroup, collective_time_s
-from costmodel.compute import OpTable, OpWork, WorkKind, layer_time_s
+from costmodel.compute import OpTable, OpWork, WorkKind, base_dtype, layer_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
 from planner.graph import Layer, Op, OpKind, Recompute
 
@@ -240,7 +240,7 @@ def _ep_comm_s(layer: Layer, ctx: LayerContext) -> float:
     if ctx.ep == 1 or layer.expert_params == 0:
         return 0.0
     tokens = ctx.batch_scale * layer_tokens(layer) / (ctx.cp * (ctx.tp if ctx.sequence_parallel else 1))
-    per_rank_bytes = tokens * ctx.top_k * ctx.hidden * bytes_per_element(ctx.dtype)
+    per_rank_bytes = tokens * ctx.top_k * ctx.hidden * bytes_per_element(base_dtype(ctx.dtype))
     one_s = collective_time_s(Collective.ALL_TO_ALL, per_rank_bytes, ctx.ep_group, ctx.node)
     return 4 * one_s
 

@@ -9,6 +9,8 @@ from hypothesis import given, strategies as st
 from costmodel.compute import (
     ATTENTION_BWD_EFFICIENCY_RATIO,
     ATTENTION_FWD_EFFICIENCY_RATIO,
+    FP8_CAST_TRAFFIC_RATIO,
+    FP8_MATMUL_EFFICIENCY_RATIO,
     LAUNCH_OVERHEAD_S,
     OpTable,
     OpWork,
@@ -78,6 +80,26 @@ def test_matmul_uses_efficiency_and_dtype_peak():
     work = OpWork(WorkKind.MATMUL, flops=1e10, bytes=1e6)
     assert op_time_s(work, DEVICE) == pytest.approx(1e10 / 0.7e15 + LAUNCH_OVERHEAD_S)
     assert op_time_s(work, DEVICE, "fp32") == pytest.approx(2e10 / 0.7e15 + LAUNCH_OVERHEAD_S)
+
+
+FP8_DEVICE = dataclasses.replace(DEVICE, name="fp8-gpu", peak_flops_per_s={"bf16": 1e15, "fp8": 2e15})
+
+
+def test_fp8_gemm_runs_at_fp8_peak_and_pays_its_cast():
+    # 2e10 FLOPs at the fp8 peak 2e15 last as long as 1e10 FLOPs at the bf16 peak, where the curve
+    # gives 0.7; fp8 reaches FP8_MATMUL_EFFICIENCY_RATIO of that. The cast moves 2.5 x 1e6 bytes at
+    # 2.5e12 * 0.8 = 2e12 B/s, one more kernel.
+    work = OpWork(WorkKind.MATMUL, flops=2e10, bytes=1e6)
+    gemm_s = 2e10 / (2e15 * 0.7 * FP8_MATMUL_EFFICIENCY_RATIO) + LAUNCH_OVERHEAD_S
+    cast_s = FP8_CAST_TRAFFIC_RATIO * 1e6 / 2e12 + LAUNCH_OVERHEAD_S
+    assert op_time_s(work, FP8_DEVICE, "fp8") == pytest.approx(gemm_s + cast_s)
+    assert op_time_s(work, FP8_DEVICE, "fp8") < op_time_s(work, FP8_DEVICE, "bf16")
+
+
+@pytest.mark.parametrize("kind", [WorkKind.ATTENTION, WorkKind.ATTENTION_BWD, WorkKind.MEMORY])
+def test_fp8_leaves_attention_and_memory_ops_in_bf16(kind):
+    work = OpWork(kind, flops=1e11, bytes=1e8)
+    assert op_time_s(work, FP8_DEVICE, "fp8") == op_time_s(work, FP8_DEVICE, "bf16")
 
 
 @pytest.mark.parametrize(("kind", "ratio"), [
