@@ -41,6 +41,11 @@ UNFUSED_ATTENTION_GROUPS = ("megatron2020_tp_scaling", "megatron2021_weak", "meg
                             "korthikanti2022_table5", "korthikanti2022_abstract", "bloom", "opt", "alpa_osdi22")
 
 
+# Groups whose TFLOP/s count the recomputed forward (peak_conventions: Megatron-LM 2021, Alpa
+# "counting remat", BLOOM's 8N coefficient); the others report model FLOPs.
+HARDWARE_FLOPS_GROUPS = ("megatron2021_weak", "megatron2021_zero3_vs_ptd", "alpa_osdi22", "bloom")
+
+
 @dataclass(frozen=True)
 class Row:
     id: str
@@ -118,7 +123,7 @@ def _published_step_s(run: dict, gb: int, seq: int, gpus: int) -> tuple[float, s
         return gb * seq / (measured["tokens_per_s"] * gpus), "tokens_per_s"
     if measured.get("tflops_per_gpu"):
         args = (gb, seq, model["layers"], model["hidden"], model.get("vocab") or 51200)
-        if run["group"].startswith("megatron2021"):
+        if run["group"] in HARDWARE_FLOPS_GROUPS:
             return _hardware_flops_96(*args) / (measured["tflops_per_gpu"] * 1e12 * gpus), "tflops_per_gpu (96-formula, recompute counted)"
         return _model_flops_72(*args) / (measured["tflops_per_gpu"] * 1e12 * gpus), "tflops_per_gpu (72-formula, model FLOPs)"
     return None

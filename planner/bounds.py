@@ -90,7 +90,7 @@ def work_bound(evaluator: Evaluator, config: ParallelConfig, refine: bool = True
     policies = evaluator.policies(config)
     per_stage = evaluator.stage_devices(config.pp)
     types = evaluator.device_types(config.pp)
-    tables = {device.name: evaluator.layer_table(config, device, node, policies) for device, node in types}
+    tables = {device.name: evaluator.time_table(config, device, node, policies) for device, node in types}
     layer_s = {name: table[:, COL["fwd_s"]] + table[:, COL["bwd_s"]] for name, table in tables.items()}
     fastest_s = np.min(list(layer_s.values()), axis=0)
     fastest_fwd_s = np.min([table[:, COL["fwd_s"]] for table in tables.values()], axis=0)

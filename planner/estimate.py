@@ -98,6 +98,7 @@ class Evaluator:
         self.table = table
         self._layer_cache: dict = {}
         self._table_cache: dict = {}
+        self._time_cache: dict = {}
         self._stage_devices: dict = {}
         self._device_types: dict = {}
         self.measured_policies = frozenset(graph.recompute_policies)
@@ -207,6 +208,17 @@ class Evaluator:
         rows = [self._layer_row(layer, config, device, node, policies[layer], groups, expert_group, state) for layer in representatives]
         table = np.array(rows, dtype=float)[index]
         self._table_cache[key] = table
+        return table
+
+    def time_table(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, policies: tuple[Recompute, ...]) -> np.ndarray:
+        """`layer_table` for reading only its time, parameter-count and output-size columns, which depend on
+        dp and the ZeRO stage only through ZeRO-3's parameter gathers: configs that differ only there
+        share one table (its memory columns are those of the first such config)."""
+        key = (device.name, node.devices_per_node, config.tp, config.cp, config.ep, config.micro_batch,
+               config.sequence_parallel, policies, config.dp if config.zero == 3 else None)
+        table = self._time_cache.get(key)
+        if table is None:
+            table = self._time_cache[key] = self.layer_table(config, device, node, policies)
         return table
 
     def _distinct_layers(self, policies: tuple[Recompute, ...]) -> tuple[list[int], np.ndarray]:

@@ -14,6 +14,8 @@ a small fraction of them.
 """
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import heapq
 import time
 from collections import Counter
@@ -84,11 +86,17 @@ class _Pass:
         return heap
 
     def _bound_s(self, evaluator: Evaluator, config: ParallelConfig, refine: bool) -> float:
-        """`pipeline_bound_s` + `tail_bound_s` of `config`, from bounds cached per key."""
-        key = work_bound_key(config)
+        """`pipeline_bound_s` + `tail_bound_s` of `config`, from bounds cached per key.
+
+        The floor of a ZeRO-3 candidate is priced on its twin without ZeRO-3: the parameter gathers
+        only add time and ZeRO-3 leaves no data-parallel traffic after the backward, so the twin's
+        work bound is a floor too, and the floors need no table per data-parallel degree.
+        """
+        priced = config if refine or config.zero != 3 else dataclasses.replace(config, zero=2)
+        key = work_bound_key(priced)
         bound = self.work_bounds.get(key)
         if bound is None or (refine and not bound.refined):
-            bound = self.work_bounds[key] = work_bound(evaluator, config, refine=refine)
+            bound = self.work_bounds[key] = work_bound(evaluator, priced, refine=refine)
         tail_key = (key, config.zero, config.offload_optimizer)
         if tail_key not in self.tail_bounds:
             self.tail_bounds[tail_key] = tail_bound_s(evaluator, config, bound)
@@ -133,8 +141,7 @@ class _Pass:
                 if len(self.examples.setdefault("memory", [])) < EXPLAIN_EXAMPLES_PER_REASON:
                     self.examples["memory"].append({"what": config.short(), "reason": f"out of memory: needs {at_least}{need / 2**30:.1f} GiB per device"})
                 continue
-            ranked.append((estimate.step_time_s, config, estimate))
-            ranked.sort(key=lambda item: item[0])
+            bisect.insort(ranked, (estimate.step_time_s, config, estimate), key=lambda item: item[0])
         return ranked
 
 
