@@ -243,12 +243,16 @@ def _linear_strategies(op: Op, tp: int) -> tuple[Strategy, ...]:
 
 
 def _linear_features(op: Op) -> tuple[int, int] | None:
-    """(in_features, out_features) from attrs, else from a 2-D weight [out, in]; None if unknown."""
+    """(in_features, out_features) from attrs, else from a 2-D weight [out, in] or the stacked
+    expert weight [experts, in, out] of a batched matmul x @ w; None if unknown."""
     if "in_features" in op.attrs and "out_features" in op.attrs:
         return int(op.attrs["in_features"]), int(op.attrs["out_features"])
-    if len(op.param_shapes[0]) == 2:
-        out_features, in_features = op.param_shapes[0]
+    shape = op.param_shapes[0]
+    if len(shape) == 2:
+        out_features, in_features = shape
         return in_features, out_features
+    if len(shape) == 3 and op.target == "bmm" and op.out_shape and op.out_shape[-1] == shape[2]:
+        return shape[1], shape[2]
     return None
 
 

@@ -222,6 +222,19 @@ def test_expert_states_shard_over_the_expert_data_parallel_group(tiny_moe):
     assert row["optimizer_bytes"] == pytest.approx(12 * (dense / dp + experts / ep / (dp // ep)))
 
 
+def test_tensor_parallelism_splits_the_expert_projections(tiny_moe):
+    # The memory model divides expert weights by ep * tp, so the layout must split every expert
+    # projection tp ways, and a block's expert work per rank halves at tp = 2.
+    cluster = load_cluster("a100-80g:1x8")
+    evaluator = Evaluator(tiny_moe, cluster)
+    device, node = stage_devices(cluster, 1)[0]
+    block = tiny_moe.blocks[0]
+    experts = [op for op in block.ops if op.fqn.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj"))]
+    assert len(experts) == 3
+    plan = tp_plan_for(block, 2, device, node, "bf16", evaluator.layout_cache)
+    assert {op.name for op in experts} <= plan.split_ops
+
+
 @pytest.mark.parametrize("zero", [0, 1])
 def test_optimizer_step_time_follows_the_states_each_device_updates(tiny_moe, zero):
     # The optimizer step streams OPTIMIZER_BYTES_PER_PARAM per parameter whose states the device

@@ -211,6 +211,42 @@ def test_two_layer_mlp_goes_colwise_then_rowwise():
     assert [(call.kind, call.bytes) for call in layout.collectives] == [(Collective.ALL_REDUCE, 4096 * 1024 * BF16_BYTES)]
 
 
+def grouped_linear(name: str, source: str, experts: int, slots: int, in_features: int, out_features: int) -> Op:
+    """x (experts, slots, in) @ w (experts, in, out): one expert projection of the zoo's MoE layer."""
+    return Op(
+        name=name, fqn=f"moe.experts.{name}", target="bmm", kind=OpKind.MATMUL, inputs=(source,),
+        out_shape=(experts, slots, out_features), out_bytes=experts * slots * out_features * BF16_BYTES,
+        fwd_flops=2.0 * experts * slots * in_features * out_features, param_shapes=((experts, in_features, out_features),),
+    )
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_expert_projections_shard_like_a_megatron_mlp(tp):
+    # 8 experts of 512 slots each (4096 tokens, top-2), hidden 2048, expert ffn 8192: the dispatch
+    # gather and the combine's index_add run replicated (axis-coupled); between them the gate and
+    # up projections split by output features and the down projection by input features, which
+    # costs one all-reduce of the (experts, slots, hidden) output before the combine.
+    experts, slots, hidden, ffn = 8, 512, 2048, 8192
+    width = experts * slots
+    ops = [
+        Op("dispatch", "moe", "index_select", OpKind.OTHER, ("x",), (experts, slots, hidden), width * hidden * BF16_BYTES),
+        grouped_linear("gate_proj", "dispatch", experts, slots, hidden, ffn),
+        grouped_linear("up_proj", "dispatch", experts, slots, hidden, ffn),
+        Op("silu", "moe.experts", "silu", OpKind.ELEMENTWISE, ("gate_proj",), (experts, slots, ffn), width * ffn * BF16_BYTES,
+           8.0 * width * ffn),
+        Op("mul", "moe.experts", "mul", OpKind.ELEMENTWISE, ("silu", "up_proj"), (experts, slots, ffn), width * ffn * BF16_BYTES,
+           1.0 * width * ffn),
+        grouped_linear("down_proj", "mul", experts, slots, ffn, hidden),
+        Op("combine", "moe", "index_add", OpKind.OTHER, ("down_proj",), (4096, hidden), 4096 * hidden * BF16_BYTES),
+    ]
+    layout = solve_layout(ops, tp, roofline_compute_s, ring_comm_s(tp), sequence_parallel=False)
+    assert {name: layout.per_op[name] for name in ("gate_proj", "up_proj", "down_proj")} == {
+        "gate_proj": Placement.COLWISE, "up_proj": Placement.COLWISE, "down_proj": Placement.ROWWISE}
+    assert [(call.kind, call.producer, call.bytes) for call in layout.collectives] == [
+        (Collective.ALL_REDUCE, "down_proj", width * hidden * BF16_BYTES)]
+    assert_consistent(layout, ops)
+
+
 def test_axis_coupled_ops_run_replicated():
     # An MoE router: softmax and top-k over the expert axis are wrong on an expert-split tensor, so
     # they must run replicated, whatever the router linear does.

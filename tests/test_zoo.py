@@ -217,8 +217,8 @@ def test_moe_with_every_expert_chosen_equals_weighted_dense_mixture():
     probs = layer.router(x).softmax(-1)
     w = layer.experts
     mixture = sum(
-        probs[..., e:e + 1] * ((torch.nn.functional.silu(x @ w.gate_proj[e]) * (x @ w.up_proj[e]))
-                               @ w.down_proj[e])
+        probs[..., e:e + 1] * ((torch.nn.functional.silu(x @ w.gate_proj.weight[e]) * (x @ w.up_proj.weight[e]))
+                               @ w.down_proj.weight[e])
         for e in range(experts))
     torch.testing.assert_close(layer(x), mixture + layer.shared(x))
 

@@ -11,7 +11,8 @@ Module layout, relied on by tracing, pipeline cuts and tensor parallelism:
   (absent for BERT), `head`, `loss`;
 - each block has `attn` (`q_proj`, `k_proj`, `v_proj`, `o_proj`) and `mlp` (`fc1`/`fc2` for
   GPT, BERT and ViT; `gate_proj`/`up_proj`/`down_proj` for Llama; for MoE layers `router`,
-  `experts` with stacked (experts, ...) weights, and optional `shared`);
+  `experts` (`gate_proj`/`up_proj`/`down_proj`, each a `GroupedLinear` with weights stacked
+  (experts, in, out)), and optional `shared`);
 - `forward` returns a scalar loss: language models take token ids (b, s), ViT takes images
   (b, 3, H, W) and scores the class token against class 0.
 

@@ -18,8 +18,24 @@ from planner.zoo.llama import build_rope_decoder
 from planner.zoo.spec import ModelSpec
 
 
+class GroupedLinear(nn.Module):
+    """One linear map per expert, weights stacked on dim 0 (the dim expert parallelism shards):
+    (experts, tokens, in_features) @ weight (experts, in_features, out_features).
+
+    Tensor parallelism splits it as a Linear: by `out_features` (colwise) or `in_features` (rowwise).
+    """
+
+    def __init__(self, experts: int, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, in_features, out_features))
+        nn.init.normal_(self.weight, std=INIT_STD)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(x, self.weight)
+
+
 class Experts(nn.Module):
-    """`experts` SwiGLU MLPs with weights stacked on dim 0 (the dim expert parallelism shards).
+    """`experts` SwiGLU MLPs, each projection a `GroupedLinear` over all experts.
 
     Args:
         experts: number of experts.
@@ -29,16 +45,13 @@ class Experts(nn.Module):
 
     def __init__(self, experts: int, hidden: int, ffn_hidden: int):
         super().__init__()
-        self.gate_proj = nn.Parameter(torch.empty(experts, hidden, ffn_hidden))
-        self.up_proj = nn.Parameter(torch.empty(experts, hidden, ffn_hidden))
-        self.down_proj = nn.Parameter(torch.empty(experts, ffn_hidden, hidden))
-        for weight in (self.gate_proj, self.up_proj, self.down_proj):
-            nn.init.normal_(weight, std=INIT_STD)
+        self.gate_proj = GroupedLinear(experts, hidden, ffn_hidden)
+        self.up_proj = GroupedLinear(experts, hidden, ffn_hidden)
+        self.down_proj = GroupedLinear(experts, ffn_hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(experts, capacity, hidden) -> (experts, capacity, hidden)."""
-        inner = F.silu(torch.bmm(x, self.gate_proj)) * torch.bmm(x, self.up_proj)
-        return torch.bmm(inner, self.down_proj)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoEFeedForward(nn.Module):
