@@ -48,7 +48,8 @@ class WorkBound(NamedTuple):
             t) cannot all be below it; W / pp on a homogeneous cluster.
         slowest_stage_s: M, a lower bound on the least max_s T_s over every contiguous split of the
             t_l into pp stages (layers are indivisible, so some stage holds more than W / pp):
-            max(max_l t_l, W / pp) when not `refined`, `least_slowest_stage_s` when refined.
+            max(max_l t_l, W / pp) when not `refined`, `least_slowest_stage_s` when refined (on
+            stages of different device types, `least_slowest_split_s` over each stage's own times).
         refined: whether slowest_stage_s is the tight bound.
         p2p_s: the least time of one pipeline transfer: the smallest output of a layer that can end
             a stage before the last, sent between stages of the fastest device type (a transfer's
@@ -105,7 +106,7 @@ def work_bound(evaluator: Evaluator, config: ParallelConfig, refine: bool = True
         fwd_share=float(np.min(later_fwd_s[later_s > 0] / later_s[later_s > 0])) if np.any(later_s > 0) else 0.0,
         first_layer_s=float(fastest_s[0]),
         balanced_s=microbatch_s / sum(1 / slowdown[device.name] for device, _ in per_stage),
-        slowest_stage_s=least_slowest_stage_s(fastest_s, config.pp) if refined else max(float(fastest_s.max()), microbatch_s / config.pp),
+        slowest_stage_s=_slowest_stage_s(fastest_s, [layer_s[device.name] for device, _ in per_stage], config, refined),
         refined=refined,
         p2p_s=min(collective_time_s(Collective.P2P, float(tables[device.name][:-1, COL["out_bytes"]].min()) / config.seq_split,
                                     mesh_groups(config, node.devices_per_node).pp, node, evaluator.cluster.oversubscription)
@@ -113,6 +114,17 @@ def work_bound(evaluator: Evaluator, config: ParallelConfig, refine: bool = True
         type_totals=tuple((float(total[COL["fwd_s"]]), float(total[COL["bwd_s"]]), float(total[COL["dense_params"]]),
                            float(total[COL["expert_params"]])) for total in (tables[device.name].sum(axis=0) for device, _ in types)),
     )
+
+
+def _slowest_stage_s(fastest_s: np.ndarray, stage_layer_s: list[np.ndarray], config: ParallelConfig, refined: bool) -> float:
+    """`WorkBound.slowest_stage_s`: its floor, or the least slowest stage over contiguous splits into
+    pp stages, with each stage's own device times when stages sit on device types of different speeds
+    (`pipeline_bound_s` uses it only when vpp = 1)."""
+    if not refined:
+        return max(float(fastest_s.max()), float(fastest_s.sum()) / config.pp)
+    if config.pp > 1 and any(not np.array_equal(times, stage_layer_s[0]) for times in stage_layer_s[1:]):
+        return least_slowest_split_s(np.stack(stage_layer_s))
+    return least_slowest_stage_s(fastest_s, config.pp)
 
 
 def tail_bound_s(evaluator: Evaluator, config: ParallelConfig, bound: WorkBound) -> float:
@@ -152,23 +164,53 @@ def _least_slowest_stage_s(layer_s: np.ndarray, stages: int) -> float:
 
     The optimum lies in [low, low + max_l t_l] with low = max(max_l t_l, W / stages): packing layers
     left to right under low + max_l t_l closes every part above W / stages, so it needs at most
-    `stages` parts. Each round probes `MIN_MAX_PROBES` limits of the bracket at once with that greedy
-    test (exact for contiguous splits) and keeps the sub-bracket where it starts to pass. Returns
-    the lower end, which is never above the optimum.
+    `stages` parts. `_least_passing_limit` narrows the bracket with that greedy test (exact for
+    contiguous splits) and returns its lower end, which is never above the optimum.
     """
     prefix = np.concatenate([[0.0], np.cumsum(layer_s)])
     if stages == 1:
         return float(prefix[-1])
     low = max(float(layer_s.max()), float(prefix[-1]) / stages)
-    high = low + float(layer_s.max())
+    return _least_passing_limit(low, low + float(layer_s.max()), lambda limits: _parts_needed(prefix, limits, stages) <= stages)
+
+
+def least_slowest_split_s(stage_layer_s: np.ndarray) -> float:
+    """A lower bound on max_s T_s over every contiguous split when layer l costs stage_layer_s[s, l]
+    on stage s (stages on device types of different speeds).
+
+    Greedy packing, each stage in order taking as many layers as fit under a limit, finds a split
+    under that limit whenever one exists (a stage that ends later leaves a shorter suffix to the
+    rest); letting a stage take no layer only relaxes the problem, so the bound stays sound. The
+    bracket runs from the least cost any split can have per stage to everything on the slowest stage.
+    """
+    stages, _ = stage_layer_s.shape
+    prefixes = np.concatenate([np.zeros((stages, 1)), np.cumsum(stage_layer_s, axis=1)], axis=1)
+    cheapest = stage_layer_s.min(axis=0)
+    low = max(float(cheapest.max()), float(cheapest.sum()) / stages)
+    return _least_passing_limit(low, float(prefixes[:, -1].max()), lambda limits: _packs(prefixes, limits))
+
+
+def _least_passing_limit(low: float, high: float, passes) -> float:
+    """Lower end of the bracket [low, high] around the least limit that `passes` (vectorised over
+    limits, monotone): each of MIN_MAX_ROUNDS rounds probes MIN_MAX_PROBES evenly spaced limits and
+    keeps the sub-bracket where they start to pass."""
     for _ in range(MIN_MAX_ROUNDS):
         limits = np.linspace(low, high, MIN_MAX_PROBES)
-        passing = _parts_needed(prefix, limits, stages) <= stages
+        passing = passes(limits)
         first = int(np.argmax(passing))
         if first == 0:
             return float(limits[0]) if passing[0] else low
         low, high = float(limits[first - 1]), float(limits[first])
     return low
+
+
+def _packs(prefixes: np.ndarray, limits: np.ndarray) -> np.ndarray:
+    """Per limit, whether greedy packing with stage-specific layer costs (prefix sums per stage) places every layer."""
+    num_layers = prefixes.shape[1] - 1
+    ends = np.zeros(len(limits), dtype=int)
+    for prefix in prefixes:
+        ends = np.maximum(ends, np.searchsorted(prefix, prefix[ends] + limits, side="right") - 1)
+    return ends >= num_layers
 
 
 def _parts_needed(prefix: np.ndarray, limits: np.ndarray, stages: int) -> np.ndarray:

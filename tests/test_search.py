@@ -20,7 +20,7 @@ from ortools.math_opt.python import mathopt
 
 import planner
 from costmodel.profile_loader import load_cluster
-from planner.bounds import (fill_bound_s, least_slowest_stage_s, mean_capacity_bytes, memory_floor_bytes, pipeline_bound_s,
+from planner.bounds import (fill_bound_s, least_slowest_split_s, least_slowest_stage_s, mean_capacity_bytes, memory_floor_bytes, pipeline_bound_s,
                             tail_bound_s, work_bound, work_bound_key)
 from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, PlannerErrorKind
@@ -135,6 +135,21 @@ def test_least_slowest_stage_never_exceeds_the_best_contiguous_split(layer_s, da
     assert bound <= best * (1 + REL_TOL)
     # Tight: the bracket is at most the largest layer wide and narrowed 15-fold per round, 3 rounds.
     assert bound >= best - max(layer_s) / 15**3 - 1e-12
+
+
+@given(layer_s=st.lists(st.sampled_from([0.0, 0.5, 1.0, 1.5, 3.0, 7.25]), min_size=1, max_size=8), data=st.data())
+def test_least_slowest_split_on_unequal_stages_never_exceeds_the_best_split(layer_s, data):
+    # Stage s runs every layer speed[s] times slower (device types of different speeds); brute force
+    # over every contiguous split into non-empty parts.
+    stages = data.draw(st.integers(1, len(layer_s)))
+    speed = data.draw(st.lists(st.sampled_from([1.0, 1.0, 2.0, 3.5]), min_size=stages, max_size=stages))
+    best = min(max(speed[k] * sum(layer_s[a:b]) for k, (a, b) in enumerate(zip((0,) + cuts, cuts + (len(layer_s),))))
+               for cuts in combinations(range(1, len(layer_s)), stages - 1))
+    bound = least_slowest_split_s(np.array([[factor * t for t in layer_s] for factor in speed]))
+    assert bound <= best * (1 + REL_TOL)
+    # It sees the speeds: on stages all 3.5 times slower it is 3.5 times the equal-speed bound.
+    if set(speed) == {3.5}:
+        assert bound == pytest.approx(3.5 * least_slowest_stage_s(np.array(layer_s), stages), rel=0.05, abs=1e-9)
 
 
 @pytest.mark.parametrize("m,pp,share", [(1, 4, 1.0), (24, 8, 1.0), (24, 8, 0.5), (8, 16, 0.3), (512, 128, 1 / 3), (4, 8, 0.0)])
