@@ -66,6 +66,7 @@ class _Pass:
         self.closest_miss = None
         self.work_bounds: dict[tuple, WorkBound] = {}
         self.tail_bounds: dict[tuple, float] = {}
+        self.twins: dict[tuple, tuple[tuple, ParallelConfig]] = {}
 
     def candidates(self, evaluator: Evaluator, space, graph: ModelGraph, global_batch: int, constraints: dict) -> list:
         """A heap of (bound, order, config) over every valid configuration, with floor work bounds."""
@@ -92,8 +93,13 @@ class _Pass:
         only add time and ZeRO-3 leaves no data-parallel traffic after the backward, so the twin's
         work bound is a floor too, and the floors need no table per data-parallel degree.
         """
-        priced = config if refine or config.zero != 3 else dataclasses.replace(config, zero=2)
-        key = work_bound_key(priced)
+        key = work_bound_key(config)
+        priced = config
+        if not refine and config.zero == 3:
+            if key not in self.twins:
+                twin = dataclasses.replace(config, zero=2)
+                self.twins[key] = (work_bound_key(twin), twin)
+            key, priced = self.twins[key]
         bound = self.work_bounds.get(key)
         if bound is None or (refine and not bound.refined):
             bound = self.work_bounds[key] = work_bound(evaluator, priced, refine=refine)
