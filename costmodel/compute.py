@@ -48,7 +48,8 @@ ATTENTION_BWD_EFFICIENCY_RATIO = 0.74
 
 # Float8 training (torchao's Float8Linear, NVIDIA Transformer Engine) runs the GEMMs of the linear
 # layers in fp8 and everything else (attention, norms, elementwise, communication buffers) in the
-# base dtype named here.
+# base dtype named here. Matmul works are not told apart further: the score GEMMs of unfused
+# attention, rare beside fp8 training, are priced in fp8 too.
 GEMM_ONLY_DTYPES = {"fp8": "bf16"}
 
 # fp8 GEMMs reach a lower fraction of their peak than bf16 GEMMs on the same device: H100 SXM MAMF
