@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
+import math
 import time
 from collections import Counter
 
@@ -226,7 +227,7 @@ def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closes
     if closest_miss is None:
         return invalid(f"no configuration of {graph.name} on {cluster.num_devices} devices is valid with these constraints; relax them")
     need, config, at_least = closest_miss
-    remedies = [f"about {cluster.num_devices * need / capacity:.0f}+ devices"]
+    remedies = [f"about {math.ceil(cluster.num_devices * need / capacity)}+ devices"]
     if config.micro_batch > 1:
         remedies.append("a smaller micro-batch")
     if config.zero < 3 or config.recompute is not Recompute.FULL:
