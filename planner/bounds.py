@@ -106,7 +106,7 @@ def work_bound(evaluator: Evaluator, config: ParallelConfig, refine: bool = True
         fwd_share=float(np.min(later_fwd_s[later_s > 0] / later_s[later_s > 0])) if np.any(later_s > 0) else 0.0,
         first_layer_s=float(fastest_s[0]),
         balanced_s=microbatch_s / sum(1 / slowdown[device.name] for device, _ in per_stage),
-        slowest_stage_s=_slowest_stage_s(fastest_s, [layer_s[device.name] for device, _ in per_stage], config, refined),
+        slowest_stage_s=_slowest_stage_s(fastest_s, layer_s, per_stage, config, refined),
         refined=refined,
         p2p_s=min(collective_time_s(Collective.P2P, float(tables[device.name][:-1, COL["out_bytes"]].min()) / config.seq_split,
                                     mesh_groups(config, node.devices_per_node).pp, node, evaluator.cluster.oversubscription)
@@ -116,14 +116,15 @@ def work_bound(evaluator: Evaluator, config: ParallelConfig, refine: bool = True
     )
 
 
-def _slowest_stage_s(fastest_s: np.ndarray, stage_layer_s: list[np.ndarray], config: ParallelConfig, refined: bool) -> float:
+def _slowest_stage_s(fastest_s: np.ndarray, layer_s: dict[str, np.ndarray], per_stage: list, config: ParallelConfig,
+                     refined: bool) -> float:
     """`WorkBound.slowest_stage_s`: its floor, or the least slowest stage over contiguous splits into
-    pp stages, with each stage's own device times when stages sit on device types of different speeds
-    (`pipeline_bound_s` uses it only when vpp = 1)."""
+    pp stages, with each stage's own device times (`layer_s` by device type) when the stages sit on
+    several device types (`pipeline_bound_s` uses it only when vpp = 1)."""
     if not refined:
         return max(float(fastest_s.max()), float(fastest_s.sum()) / config.pp)
-    if config.pp > 1 and any(not np.array_equal(times, stage_layer_s[0]) for times in stage_layer_s[1:]):
-        return least_slowest_split_s(np.stack(stage_layer_s))
+    if config.pp > 1 and len(layer_s) > 1:
+        return least_slowest_split_s(np.stack([layer_s[device.name] for device, _ in per_stage]))
     return least_slowest_stage_s(fastest_s, config.pp)
 
 
