@@ -7,7 +7,8 @@ Step time = pipeline time of the stages (each stage's forward and backward per m
 compute, recompute, exposed tensor/context/expert-parallel communication, exposed FSDP gathers)
 + exposed data-parallel gradient reduction + the optimizer step. Overlap is modelled explicitly:
 
-- DP gradient reduction (ZeRO 0-2) overlaps with the backward of the last micro-batch;
+- DP gradient reduction (ZeRO 0-2) overlaps with the backward of the last micro-batch
+  (`planner.state_cost`, with the optimizer step);
 - FSDP (ZeRO-3) gathers of the next layer overlap with the current layer's compute, per micro-batch;
 - TP/SP collectives are exposed (they sit between dependent matmuls), unless the training code
   pipelines them with the GEMMs (`tp_overlap`, `layer_cost.overlapped_tp_comm_s`);
@@ -28,7 +29,6 @@ from costmodel import pipeline
 from costmodel.comm import Collective, CommGroup, collective_time_s
 from costmodel.compute import OpTable, peak_flops_per_s
 from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
-from costmodel.offload import offload_step_s
 from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, invalid
 from planner.graph import LayerKind, ModelGraph, Recompute
@@ -36,23 +36,10 @@ from planner.layer_cost import AttentionKernel, LayerContext, LayerCost, price_l
 from planner.mesh import expert_data_group, mesh_groups, stage_devices
 from planner.result import Estimate, StagePlan
 from planner.stage_problem import StageProblem
+from planner.state_cost import (GRAD_REDUCE_BYTES_PER_PARAM, dp_exposed_s, optimizer_step_s, state_collective_s,
+                                 state_options)
 from planner.stages import split_dp
 from planner.tp_plan import tp_plan_for
-
-# Mixed-precision Adam touches, per parameter and step, fp32 master weight, two fp32 moments and
-# the fp32 gradient (read 16 B) and writes master + moments + the bf16 weight copy (14 B).
-# Counted from torch.optim.AdamW's fused update; bandwidth bound.
-OPTIMIZER_BYTES_PER_PARAM = 30
-
-# Gradients are reduced in fp32: Megatron-LM accumulates and all-reduces main_grad in fp32 for
-# bf16 training (`accumulate_allreduce_grads_in_fp32`), and torchtitan's FSDP2 mixed precision
-# uses reduce_dtype=float32.
-GRAD_REDUCE_BYTES_PER_PARAM = 4
-
-# Gradients are also kept in fp32 (Megatron's main_grad buffer; FSDP2 gradients on the fp32
-# sharded parameters): 2 + 4 + 12 = 18 bytes per parameter with mixed-precision Adam, the figure
-# behind Korthikanti et al. 2022, Figure 1.
-GRAD_BYTES_PER_PARAM = memory_model.FP32_GRAD_BYTES_PER_PARAM
 
 # Memory cap standing for "no limit" when a split only balances time (finite, as StageProblem requires).
 UNBOUNDED_BYTES = 1e30
@@ -246,8 +233,8 @@ class Evaluator:
         exposed = 0.0
         if config.zero == 3:
             over = self.cluster.oversubscription
-            gather_s = _state_collective_s(Collective.ALL_GATHER, 2, dense, expert, groups.dp_cp, expert_group, node, over)
-            scatter_s = _state_collective_s(Collective.REDUCE_SCATTER, GRAD_REDUCE_BYTES_PER_PARAM, dense, expert, groups.dp_cp,
+            gather_s = state_collective_s(Collective.ALL_GATHER, 2, dense, expert, groups.dp_cp, expert_group, node, over)
+            scatter_s = state_collective_s(Collective.REDUCE_SCATTER, GRAD_REDUCE_BYTES_PER_PARAM, dense, expert, groups.dp_cp,
                                             expert_group, node, over)
             fwd_window_s, bwd_window_s = (cost.fwd_s, cost.bwd_s + cost.recompute_s) if device.comm_overlaps_compute else (0.0, 0.0)
             exposed = max(0.0, gather_s - fwd_window_s) + max(0.0, gather_s + scatter_s - bwd_window_s)
@@ -330,7 +317,7 @@ class Evaluator:
             stage_layers[chunk % config.pp].extend(range(boundaries[chunk], boundaries[chunk + 1]))
 
         sums, stage_plans, breakdowns = [], [], []
-        dp_exposed_s = optimizer_s = p2p_s = 0.0
+        exposed_dp_s = optimizer_s = p2p_s = 0.0
         tables = {device.name: self.layer_table(config, device, node, policies) for device, node in self.device_types(config.pp)}
         priced: dict = {}  # stages with the same device and layer totals price the same (identical blocks)
         for stage in range(config.pp):
@@ -345,7 +332,7 @@ class Evaluator:
             if key not in priced:
                 priced[key] = self._stage_costs(config, device, node, *key[1:])
             stage_p2p_s, stage_dp_s, stage_optimizer_s, breakdown = priced[key]
-            p2p_s, dp_exposed_s, optimizer_s = max(p2p_s, stage_p2p_s), max(dp_exposed_s, stage_dp_s), max(optimizer_s, stage_optimizer_s)
+            p2p_s, exposed_dp_s, optimizer_s = max(p2p_s, stage_p2p_s), max(exposed_dp_s, stage_dp_s), max(optimizer_s, stage_optimizer_s)
             breakdowns.append((device, breakdown))
             first, last = layer_ids[0], layer_ids[-1]
             stage_plans.append(StagePlan(
@@ -363,7 +350,7 @@ class Evaluator:
             pipe_s = pipeline.step_time_s(str(config.schedule), fwd_s, bwd_s, m, config.vpp, p2p_s)
         else:
             pipe_s = m * (fwd_s[0] + bwd_s[0])
-        step_s = pipe_s + dp_exposed_s + optimizer_s
+        step_s = pipe_s + exposed_dp_s + optimizer_s
         slowest = max(sums, key=lambda t: t[COL["fwd_s"]] + t[COL["bwd_s"]])
         busy_s = m * float(slowest[COL["fwd_s"]] + slowest[COL["bwd_s"]])
         time_breakdown = {
@@ -374,32 +361,10 @@ class Evaluator:
             "ep_comm_s": m * float(slowest[COL["ep_comm_s"]]),
             "fsdp_comm_exposed_s": m * float(slowest[COL["fsdp_exposed_s"]]),
             "pp_bubble_s": max(0.0, pipe_s - busy_s),
-            "dp_comm_exposed_s": dp_exposed_s,
+            "dp_comm_exposed_s": exposed_dp_s,
             "optimizer_s": optimizer_s,
         }
         return self._assemble(config, global_batch, step_s, pipe_s, time_breakdown, breakdowns, tuple(stage_plans), headroom)
-
-    def dp_exposed_s(self, config: ParallelConfig, node: NodeSpec, groups, dense: float, expert: float,
-                     fwd_s: float, bwd_s: float) -> float:
-        """Data-parallel traffic not hidden behind compute, per step.
-
-        The gradient reduction (all-reduce, or reduce-scatter under ZeRO-1/2) runs bucket by bucket
-        during the backward of the last micro-batch; the ZeRO-1/2 parameter all-gather runs bucket
-        by bucket ahead of the next step's first forward (Megatron-Core's overlapped
-        param gather, FSDP's prefetch). Each is exposed by what exceeds its one-micro-batch window.
-        """
-        if config.zero == 3 or config.dp * config.cp == 1:
-            return 0.0
-        if not node.device.comm_overlaps_compute:
-            fwd_s = bwd_s = 0.0  # nothing hides the traffic
-        expert_group = expert_data_group(config, node)
-        over = self.cluster.oversubscription
-        kind = Collective.ALL_REDUCE if config.zero == 0 else Collective.REDUCE_SCATTER
-        reduce_s = _state_collective_s(kind, GRAD_REDUCE_BYTES_PER_PARAM, dense, expert, groups.dp_cp, expert_group, node, over)
-        gather_s = 0.0
-        if config.zero in (1, 2):
-            gather_s = _state_collective_s(Collective.ALL_GATHER, 2, dense, expert, groups.dp_cp, expert_group, node, over)
-        return max(0.0, reduce_s - bwd_s) + max(0.0, gather_s - fwd_s)
 
     def _stage_costs(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, total: tuple, last_out_bytes: float,
                      largest_params: float, in_flight: float) -> tuple:
@@ -410,7 +375,8 @@ class Evaluator:
         if config.pp > 1:
             p2p_s = collective_time_s(Collective.P2P, last_out_bytes / config.seq_split, groups.pp, node, self.cluster.oversubscription)
         dense, expert = total[COL["dense_params"]], total[COL["expert_params"]]
-        dp_s = self.dp_exposed_s(config, node, groups, dense, expert, total[COL["fwd_s"]], total[COL["bwd_s"]])
+        dp_s = dp_exposed_s(config, node, groups, dense, expert, total[COL["fwd_s"]], total[COL["bwd_s"]],
+                           self.cluster.oversubscription)
         expert_group = expert_data_group(config, node).size
         dense_shard, expert_shard = (config.dp * config.cp, expert_group) if config.zero >= 1 else (1, 1)
         breakdown = memory_model.stage_memory(
@@ -420,13 +386,7 @@ class Evaluator:
             temp_bytes=total[COL["temp_bytes"]], grads_at_peak=config.num_microbatches > 1,
             **state_options(config),
         )
-        return p2p_s, dp_s, self.optimizer_step_s(config, device, dense / dense_shard + expert / expert_shard), breakdown
-
-    def optimizer_step_s(self, config: ParallelConfig, device: DeviceSpec, owned_params: float) -> float:
-        """Seconds of the optimizer update over the `owned_params` whose states one device holds (linear in them)."""
-        if config.offload_optimizer:
-            return offload_step_s(owned_params)
-        return owned_params * OPTIMIZER_BYTES_PER_PARAM / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
+        return p2p_s, dp_s, optimizer_step_s(config, device, dense / dense_shard + expert / expert_shard), breakdown
 
     def _assemble(self, config, global_batch, step_s, pipe_s, time_breakdown, breakdowns, stage_plans, headroom) -> Estimate:
         graph = self.graph
@@ -450,19 +410,3 @@ class Evaluator:
             bubble_fraction=time_breakdown["pp_bubble_s"] / pipe_s if pipe_s > 0 else 0.0,
             config=config,
         )
-
-
-def _state_collective_s(kind: Collective, bytes_per_param: float, dense: float, expert: float, dense_group: CommGroup,
-                        expert_group: CommGroup, node: NodeSpec, oversubscription: float) -> float:
-    """One collective over the dense parameters' group and one over the experts' group (none for
-    a part without parameters: nothing is issued)."""
-    return sum(collective_time_s(kind, params * bytes_per_param, group, node, oversubscription)
-               for params, group in ((dense, dense_group), (expert, expert_group)) if params > 0)
-
-
-def state_options(config: ParallelConfig) -> dict:
-    """How model states are stored: fp32 gradients and device-side Adam, or ZeRO-Offload; under
-    ZeRO-3 as FSDP2 (what `Plan.apply` uses) stores them, the fp32 shard being the master copy."""
-    if config.offload_optimizer:
-        return {"optimizer": memory_model.Optimizer.ADAM_MIXED_OFFLOAD, "shard_is_master": True}
-    return {"grad_bytes_per_param": GRAD_BYTES_PER_PARAM, "shard_is_master": True}

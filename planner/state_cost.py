@@ -1,0 +1,71 @@
+"""What model states cost in time: exposed data-parallel gradient reduction and parameter gathers,
+the optimizer step, and how the states are stored (the storage options `costmodel.memory` takes).
+"""
+from __future__ import annotations
+
+from costmodel import memory as memory_model
+from costmodel.comm import Collective, CommGroup, collective_time_s
+from costmodel.hardware import DeviceSpec, NodeSpec
+from costmodel.offload import offload_step_s
+from planner.config import ParallelConfig
+from planner.mesh import expert_data_group
+
+# Mixed-precision Adam touches, per parameter and step, fp32 master weight, two fp32 moments and
+# the fp32 gradient (read 16 B) and writes master + moments + the bf16 weight copy (14 B).
+# Counted from torch.optim.AdamW's fused update; bandwidth bound.
+OPTIMIZER_BYTES_PER_PARAM = 30
+
+# Gradients are reduced in fp32: Megatron-LM accumulates and all-reduces main_grad in fp32 for
+# bf16 training (`accumulate_allreduce_grads_in_fp32`), and torchtitan's FSDP2 mixed precision
+# uses reduce_dtype=float32.
+GRAD_REDUCE_BYTES_PER_PARAM = 4
+
+# Gradients are also kept in fp32 (Megatron's main_grad buffer; FSDP2 gradients on the fp32
+# sharded parameters): 2 + 4 + 12 = 18 bytes per parameter with mixed-precision Adam, the figure
+# behind Korthikanti et al. 2022, Figure 1.
+GRAD_BYTES_PER_PARAM = memory_model.FP32_GRAD_BYTES_PER_PARAM
+
+
+def dp_exposed_s(config: ParallelConfig, node: NodeSpec, groups, dense: float, expert: float, fwd_s: float, bwd_s: float,
+                 oversubscription: float) -> float:
+    """Data-parallel traffic not hidden behind compute, per step.
+
+    The gradient reduction (all-reduce, or reduce-scatter under ZeRO-1/2) runs bucket by bucket
+    during the backward of the last micro-batch; the ZeRO-1/2 parameter all-gather runs bucket
+    by bucket ahead of the next step's first forward (Megatron-Core's overlapped
+    param gather, FSDP's prefetch). Each is exposed by what exceeds its one-micro-batch window.
+    """
+    if config.zero == 3 or config.dp * config.cp == 1:
+        return 0.0
+    if not node.device.comm_overlaps_compute:
+        fwd_s = bwd_s = 0.0  # nothing hides the traffic
+    expert_group = expert_data_group(config, node)
+    kind = Collective.ALL_REDUCE if config.zero == 0 else Collective.REDUCE_SCATTER
+    reduce_s = state_collective_s(kind, GRAD_REDUCE_BYTES_PER_PARAM, dense, expert, groups.dp_cp, expert_group, node, oversubscription)
+    gather_s = 0.0
+    if config.zero in (1, 2):
+        gather_s = state_collective_s(Collective.ALL_GATHER, 2, dense, expert, groups.dp_cp, expert_group, node, oversubscription)
+    return max(0.0, reduce_s - bwd_s) + max(0.0, gather_s - fwd_s)
+
+
+def optimizer_step_s(config: ParallelConfig, device: DeviceSpec, owned_params: float) -> float:
+    """Seconds of the optimizer update over the `owned_params` whose states one device holds (linear in them)."""
+    if config.offload_optimizer:
+        return offload_step_s(owned_params)
+    return owned_params * OPTIMIZER_BYTES_PER_PARAM / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
+
+
+def state_collective_s(kind: Collective, bytes_per_param: float, dense: float, expert: float, dense_group: CommGroup,
+                       expert_group: CommGroup, node: NodeSpec, oversubscription: float) -> float:
+    """One collective over the dense parameters' group and one over the experts' group (none for
+    a part without parameters: nothing is issued)."""
+    return sum(collective_time_s(kind, params * bytes_per_param, group, node, oversubscription)
+               for params, group in ((dense, dense_group), (expert, expert_group)) if params > 0)
+
+
+def state_options(config: ParallelConfig) -> dict:
+    """How model states are stored: fp32 gradients and device-side Adam, or ZeRO-Offload; under
+    ZeRO-3 as FSDP2 (what `Plan.apply` uses) stores them, the fp32 shard being the master copy."""
+    if config.offload_optimizer:
+        return {"optimizer": memory_model.Optimizer.ADAM_MIXED_OFFLOAD, "shard_is_master": True}
+    return {"grad_bytes_per_param": GRAD_BYTES_PER_PARAM, "shard_is_master": True}
