@@ -224,7 +224,7 @@ def test_expert_states_shard_over_the_expert_data_parallel_group(tiny_moe):
 
 def test_tensor_parallelism_splits_the_expert_projections(tiny_moe):
     # The memory model divides expert weights by ep * tp, so the layout must split every expert
-    # projection tp ways, and a block's expert work per rank halves at tp = 2.
+    # projection (and with it the projection's work) tp ways.
     cluster = load_cluster("a100-80g:1x8")
     evaluator = Evaluator(tiny_moe, cluster)
     device, node = stage_devices(cluster, 1)[0]

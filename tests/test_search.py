@@ -20,8 +20,8 @@ from ortools.math_opt.python import mathopt
 
 import planner
 from costmodel.profile_loader import load_cluster
-from planner.bounds import (fill_bound_s, least_slowest_split_s, least_slowest_stage_s, mean_capacity_bytes, memory_floor_bytes, pipeline_bound_s,
-                            tail_bound_s, work_bound, work_bound_key)
+from planner.bounds import (fill_bound_s, least_slowest_split_s, least_slowest_stage_s, mean_capacity_bytes, memory_floor_bytes,
+                            pipeline_bound_s, tail_bound_s, work_bound, work_bound_key)
 from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.estimate import Evaluator
