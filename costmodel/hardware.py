@@ -6,6 +6,7 @@ loads and validates them into these types. Bandwidths are per device and per dir
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -133,7 +134,7 @@ class Cluster:
     description: str = field(default="", compare=False)
     source: dict = field(default_factory=dict, compare=False, hash=False)
 
-    @property
+    @functools.cached_property
     def num_devices(self) -> int:
         return sum(g.count * g.node.devices_per_node for g in self.groups)
 

@@ -29,12 +29,13 @@ from costmodel import pipeline
 from costmodel.comm import Collective, CommGroup, collective_time_s
 from costmodel.compute import OpTable, peak_flops_per_s
 from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
-from planner.config import ParallelConfig, Schedule
+from planner.config import ParallelConfig
 from planner.errors import PlannerError, invalid
 from planner.graph import LayerKind, ModelGraph, Recompute
 from planner.layer_cost import AttentionKernel, LayerContext, LayerCost, price_layer
 from planner.mesh import expert_data_group, mesh_groups, stage_devices
 from planner.result import Estimate, StagePlan
+from planner.space import check_config
 from planner.stage_problem import StageProblem
 from planner.state_cost import (GRAD_REDUCE_BYTES_PER_PARAM, dp_exposed_s, optimizer_step_s, state_collective_s,
                                  state_options)
@@ -88,7 +89,6 @@ class Evaluator:
         self._time_cache: dict = {}
         self._stage_devices: dict = {}
         self._device_types: dict = {}
-        self.measured_policies = frozenset(graph.recompute_policies)
         self._policies: dict = {}
         self._distinct: dict = {}
         self.layout_cache: dict = {}  # sharding-ILP layouts, shared by every config of this evaluator
@@ -119,38 +119,6 @@ class Evaluator:
         if self.dtype == "bf16" and "fp16" in device.peak_flops_per_s:
             return "fp16"
         raise invalid(f"--dtype {self.dtype}: {device.name} has no {self.dtype} peak; use one of {sorted(device.peak_flops_per_s)}")
-
-    def check(self, config: ParallelConfig, global_batch: int) -> None:
-        """Raises PlannerError(INVALID_INPUT) naming why `config` cannot exist for this model and cluster."""
-        dims, graph = self.graph.dims, self.graph
-        if config.devices != self.cluster.num_devices:
-            raise invalid(
-                f"dp*tp*pp*cp = {config.dp}*{config.tp}*{config.pp}*{config.cp} = {config.devices}: must equal the cluster's {self.cluster.num_devices} devices"
-            )
-        if dims.heads and dims.heads % config.tp:
-            raise invalid(f"tp={config.tp}: must divide the {dims.heads} attention heads")
-        if dims.kv_heads and config.tp > 1 and dims.kv_heads % config.tp and config.tp % dims.kv_heads:
-            raise invalid(f"tp={config.tp}: must divide, or be a multiple of, the {dims.kv_heads} key/value heads")
-        if config.recompute not in self.measured_policies:
-            raise invalid(f"recompute={config.recompute}: not measured for this model (op-level checkpointing is measured on "
-                          "fx/export traces; this one was traced at module level); use none, selective or full")
-        if config.tp > 1 and not any(layer.ops for layer in graph.layers):
-            raise invalid(f"tp={config.tp}: the model was traced at module level (no op graph), so only tp=1 is supported")
-        if config.ep > 1 and (not dims.experts or dims.experts % config.ep):
-            raise invalid(f"ep={config.ep}: must divide the model's {dims.experts} experts" if dims.experts else f"ep={config.ep}: the model has no experts; use ep=1")
-        if graph.seq_len % config.cp:
-            raise invalid(f"cp={config.cp}: must divide seq_len={graph.seq_len}")
-        chunks = config.pp * config.vpp
-        if chunks > len(graph.layers):
-            raise invalid(f"pp*vpp={chunks}: more pipeline chunks than the model's {len(graph.layers)} layers")
-        if global_batch % (config.dp * config.micro_batch):
-            raise invalid(f"global_batch={global_batch}: must be a multiple of dp*micro_batch = {config.dp}*{config.micro_batch}")
-        if config.global_batch != global_batch:
-            raise invalid(f"num_microbatches={config.num_microbatches}: dp*micro_batch*num_microbatches must equal global_batch={global_batch}")
-        if config.schedule == Schedule.INTERLEAVED and config.num_microbatches % config.pp:
-            raise invalid(f"num_microbatches={config.num_microbatches}: the interleaved schedule needs a multiple of pp={config.pp}")
-        if config.pp > 1 and config.schedule == Schedule.GPIPE and config.num_microbatches < config.pp:
-            raise invalid(f"num_microbatches={config.num_microbatches}: GPipe needs at least pp={config.pp} micro-batches")
 
     def layer_cost(self, index: int, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, recompute: Recompute) -> LayerCost:
         layer = self.graph.layers[index]
@@ -306,7 +274,7 @@ class Evaluator:
         Raises:
             PlannerError: INVALID_INPUT when the configuration cannot exist.
         """
-        self.check(config, global_batch)
+        check_config(self.graph, self.cluster, config, global_batch)
         graph, m = self.graph, config.num_microbatches
         per_device = self.stage_devices(config.pp)
         policies = self.policies(config, recompute_per_layer)

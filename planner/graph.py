@@ -6,6 +6,7 @@ activation bytes linearly with the micro-batch it prices.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -152,7 +153,8 @@ class ModelGraph:
     def blocks(self) -> tuple[Layer, ...]:
         return tuple(layer for layer in self.layers if layer.kind == LayerKind.BLOCK)
 
-    @property
+    @functools.cached_property
     def recompute_policies(self) -> tuple[Recompute, ...]:
-        """Recompute policies measured on every layer (op-level checkpointing needs an fx/export trace)."""
+        """Recompute policies measured on every layer (op-level checkpointing needs an fx/export trace);
+        computed once per graph (every configuration check asks)."""
         return tuple(policy for policy in Recompute if all(policy in layer.saved_bytes for layer in self.layers))

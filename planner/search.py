@@ -30,7 +30,7 @@ from planner.estimate import Evaluator
 from planner.graph import ModelGraph, Recompute
 from planner.memory_plan import memory_plan
 from planner.result import Alternative, Plan
-from planner.space import Rejection, configs_for, enumerate_degrees
+from planner.space import Rejection, check_config, configs_for, enumerate_degrees
 
 # Constraint keys `plan` accepts besides the fixed choices; anything else is a typo.
 BOUND_KEYS = {f"{bound}_{axis}" for bound in ("min", "max") for axis in ("tp", "pp", "dp", "cp", "ep")}
@@ -78,7 +78,7 @@ class _Pass:
                 continue
             for config in configs_for(degrees, graph, global_batch, constraints):
                 try:
-                    evaluator.check(config, global_batch)
+                    check_config(graph, evaluator.cluster, config, global_batch)
                 except PlannerError as error:
                     self.rejected.append(Rejection(config.short(), error.message))
                     continue

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from costmodel.hardware import Cluster
 from planner.config import ParallelConfig, Schedule
-from planner.errors import PlannerError
+from planner.errors import PlannerError, invalid
 from planner.mesh import stage_devices
 from planner.graph import ModelGraph, Recompute
 
@@ -197,3 +197,36 @@ def configs_for(degrees: tuple[int, int, int, int, int], graph: ModelGraph, glob
                     yield ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp, micro_batch=mb,
                                          num_microbatches=m, zero=zero, recompute=recompute, schedule=schedule,
                                          offload_optimizer=bool(constraints.get("offload_optimizer", False)))
+
+
+def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, global_batch: int) -> None:
+    """Raises PlannerError(INVALID_INPUT) naming why `config` cannot exist for this model, cluster and batch."""
+    dims = graph.dims
+    if config.devices != cluster.num_devices:
+        raise invalid(
+            f"dp*tp*pp*cp = {config.dp}*{config.tp}*{config.pp}*{config.cp} = {config.devices}: must equal the cluster's {cluster.num_devices} devices"
+        )
+    if dims.heads and dims.heads % config.tp:
+        raise invalid(f"tp={config.tp}: must divide the {dims.heads} attention heads")
+    if dims.kv_heads and config.tp > 1 and dims.kv_heads % config.tp and config.tp % dims.kv_heads:
+        raise invalid(f"tp={config.tp}: must divide, or be a multiple of, the {dims.kv_heads} key/value heads")
+    if config.recompute not in graph.recompute_policies:
+        raise invalid(f"recompute={config.recompute}: not measured for this model (op-level checkpointing is measured on "
+                      "fx/export traces; this one was traced at module level); use none, selective or full")
+    if config.tp > 1 and not any(layer.ops for layer in graph.layers):
+        raise invalid(f"tp={config.tp}: the model was traced at module level (no op graph), so only tp=1 is supported")
+    if config.ep > 1 and (not dims.experts or dims.experts % config.ep):
+        raise invalid(f"ep={config.ep}: must divide the model's {dims.experts} experts" if dims.experts else f"ep={config.ep}: the model has no experts; use ep=1")
+    if graph.seq_len % config.cp:
+        raise invalid(f"cp={config.cp}: must divide seq_len={graph.seq_len}")
+    chunks = config.pp * config.vpp
+    if chunks > len(graph.layers):
+        raise invalid(f"pp*vpp={chunks}: more pipeline chunks than the model's {len(graph.layers)} layers")
+    if global_batch % (config.dp * config.micro_batch):
+        raise invalid(f"global_batch={global_batch}: must be a multiple of dp*micro_batch = {config.dp}*{config.micro_batch}")
+    if config.global_batch != global_batch:
+        raise invalid(f"num_microbatches={config.num_microbatches}: dp*micro_batch*num_microbatches must equal global_batch={global_batch}")
+    if config.schedule == Schedule.INTERLEAVED and config.num_microbatches % config.pp:
+        raise invalid(f"num_microbatches={config.num_microbatches}: the interleaved schedule needs a multiple of pp={config.pp}")
+    if config.pp > 1 and config.schedule == Schedule.GPIPE and config.num_microbatches < config.pp:
+        raise invalid(f"num_microbatches={config.num_microbatches}: GPipe needs at least pp={config.pp} micro-batches")

@@ -26,7 +26,7 @@ from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.estimate import Evaluator
 from planner.graph import Recompute
-from planner.space import configs_for, enumerate_degrees
+from planner.space import check_config, configs_for, enumerate_degrees
 from planner.stages import split_uniform
 
 # Relative tolerance for comparing step times that come from the same arithmetic in another order.
@@ -71,7 +71,7 @@ def brute_force(graph, cluster_name: str, global_batch: int, constraints: dict):
     for degrees in enumerate_degrees(graph, cluster, constraints).degrees:
         for config in configs_for(degrees, graph, global_batch, constraints):
             try:
-                evaluator.check(config, global_batch)
+                check_config(graph, cluster, config, global_batch)
             except PlannerError:
                 continue
             estimate = evaluator.estimate(config, global_batch)
