@@ -5,6 +5,7 @@ spanning nodes would run every per-layer collective over the NICs) unless `allow
 pp divides the devices left and never exceeds the layers; cp divides the sequence and is only
 offered from `CP_MIN_SEQ_LEN` tokens (below it attention is a small share of the work);
 ep divides the experts and dp*cp; dp is what is left. Micro-batches divide the per-replica batch.
+`check_config` says why a given configuration (the user's, or one of these) cannot exist.
 """
 from __future__ import annotations
 
