@@ -8,6 +8,8 @@ import argparse
 import json
 import sys
 
+from planner.config import TRAINING_DTYPES
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports bad arguments in one line (exit 2) instead of usage text."""
@@ -49,7 +51,7 @@ def _add_sweep_args(sub) -> None:
     sweep.add_argument("--clusters", type=_listed("clusters"), help="comma-separated clusters (names, files, DEVICE:NODESxGPUS)")
     sweep.add_argument("--global-batches", type=_listed("global-batches", positive=True), help="comma-separated global batches")
     sweep.add_argument("--seq-lens", type=_listed("seq-lens", positive=True), help="comma-separated sequence lengths")
-    sweep.add_argument("--dtype", choices=["bf16", "fp16", "fp8"])
+    sweep.add_argument("--dtype", choices=TRAINING_DTYPES)
     sweep.add_argument("--attention", choices=["flash", "unfused"])
     sweep.add_argument("--tp-comm-overlap", dest="tp_overlap", action="store_const", const=True,
                        help="TP collectives overlapped with GEMMs (Megatron-Core --tp-comm-overlap, async TP)")
@@ -70,7 +72,7 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool) -> None:
     if needs_batch:
         parser.add_argument("--cluster", required=True, help="cluster name, cluster file, or DEVICE:NODESxGPUS")
         parser.add_argument("--global-batch", type=_positive("global-batch"), required=True, help="sequences per optimizer step")
-        parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp8"])
+        parser.add_argument("--dtype", default="bf16", choices=TRAINING_DTYPES)
         parser.add_argument("--attention", default="flash", choices=["flash", "unfused"],
                             help="attention kernel of the training code (unfused: scores materialised, pre-FlashAttention)")
         parser.add_argument("--tp-comm-overlap", action="store_true",

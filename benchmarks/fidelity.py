@@ -4,9 +4,11 @@
 
 For each world size and parallel mode it profiles the machine with that many ranks (`paraplan
 profile` under torchrun: GEMM, memory and attention times measured while all ranks run, gloo
-collectives), plans a small GPT on the measured cluster with constraints forcing the mode, applies
-the plan under torchrun (bf16 compute through FSDP2 mixed precision, fp32 master weights and gradient
-reduction, AdamW: the mixed-precision states the cost model assumes) and measures:
+collectives), plans a small GPT on the measured cluster with constraints forcing the mode, in the
+dtype the profile found fastest (bf16 where the cores have bf16 GEMM instructions; fp32 on cores
+without them, which emulate bf16 GEMMs tens of times slower), applies the plan under torchrun (bf16:
+compute through FSDP2 mixed precision with fp32 master weights and gradient reduction; fp32: plain
+fp32; AdamW either way: the states the cost model assumes for that dtype) and measures:
 
 - step time: the median over `--steps` steps after warm-up, each step fenced by barriers;
 - peak memory: the largest rank's peak over one step, from PyTorch's `MemTracker` (parameters,
@@ -35,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import planner  # noqa: E402
+from costmodel.profile_loader import load_cluster  # noqa: E402
 from planner.models import resolve_model  # noqa: E402
 from planner.result import Plan  # noqa: E402
 
@@ -43,7 +46,8 @@ from planner.result import Plan  # noqa: E402
 SPEC = "arch: gpt\nlayers: 4\nhidden: 512\nheads: 8\nvocab: 4096\nmax_seq_len: 256\ntie_embeddings: false\n"
 GLOBAL_BATCH = 8
 SEQ_LEN = 256
-DTYPE = "bf16"
+# Dtypes a CPU rank can train in; each mode uses the one its profile measured fastest.
+TRAINING_DTYPES = ("bf16", "fp32")
 WARMUP_STEPS = 2
 SEED = 0
 LEARNING_RATE = 1e-4
@@ -112,8 +116,8 @@ def worker(plan_path: str, spec_path: str, steps: int, out: str) -> None:
     plan = Plan.load(plan_path)
     torch.manual_seed(SEED)
     source = resolve_model(spec_path)
-    applied = plan.apply(source.build(seq_len=plan.seq_len), device="cpu",
-                         mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if plan.dtype == "bf16" else None
+    applied = plan.apply(source.build(seq_len=plan.seq_len), device="cpu", mp_policy=mixed)
     optimizer = torch.optim.AdamW(list(applied.parameters()), lr=LEARNING_RATE)
     generator = torch.Generator().manual_seed(SEED + 1)
     batches = [torch.randint(0, source.dims.vocab, (plan.global_batch, plan.seq_len), generator=generator)
@@ -139,6 +143,12 @@ def predicted_allocated_bytes(plan) -> float:
     return max(row["total_bytes"] - row["overhead_bytes"] for row in plan.estimate.memory)
 
 
+def fastest_dtype(cluster_path: Path) -> str:
+    """The training dtype with the highest measured GEMM peak in a `paraplan profile` cluster file."""
+    peaks = load_cluster(cluster_path).devices()[0].peak_flops_per_s
+    return max(TRAINING_DTYPES, key=lambda dtype: peaks.get(dtype, 0.0))
+
+
 def run(worlds: list[int], steps: int) -> list[dict]:
     """Profiles, plans, applies and measures every mode of every world size."""
     rows = []
@@ -151,14 +161,15 @@ def run(worlds: list[int], steps: int) -> list[dict]:
                 # Profiled right before each run: on a shared machine the load drifts within minutes.
                 _torchrun(world, "cli.py", "profile", "--out", str(cluster))
                 fixed = {axis: constraints.get(axis, 1) for axis in PINNED}
-                plan = planner.plan(str(spec), str(cluster), global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype=DTYPE,
+                dtype = fastest_dtype(cluster)
+                plan = planner.plan(str(spec), str(cluster), global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype=dtype,
                                     **{**constraints, **fixed})
                 plan_path, result_path = Path(scratch) / "plan.json", Path(scratch) / "result.json"
                 plan.save(plan_path)
                 _torchrun(world, "benchmarks/fidelity.py", "--worker", str(plan_path), str(spec), str(steps), str(result_path))
                 measured = json.loads(result_path.read_text())
                 rows.append({
-                    "world": world, "mode": name, "config": plan.config.short(),
+                    "world": world, "mode": name, "dtype": dtype, "config": plan.config.short(),
                     "predicted_s": plan.estimate.step_time_s, "measured_s": statistics.median(measured["step_times_s"]),
                     "predicted_bytes": predicted_allocated_bytes(plan), "measured_bytes": max(measured["peak_bytes"]),
                 })
@@ -169,13 +180,14 @@ def run(worlds: list[int], steps: int) -> list[dict]:
 def _format(row: dict) -> str:
     time_error = row["predicted_s"] / row["measured_s"] - 1
     memory_error = row["predicted_bytes"] / row["measured_bytes"] - 1
-    return (f"{row['world']}  {row['mode']:<11} {row['config']:<32} {row['predicted_s']:8.3f} {row['measured_s']:8.3f} "
+    return (f"{row['world']:<5} {row['mode']:<11} {row['dtype']:<5} {row['config']:<32} {row['predicted_s']:8.3f} {row['measured_s']:8.3f} "
             f"{time_error:+7.1%}{' ' if abs(time_error) <= TIME_TOLERANCE else '!'}  "
             f"{row['predicted_bytes'] / 2**20:9.1f} {row['measured_bytes'] / 2**20:9.1f} {memory_error:+7.1%}"
             f"{' ' if abs(memory_error) <= MEMORY_TOLERANCE else '!'}")
 
 
-HEADER = ("ranks mode  config                           pred s   meas s   error   pred MiB  meas MiB   error\n"
+HEADER = (f"{'ranks':<5} {'mode':<11} {'dtype':<5} {'config':<32} {'pred s':>8} {'meas s':>8} {'error':>7}   "
+          f"{'pred MiB':>9} {'meas MiB':>9} {'error':>7}\n"
           "(! = outside the target: step time 25%, memory 10%)")
 
 

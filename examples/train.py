@@ -1,12 +1,15 @@
 """Train a few steps of a model under a paraplan plan, one process per device.
 
-    paraplan plan --model examples/tiny-llama.yaml --cluster cpu:1x2 --global-batch 8 --seq-len 128 --tp 2 --out plan.json
+    paraplan plan --model examples/tiny-llama.yaml --cluster cpu:1x2 --global-batch 8 --seq-len 128 --tp 2 --dtype fp32 --out plan.json
     torchrun --nproc-per-node 2 examples/train.py --plan plan.json --model examples/tiny-llama.yaml --steps 5
 
 The model is built from the plan's model name (or --model) with the same seed on every rank, the
 plan is applied with `Plan.apply` (mesh, tensor parallelism, checkpointing, FSDP2, pipeline), and
-each step trains on one global batch of random tokens. GPUs use NCCL and bf16 compute through FSDP2
-mixed precision; CPUs use gloo and float32, one thread per rank.
+each step trains on one global batch of random tokens, in the plan's dtype: fp32 plans in plain
+float32, bf16/fp16 plans through FSDP2 mixed precision (fp32 master weights and gradient
+reduction; fp8 plans run their GEMMs in bf16 here, as torchao's Float8Linear is not applied). GPUs
+use NCCL; CPUs use gloo, one thread per rank (plan CPU runs with `--dtype fp32` where the cores
+lack bf16 GEMM instructions).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
@@ -26,6 +30,8 @@ from planner.models import resolve_model  # noqa: E402
 from planner.result import Plan  # noqa: E402
 
 LEARNING_RATE = 3e-4
+# FSDP2 parameter dtype of mixed-precision plans; fp32 plans train without a policy.
+MIXED_PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 SEED = 0
 
 
@@ -52,10 +58,8 @@ def train(plan_path: str, model_name: str | None, steps: int) -> int:
     with torch.device("cpu"):
         model = source.build(seq_len=plan.seq_len)
     mp_policy = None
-    if gpu:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if plan.dtype in MIXED_PARAM_DTYPES:
+        mp_policy = MixedPrecisionPolicy(param_dtype=MIXED_PARAM_DTYPES[plan.dtype], reduce_dtype=torch.float32)
     applied = plan.apply(model.cuda() if gpu else model, mp_policy=mp_policy)
     del model  # with pipelining, the other stages' modules are freed
     optimizer = torch.optim.AdamW(list(applied.parameters()), lr=LEARNING_RATE)

@@ -17,18 +17,19 @@ CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "reco
 _DIVISOR_KEYS = ("tp", "pp", "cp", "dp", "micro_batch")
 
 
-def model_graph(model, seq_len: int | None = None, micro_batch: int = 1) -> ModelGraph:
-    """The traced graph of `model`, from the on-disk cache when it has one (`planner.graph_cache`)."""
+def model_graph(model, seq_len: int | None = None, micro_batch: int = 1, dtype: str = "bf16") -> ModelGraph:
+    """The graph of `model` traced in training dtype `dtype`, from the on-disk cache when it has one
+    (`planner.graph_cache`)."""
     if isinstance(model, ModelGraph):
         return model
     from planner import graph_cache
 
-    path = graph_cache.cache_path(model, seq_len, micro_batch, "bf16") if isinstance(model, str) else None
+    path = graph_cache.cache_path(model, seq_len, micro_batch, dtype) if isinstance(model, str) else None
     graph = graph_cache.load(path)
     if graph is None:
         from planner.tracing import trace  # imports torch (about a second); a cached graph needs none
 
-        graph = trace(model, seq_len=seq_len, micro_batch=micro_batch)
+        graph = trace(model, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype)
         graph_cache.store(path, graph)
     return graph
 
@@ -90,7 +91,7 @@ def evaluate(model, cluster, config: dict | ParallelConfig, *, global_batch: int
     """
     from planner.estimate import Evaluator
 
-    graph = model_graph(model, seq_len)
+    graph = model_graph(model, seq_len, dtype=dtype)
     hardware = _cluster(cluster)
     full = make_config(config, hardware.num_devices, global_batch)
     return Evaluator(graph, hardware, dtype, attention=attention, tp_overlap=tp_overlap).estimate(full, global_batch)
@@ -117,7 +118,7 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
     """
     from planner.search import search
 
-    graph = model_graph(model, seq_len)
+    graph = model_graph(model, seq_len, dtype=dtype)
     hardware = _cluster(cluster)
     result = search(graph, hardware, global_batch=global_batch, dtype=dtype, attention=attention, tp_overlap=tp_overlap, cluster_name=str(cluster if isinstance(cluster, str) else hardware.name), **constraints)
     return dataclasses.replace(result, layer_params=tuple(layer.params for layer in graph.layers))

@@ -15,6 +15,10 @@ class Schedule(StrEnum):
     ZERO_BUBBLE = "zb"
 
 
+# Training dtypes the planner prices: mixed precision in bf16/fp16, fp8 GEMMs over bf16
+# (`costmodel.compute.GEMM_ONLY_DTYPES`), or plain fp32 (e.g. CPU ranks without bf16 GEMMs).
+TRAINING_DTYPES = ("bf16", "fp16", "fp8", "fp32")
+
 _VALUES = {kind: frozenset(str(member) for member in kind) for kind in (Recompute, Schedule)}
 
 

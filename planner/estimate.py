@@ -27,18 +27,18 @@ import numpy as np
 from costmodel import memory as memory_model
 from costmodel import pipeline
 from costmodel.comm import Collective, CommGroup, collective_time_s
-from costmodel.compute import OpTable, peak_flops_per_s
+from costmodel.compute import OpTable, base_dtype, peak_flops_per_s
 from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
 from planner.config import ParallelConfig
 from planner.errors import PlannerError, invalid
 from planner.graph import LayerKind, ModelGraph, Recompute
-from planner.layer_cost import AttentionKernel, LayerContext, LayerCost, price_layer
+from planner.layer_cost import AttentionKernel, LayerContext, LayerCost, bytes_per_element, price_layer
 from planner.mesh import expert_data_group, mesh_groups, stage_devices
 from planner.result import Estimate, StagePlan
 from planner.space import check_config
 from planner.stage_problem import StageProblem
-from planner.state_cost import (GRAD_REDUCE_BYTES_PER_PARAM, dp_exposed_s, optimizer_step_s, state_collective_s,
-                                 state_options)
+from planner.state_cost import (GRAD_REDUCE_BYTES_PER_PARAM, dp_exposed_s, optimizer_step_s, precision_of,
+                                 state_collective_s, state_options)
 from planner.stages import split_dp
 from planner.tp_plan import tp_plan_for
 
@@ -78,11 +78,15 @@ class Evaluator:
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, dtype: str = "bf16", table: OpTable | None = None,
                  attention: AttentionKernel | str = AttentionKernel.FLASH, tp_overlap: bool = False):
+        if bytes_per_element(base_dtype(graph.dtype)) != bytes_per_element(base_dtype(dtype)):
+            raise invalid(f"dtype={dtype!r}: {graph.name} was traced in {graph.dtype}, whose activations differ in size; "
+                          f"fix: trace it with dtype={dtype!r}")
         self.attention = AttentionKernel(attention)
         self.tp_overlap = tp_overlap
         self.graph = graph
         self.cluster = cluster
         self.dtype = dtype
+        self.precision = precision_of(dtype)
         self.table = table
         self._layer_cache: dict = {}
         self._table_cache: dict = {}
@@ -158,7 +162,7 @@ class Evaluator:
             return table
         groups = mesh_groups(config, node.devices_per_node)
         expert_group = expert_data_group(config, node)
-        state = state_options(config)
+        state = state_options(config, self.precision)
         representatives, index = self._distinct_layers(policies)
         rows = [self._layer_row(layer, config, device, node, policies[layer], groups, expert_group, state) for layer in representatives]
         table = np.array(rows, dtype=float)[index]
@@ -201,7 +205,7 @@ class Evaluator:
         exposed = 0.0
         if config.zero == 3:
             over = self.cluster.oversubscription
-            gather_s = state_collective_s(Collective.ALL_GATHER, 2, dense, expert, groups.dp_cp, expert_group, node, over)
+            gather_s = state_collective_s(Collective.ALL_GATHER, self.precision.weight_bytes, dense, expert, groups.dp_cp, expert_group, node, over)
             scatter_s = state_collective_s(Collective.REDUCE_SCATTER, GRAD_REDUCE_BYTES_PER_PARAM, dense, expert, groups.dp_cp,
                                             expert_group, node, over)
             fwd_window_s, bwd_window_s = (cost.fwd_s, cost.bwd_s + cost.recompute_s) if device.comm_overlaps_compute else (0.0, 0.0)
@@ -343,7 +347,7 @@ class Evaluator:
         if config.pp > 1:
             p2p_s = collective_time_s(Collective.P2P, last_out_bytes / config.seq_split, groups.pp, node, self.cluster.oversubscription)
         dense, expert = total[COL["dense_params"]], total[COL["expert_params"]]
-        dp_s = dp_exposed_s(config, node, groups, dense, expert, total[COL["fwd_s"]], total[COL["bwd_s"]],
+        dp_s = dp_exposed_s(config, self.precision, node, groups, dense, expert, total[COL["fwd_s"]], total[COL["bwd_s"]],
                            self.cluster.oversubscription)
         expert_group = expert_data_group(config, node).size
         dense_shard, expert_shard = (config.dp * config.cp, expert_group) if config.zero >= 1 else (1, 1)
@@ -352,9 +356,9 @@ class Evaluator:
             in_flight=in_flight, zero=config.zero, dense_shard_group=config.dp * config.cp, expert_shard_group=expert_group,
             gathered_params=ZERO3_GATHERED_LAYERS * largest_params if config.zero == 3 else 0.0,
             temp_bytes=total[COL["temp_bytes"]], grads_at_peak=config.num_microbatches > 1,
-            **state_options(config),
+            **state_options(config, self.precision),
         )
-        return p2p_s, dp_s, optimizer_step_s(config, device, dense / dense_shard + expert / expert_shard), breakdown
+        return p2p_s, dp_s, optimizer_step_s(config, self.precision, device, dense / dense_shard + expert / expert_shard), breakdown
 
     def _assemble(self, config, global_batch, step_s, pipe_s, time_breakdown, breakdowns, stage_plans, headroom) -> Estimate:
         graph = self.graph

@@ -3,6 +3,8 @@ the optimizer step, and how the states are stored (the storage options `costmode
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from costmodel import memory as memory_model
 from costmodel.comm import Collective, CommGroup, collective_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
@@ -14,6 +16,8 @@ from planner.mesh import expert_data_group
 # the fp32 gradient (read 16 B) and writes master + moments + the bf16 weight copy (14 B).
 # Counted from torch.optim.AdamW's fused update; bandwidth bound.
 OPTIMIZER_BYTES_PER_PARAM = 30
+# fp32 Adam: reads weight, gradient and both moments (16 B), writes weight and moments (12 B).
+FP32_OPTIMIZER_BYTES_PER_PARAM = 28
 
 # Gradients are reduced in fp32: Megatron-LM accumulates and all-reduces main_grad in fp32 for
 # bf16 training (`accumulate_allreduce_grads_in_fp32`), and torchtitan's FSDP2 mixed precision
@@ -26,8 +30,34 @@ GRAD_REDUCE_BYTES_PER_PARAM = 4
 GRAD_BYTES_PER_PARAM = memory_model.FP32_GRAD_BYTES_PER_PARAM
 
 
-def dp_exposed_s(config: ParallelConfig, node: NodeSpec, groups, dense: float, expert: float, fwd_s: float, bwd_s: float,
-                 oversubscription: float) -> float:
+@dataclass(frozen=True)
+class Precision:
+    """How training in one dtype stores and moves model states.
+
+    Attributes:
+        weight_bytes: bytes per working weight (what ZeRO all-gathers and what a device computes with).
+        optimizer: the state layout `costmodel.memory` prices.
+        optimizer_step_bytes: bytes the Adam update reads and writes per owned parameter.
+    """
+
+    weight_bytes: float
+    optimizer: memory_model.Optimizer
+    optimizer_step_bytes: float
+
+
+# bf16/fp16 weights with fp32 master weights, gradients and moments; fp8 recipes keep bf16 weights.
+MIXED_PRECISION = Precision(2, memory_model.Optimizer.ADAM_MIXED, OPTIMIZER_BYTES_PER_PARAM)
+# fp32 weights, gradients and moments, no master copy.
+FP32_PRECISION = Precision(4, memory_model.Optimizer.ADAM_FP32, FP32_OPTIMIZER_BYTES_PER_PARAM)
+
+
+def precision_of(dtype: str) -> Precision:
+    """The model-state precision of training in `dtype` ("fp32": plain fp32; others: mixed precision)."""
+    return FP32_PRECISION if dtype == "fp32" else MIXED_PRECISION
+
+
+def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, groups, dense: float, expert: float,
+                 fwd_s: float, bwd_s: float, oversubscription: float) -> float:
     """Data-parallel traffic not hidden behind compute, per step.
 
     The gradient reduction (all-reduce, or reduce-scatter under ZeRO-1/2) runs bucket by bucket
@@ -44,15 +74,16 @@ def dp_exposed_s(config: ParallelConfig, node: NodeSpec, groups, dense: float, e
     reduce_s = state_collective_s(kind, GRAD_REDUCE_BYTES_PER_PARAM, dense, expert, groups.dp_cp, expert_group, node, oversubscription)
     gather_s = 0.0
     if config.zero in (1, 2):
-        gather_s = state_collective_s(Collective.ALL_GATHER, 2, dense, expert, groups.dp_cp, expert_group, node, oversubscription)
+        gather_s = state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, dense, expert, groups.dp_cp,
+                                      expert_group, node, oversubscription)
     return max(0.0, reduce_s - bwd_s) + max(0.0, gather_s - fwd_s)
 
 
-def optimizer_step_s(config: ParallelConfig, device: DeviceSpec, owned_params: float) -> float:
+def optimizer_step_s(config: ParallelConfig, precision: Precision, device: DeviceSpec, owned_params: float) -> float:
     """Seconds of the optimizer update over the `owned_params` whose states one device holds (linear in them)."""
     if config.offload_optimizer:
         return offload_step_s(owned_params)
-    return owned_params * OPTIMIZER_BYTES_PER_PARAM / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
+    return owned_params * precision.optimizer_step_bytes / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
 
 
 def state_collective_s(kind: Collective, bytes_per_param: float, dense: float, expert: float, dense_group: CommGroup,
@@ -63,9 +94,16 @@ def state_collective_s(kind: Collective, bytes_per_param: float, dense: float, e
                for params, group in ((dense, dense_group), (expert, expert_group)) if params > 0)
 
 
-def state_options(config: ParallelConfig) -> dict:
-    """How model states are stored: fp32 gradients and device-side Adam, or ZeRO-Offload; under
-    ZeRO-3 as FSDP2 (what `Plan.apply` uses) stores them, the fp32 shard being the master copy."""
+def state_options(config: ParallelConfig, precision: Precision) -> dict:
+    """How model states are stored: fp32 gradients and device-side Adam, or ZeRO-Offload (working
+    weights and gradients on the device). Data parallelism runs as FSDP2 (what `Plan.apply` uses:
+    `replicate` or `fully_shard`), which computes with unsharded parameters apart from its sharded
+    ones, so its sharded fp32 parameters are a master copy even in fp32 training (under ZeRO-3 the
+    unsharded ones exist only while gathered)."""
     if config.offload_optimizer:
-        return {"optimizer": memory_model.Optimizer.ADAM_MIXED_OFFLOAD, "shard_is_master": True}
-    return {"grad_bytes_per_param": GRAD_BYTES_PER_PARAM, "shard_is_master": True}
+        return {"optimizer": memory_model.Optimizer.ADAM_MIXED_OFFLOAD, "shard_is_master": True,
+                "weight_bytes_per_param": precision.weight_bytes, "grad_bytes_per_param": precision.weight_bytes}
+    wrapped = config.dp * config.cp > 1
+    optimizer = memory_model.Optimizer.ADAM_MIXED if wrapped else precision.optimizer
+    return {"optimizer": optimizer, "weight_bytes_per_param": precision.weight_bytes,
+            "grad_bytes_per_param": GRAD_BYTES_PER_PARAM, "shard_is_master": True}

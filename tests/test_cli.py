@@ -101,6 +101,22 @@ def test_evaluate_json_contract(capsys):
     assert isinstance(data["fits"], bool) and 0 < data["mfu"] < 1
 
 
+def test_evaluate_fp32_prices_fp32_states_and_peak(capsys):
+    """--dtype fp32 (an extension of the contract's bf16|fp16|fp8): on one device 16 B of model
+    state per parameter instead of 18 (no master copy), and GEMMs at the fp32 peak, so the same
+    step is slower."""
+    base = ["evaluate", *MODEL_ARGS, "--cluster", "a100-80g:1x1", "--global-batch", "32", "--tp", "1", "--pp", "1", "--json"]
+    results = {}
+    for dtype in ("bf16", "fp32"):
+        code, out, _ = run([*base, "--dtype", dtype], capsys)
+        assert code == 0
+        results[dtype] = json.loads(out)
+    states = {dtype: sum(data["memory"][0][k] for k in ("weights_bytes", "grads_bytes", "optimizer_bytes"))
+              for dtype, data in results.items()}
+    assert states["fp32"] == pytest.approx(states["bf16"] * 16 / 18)
+    assert results["fp32"]["step_time_s"] > results["bf16"]["step_time_s"]
+
+
 def test_plan_json_contract(capsys):
     code, out, _ = run(["plan", *RUN_ARGS, "--json"], capsys)
     assert code == 0

@@ -18,6 +18,7 @@ from costmodel.compute import peak_flops_per_s
 from costmodel.memory import STATE_BYTES_PER_PARAM, Optimizer
 from costmodel.profile_loader import load_cluster
 from planner.config import ParallelConfig, Schedule
+from planner.errors import PlannerError
 from planner.estimate import COL, ZERO3_GATHERED_LAYERS, Evaluator
 from planner.mesh import axis_group, stage_devices
 from planner.graph import LayerKind, Recompute
@@ -185,6 +186,36 @@ def test_zero_divides_model_states_by_the_data_parallel_group(gpt350m, zero):
     assert row["weights_bytes"] == pytest.approx(weights)
     assert row["grads_bytes"] == pytest.approx(4 * per_device / (dp if zero >= 2 else 1))
     assert row["optimizer_bytes"] == pytest.approx(12 * per_device / (dp if zero >= 1 else 1))
+
+
+@pytest.mark.parametrize("dp, zero", [(1, 0), (4, 0), (4, 3)])
+def test_fp32_training_states(spec_dir, dp, zero):
+    # Plain fp32 Adam on one data-parallel rank: weights 4P, gradients 4P, moments 8P. With data
+    # parallelism FSDP2 computes with unsharded fp32 parameters (4P; ZeRO-3: two gathered copies
+    # of the largest layer) apart from its sharded ones, which are then a master copy: optimizer
+    # 4 + 8 = 12P (ZeRO-3: /dp, gradients too). Measured by benchmarks/fidelity.py (dp2 ZeRO-0 fp32:
+    # 4P more than plain fp32 Adam). Activations are traced in fp32: with a small vocabulary (the
+    # loss reads fp32 logits in both traces) nearly twice the bf16 trace's.
+    path = spec_dir / "fp32-gpt.yaml"
+    path.write_text("arch: gpt\nlayers: 2\nhidden: 256\nheads: 4\nvocab: 1024\nmax_seq_len: 128\n")
+    fp32, bf16 = trace(str(path), seq_len=128, dtype="fp32"), trace(str(path), seq_len=128)
+    config = ParallelConfig(dp=dp, num_microbatches=2, zero=zero)
+    cluster = load_cluster(f"a100-80g:1x{dp}")
+    row = Evaluator(fp32, cluster, "fp32").estimate(config, 2 * dp).memory[0]
+    shard = dp if zero == 3 else 1
+    largest = max(layer.params for layer in fp32.layers)
+    weights = 4 * ZERO3_GATHERED_LAYERS * largest if zero == 3 else 4 * fp32.params
+    assert row["weights_bytes"] == pytest.approx(weights)
+    assert row["grads_bytes"] == pytest.approx(4 * fp32.params / shard)
+    assert row["optimizer_bytes"] == pytest.approx((8 if dp == 1 else 12) * fp32.params / shard)
+    bf16_row = Evaluator(bf16, cluster, "bf16").estimate(config, 2 * dp).memory[0]
+    assert row["activations_bytes"] > 1.5 * bf16_row["activations_bytes"]
+
+
+def test_a_graph_traced_in_another_element_size_is_refused(gpt350m):
+    with pytest.raises(PlannerError, match=r"dtype='fp32'.*traced in bf16.*fix: trace it with dtype='fp32'"):
+        Evaluator(gpt350m, load_cluster("a100-80g:1x8"), "fp32")
+    assert Evaluator(gpt350m, load_cluster("a100-80g:1x8"), "fp8").dtype == "fp8"  # fp8 is traced as bf16
 
 
 def test_loss_temporaries_are_two_fp32_logits_on_the_last_stage(gpt350m):

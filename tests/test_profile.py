@@ -91,7 +91,7 @@ def test_measured_op_table_overrides_the_roofline(tmp_path):
 
 def test_profile_op_tables_drive_the_evaluator(tmp_path, spec):
     """Matmul time scales with the table: step time is linear in a uniform scale of every GEMM time."""
-    graph = planner.trace(str(spec), seq_len=64)
+    graph = planner.trace(str(spec), seq_len=64, dtype="fp32")
     steps = []
     for scale in (1.0, 2.0, 3.0):
         out = tmp_path / f"box{int(scale)}.yaml"

@@ -210,7 +210,7 @@ def test_rerun_plans_only_missing_points_and_matches_an_uninterrupted_run(tmp_pa
 def test_a_model_that_fails_to_trace_becomes_rows(tmp_path, monkeypatch):
     import planner.sweeps.runner
 
-    def fail(model, seq_len=None):
+    def fail(model, seq_len=None, dtype="bf16"):
         raise PlannerError(PlannerErrorKind.UNSUPPORTED_MODEL, "capture failed in layers.0: boom")
 
     monkeypatch.setattr(planner.sweeps.runner, "model_graph", fail)

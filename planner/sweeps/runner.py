@@ -188,7 +188,7 @@ def _trace(todo: list[SweepPoint], spec: SweepSpec, settings: PlanSettings, resu
             break
         bar.update(task, description=f"tracing {model} at {seq_len} tokens")
         try:
-            graphs[model, seq_len] = model_graph(model, seq_len)
+            graphs[model, seq_len] = model_graph(model, seq_len, dtype=settings.dtype)
         except Exception as error:  # noqa: BLE001 - the model's points become rows with the reason
             for point in todo:
                 if (point.model, point.seq_len) == (model, seq_len):

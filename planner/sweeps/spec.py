@@ -10,7 +10,7 @@ keys is a point; explicit `points` follow:
     clusters: [dgx-h100-su, h100-sxm:4x8]   # optional: cluster names, files or DEVICE:NODESxGPUS
     global_batches: [512]                   # sequences per optimizer step
     seq_lens: [2048, 4096]                  # tokens per sequence
-    dtype: bf16                             # optional: bf16 (default), fp16 or fp8
+    dtype: bf16                             # optional: bf16 (default), fp16, fp8 or fp32
     attention: flash                        # optional: flash (default) or unfused
     tp_overlap: false                       # optional: TP collectives overlapped with GEMMs (as --tp-comm-overlap)
     constraints: {zero: 1}                  # optional: fixed choices or bounds, as `paraplan plan` takes
@@ -39,13 +39,13 @@ from costmodel.errors import ProfileError
 from costmodel.hardware import Cluster
 from costmodel.profile_files import PROFILE_SUFFIXES
 from costmodel.profile_loader import load_cluster, load_device
+from planner.config import TRAINING_DTYPES
 from planner.errors import PlannerError, invalid
 
 GRID_LIST_KEYS = ("models", "devices", "cluster_sizes", "clusters", "global_batches", "seq_lens")
 SETTING_KEYS = ("dtype", "attention", "tp_overlap", "constraints")
 SPEC_KEYS = (*GRID_LIST_KEYS, *SETTING_KEYS, "points")
 POINT_KEYS = ("model", "cluster", "global_batch", "seq_len")
-DTYPES = ("bf16", "fp16", "fp8")
 ATTENTION_KERNELS = ("flash", "unfused")
 # Keys `plan` itself takes from a sweep's settings, not from `constraints`.
 RESERVED_CONSTRAINTS = ("top",)
@@ -163,7 +163,7 @@ def _validate(entries: dict[str, _Entry], base: Path) -> SweepSpec:
             near = difflib.get_close_matches(key, SPEC_KEYS, n=1)
             hint = f"did you mean {near[0]}?" if near else f"use {', '.join(SPEC_KEYS)}"
             raise invalid(f"{entry.where}: unknown key; {hint}")
-    dtype = _choice(entries, "dtype", DTYPES)
+    dtype = _choice(entries, "dtype", TRAINING_DTYPES)
     attention = _choice(entries, "attention", ATTENTION_KERNELS)
     tp_overlap = _flag(entries, "tp_overlap")
     constraints = _constraints(entries.get("constraints"))
