@@ -31,13 +31,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import planner  # noqa: E402
 from costmodel.profile_loader import load_cluster  # noqa: E402
+from planner.apply import mixed_precision_policy  # noqa: E402
 from planner.models import resolve_model  # noqa: E402
 from planner.result import Plan  # noqa: E402
 
@@ -116,8 +116,7 @@ def worker(plan_path: str, spec_path: str, steps: int, out: str) -> None:
     plan = Plan.load(plan_path)
     torch.manual_seed(SEED)
     source = resolve_model(spec_path)
-    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if plan.dtype == "bf16" else None
-    applied = plan.apply(source.build(seq_len=plan.seq_len), device="cpu", mp_policy=mixed)
+    applied = plan.apply(source.build(seq_len=plan.seq_len), device="cpu", mp_policy=mixed_precision_policy(plan.dtype))
     optimizer = torch.optim.AdamW(list(applied.parameters()), lr=LEARNING_RATE)
     generator = torch.Generator().manual_seed(SEED + 1)
     batches = [torch.randint(0, source.dims.vocab, (plan.global_batch, plan.seq_len), generator=generator)

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -35,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 import planner  # noqa: E402
 from benchmarks.fidelity import peak_step_bytes, predicted_allocated_bytes, train_step  # noqa: E402
 from costmodel.profile import run_profile  # noqa: E402
+from planner.apply import mixed_precision_policy  # noqa: E402
 from planner.models import resolve_model  # noqa: E402
 
 # The run: GPT-3 XL (1.3B, Brown et al. 2020) at its published context, 2 micro-batches of 4.
@@ -86,8 +86,7 @@ def measure(plan, run: Run) -> tuple[float, float]:
     source = resolve_model(run.model)
     with torch.device(device):
         model = source.build(seq_len=run.seq_len)
-    applied = plan.apply(model, device=device,
-                         mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    applied = plan.apply(model, device=device, mp_policy=mixed_precision_policy(plan.dtype))
     optimizer = torch.optim.AdamW(list(applied.parameters()), lr=LEARNING_RATE)
     tokens = torch.randint(0, source.dims.vocab, (run.global_batch, run.seq_len), device=device)
     times_s = []

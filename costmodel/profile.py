@@ -12,7 +12,7 @@ NCCL on GPUs). Measured:
   their achieved bandwidth relative to the copy, `mem_bw_efficiency`;
 - scaled-dot-product attention forward and forward+backward -> op-table entries by shape;
 - all-reduce, all-gather, reduce-scatter and p2p across sizes -> the intra-node link's bandwidth
-  and latency, fitted to the cost model's ring formulas (`costmodel.comm`) by relative least squares.
+  and latency, fitted to the cost model's ring formulas (`costmodel.profile_collectives`).
 
 Output, next to `--out my-cluster.yaml`: `my-cluster-device.yaml` (a device profile naming its op
 tables in `op_tables`), `my-cluster-ops-<dtype>.json` (one `OpTable` per dtype) and the cluster file
@@ -26,7 +26,6 @@ import datetime
 import json
 import os
 import platform
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +37,8 @@ from torch.utils.benchmark import Timer
 
 from costmodel.compute import OpTable
 from costmodel.hardware import DeviceSpec, LinkTier
+from costmodel.profile_collectives import (COLLECTIVE_BYTES, COLLECTIVE_ITERATIONS, QUICK_COLLECTIVE_BYTES,
+                                          QUICK_COLLECTIVE_ITERATIONS, fit_link, measure_collectives, rank_max)
 
 # Matrix sizes n of the n x n x n GEMMs timed, per device type and mode: from launch-bound to the
 # plateau of one CPU core (about 1 GFLOP/s-scale ops) or one GPU (about 1 TFLOP ops).
@@ -50,18 +51,9 @@ QUICK_STREAM_BYTES = {"cpu": 4 * 2**20, "cuda": 64 * 2**20}
 # (batch, heads, seq, head_dim) of the attention measurements: a small and a GPT-2-sized layer.
 ATTENTION_SHAPES = {"cpu": ((1, 8, 256, 64), (1, 12, 1024, 64)), "cuda": ((4, 16, 2048, 128), (1, 32, 8192, 128))}
 QUICK_ATTENTION_SHAPES = {"cpu": ((1, 4, 128, 32),), "cuda": ((1, 16, 2048, 128),)}
-# Collective buffer sizes: from latency-bound to bandwidth-bound.
-COLLECTIVE_BYTES = {"cpu": tuple(4**k for k in range(6, 13)), "cuda": tuple(4**k for k in range(8, 15))}
-QUICK_COLLECTIVE_BYTES = {"cpu": (4**6, 4**10), "cuda": (4**8, 4**13)}
-# Minimum measuring time per op (torch.utils.benchmark blocked_autorange), and per collective size.
+# Minimum measuring time per op (torch.utils.benchmark blocked_autorange).
 MIN_RUN_TIME_S = 0.2
 QUICK_MIN_RUN_TIME_S = 0.01
-COLLECTIVE_ITERATIONS = 10
-QUICK_COLLECTIVE_ITERATIONS = 3
-WARMUP_ITERATIONS = 2
-# Latency floor of a fitted link: a fit dominated by bandwidth can land at or below zero latency,
-# which no link has (a shared-memory round trip takes at least about a microsecond).
-MIN_LATENCY_S = 1e-6
 # A CPU "device" is one core: the cost model's cpu profile runs one rank per core, and so do the
 # gloo jobs that apply plans (torch.set_num_threads(1) per rank; torchrun's default OMP_NUM_THREADS).
 CPU_THREADS_PER_RANK = 1
@@ -106,15 +98,6 @@ def _time_s(stmt: str, values: dict, min_run_time_s: float) -> float:
         min_run_time=min_run_time_s).median
 
 
-def _rank_max(values: list[float]) -> list[float]:
-    """Element-wise maximum over ranks (the slowest rank sets the step), identity when alone."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
-
-
 def measure_matmuls(device, dtypes, sizes, min_run_time_s, advance) -> dict[str, list[tuple[float, float]]]:
     """(FLOPs, seconds) of one training GEMM per size and dtype, ascending in FLOPs.
 
@@ -133,14 +116,14 @@ def measure_matmuls(device, dtypes, sizes, min_run_time_s, advance) -> dict[str,
                                 min_run_time_s)
             points.append((2.0 * n ** 3, triplet_s / GEMMS_PER_LINEAR))
             advance()
-        out[dtype] = list(zip([f for f, _ in points], _rank_max([t for _, t in points])))
+        out[dtype] = list(zip([f for f, _ in points], rank_max([t for _, t in points])))
     return out
 
 
 def measure_memory(device, dtypes, stream_bytes, min_run_time_s, advance) -> tuple[float, dict[str, float], dict[str, dict[str, float]]]:
     """Copy bandwidth, elementwise bandwidth by op and dtype, and elementwise times by dtype and key."""
     x = torch.randn(stream_bytes // 4, device=device)
-    (copy_s,) = _rank_max([_time_s("y.copy_(x)", {"x": x, "y": torch.empty_like(x)}, min_run_time_s)])
+    (copy_s,) = rank_max([_time_s("y.copy_(x)", {"x": x, "y": torch.empty_like(x)}, min_run_time_s)])
     advance()
     rates, times = {}, {}
     for dtype in dtypes:
@@ -153,7 +136,7 @@ def measure_memory(device, dtypes, stream_bytes, min_run_time_s, advance) -> tup
                                      "norm": torch.nn.functional.layer_norm}, min_run_time_s)
             measured.append((f"{name}:{size}B", moved_bytes, seconds))
             advance()
-        maxima = _rank_max([s for _, _, s in measured])
+        maxima = rank_max([s for _, _, s in measured])
         times[dtype] = {key: s for (key, _, _), s in zip(measured, maxima)}
         rates.update({f"{key}:{dtype}": moved_bytes / s for (key, moved_bytes, _), s in zip(measured, maxima)})
     return 2 * stream_bytes / copy_s, rates, times
@@ -175,71 +158,8 @@ def measure_attention(device, dtypes, shapes, min_run_time_s, advance) -> dict[s
             keys.append(f"attention_fwd_bwd:{shape}")
             seconds.append(_time_s("sdpa(q, q, q, is_causal=True).sum().backward()", values, min_run_time_s))
             advance()
-        out[dtype] = dict(zip(keys, _rank_max(seconds)))
+        out[dtype] = dict(zip(keys, rank_max(seconds)))
     return out
-
-
-def _collective_s(op: str, size_bytes: int, device, iterations: int) -> float:
-    world, rank = dist.get_world_size(), dist.get_rank()
-    buffer = torch.zeros(size_bytes // 4, device=device)
-    shard = torch.zeros(size_bytes // 4 // world, device=device)
-
-    def p2p() -> None:
-        if rank == 0:
-            dist.send(buffer, 1)
-        elif rank == 1:
-            dist.recv(buffer, 0)
-
-    run = {
-        "all_reduce": lambda: dist.all_reduce(buffer),
-        "all_gather": lambda: dist.all_gather_into_tensor(buffer, shard),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, buffer),
-        "p2p": p2p,
-    }[op]
-    for _ in range(WARMUP_ITERATIONS):
-        run()
-    dist.barrier()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iterations):
-        run()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iterations
-
-
-# (bandwidth coefficient per byte, latency steps) of each collective over n ranks: the ring formulas
-# of costmodel.comm for a group inside one node.
-def _coefficients(op: str, n: int, size_bytes: float) -> tuple[float, float]:
-    return {
-        "all_reduce": (2 * (n - 1) / n * size_bytes, 2 * (n - 1)),
-        "all_gather": ((n - 1) / n * size_bytes, n - 1),
-        "reduce_scatter": ((n - 1) / n * size_bytes, n - 1),
-        "p2p": (size_bytes, 1),
-    }[op]
-
-
-def fit_link(samples: list[dict], world: int) -> tuple[float, float]:
-    """(bytes/s, latency s) that best fit `samples` ({op, bytes, seconds}) by relative least squares."""
-    rows = np.array([_coefficients(s["op"], world, s["bytes"]) for s in samples], dtype=float)
-    seconds = np.array([s["seconds"] for s in samples], dtype=float)
-    (inverse_bw, latency), *_ = np.linalg.lstsq(rows / seconds[:, None], np.ones_like(seconds), rcond=None)
-    best_rate = max(row[0] / t for row, t in zip(rows, seconds))
-    return float(1.0 / inverse_bw if inverse_bw > 0 else best_rate), max(float(latency), MIN_LATENCY_S)
-
-
-def measure_collectives(device, sizes, iterations, advance) -> list[dict]:
-    """Seconds of each collective and size over all ranks (p2p between ranks 0 and 1)."""
-    world = dist.get_world_size()
-    samples = []
-    for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
-        for size in sizes:
-            size = size - size % (4 * world)
-            seconds = _rank_max([_collective_s(op, size, device, iterations)])[0]
-            samples.append({"op": op, "bytes": size, "seconds": seconds})
-            advance()
-    return samples
 
 
 def _mem_bytes(device, world_on_host: int) -> float:

@@ -21,17 +21,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
+from planner.apply import mixed_precision_policy  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
 from planner.models import resolve_model  # noqa: E402
 from planner.result import Plan  # noqa: E402
 
 LEARNING_RATE = 3e-4
-# FSDP2 parameter dtype of mixed-precision plans; fp32 plans train without a policy.
-MIXED_PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 SEED = 0
 
 
@@ -57,10 +55,7 @@ def train(plan_path: str, model_name: str | None, steps: int) -> int:
     torch.manual_seed(SEED)
     with torch.device("cpu"):
         model = source.build(seq_len=plan.seq_len)
-    mp_policy = None
-    if plan.dtype in MIXED_PARAM_DTYPES:
-        mp_policy = MixedPrecisionPolicy(param_dtype=MIXED_PARAM_DTYPES[plan.dtype], reduce_dtype=torch.float32)
-    applied = plan.apply(model.cuda() if gpu else model, mp_policy=mp_policy)
+    applied = plan.apply(model.cuda() if gpu else model, mp_policy=mixed_precision_policy(plan.dtype))
     del model  # with pipelining, the other stages' modules are freed
     optimizer = torch.optim.AdamW(list(applied.parameters()), lr=LEARNING_RATE)
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")

@@ -16,7 +16,8 @@ import cli
 import planner
 from costmodel.compute import OpTable, OpWork, WorkKind, op_time_s
 from costmodel.profile_loader import load_cluster, load_device
-from costmodel.profile import Measurements, _coefficients, fit_link, run_profile, write_profile
+from costmodel.profile import Measurements, run_profile, write_profile
+from costmodel.profile_collectives import _coefficients, fit_link
 from planner.estimate import Evaluator
 
 TINY_GPT = "arch: gpt\nlayers: 2\nhidden: 64\nheads: 4\nvocab: 256\nmax_seq_len: 64\ntie_embeddings: false\n"

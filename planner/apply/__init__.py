@@ -39,7 +39,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-from planner.apply.data_parallel import apply_data_parallel
+from planner.apply.data_parallel import apply_data_parallel, mixed_precision_policy
 from planner.apply.pipeline import StageModule, build_schedule, check_schedule, chunk_units
 from planner.apply.recompute import apply_recompute
 from planner.apply.tensor_parallel import tensor_parallel_plan
@@ -50,7 +50,7 @@ from planner.result import Plan
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 
-__all__ = ["AppliedPlan", "MESH_AXES", "apply_plan", "default_device", "language_model_loss"]
+__all__ = ["AppliedPlan", "MESH_AXES", "apply_plan", "default_device", "language_model_loss", "mixed_precision_policy"]
 
 
 @dataclass

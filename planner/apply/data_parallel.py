@@ -23,10 +23,24 @@ unsharded gradients of the stage accumulate in between: more gradient memory tha
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+
+# FSDP2 parameter dtype of each mixed-precision training dtype (fp8 recipes keep bf16 weights and
+# cast inside the GEMMs, which applying a plan does not add); fp32 plans need no policy.
+MIXED_PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+
+
+def mixed_precision_policy(dtype: str) -> MixedPrecisionPolicy | None:
+    """FSDP2 mixed precision of a plan's training dtype (its parameter dtype, fp32 gradient
+    reduction: the states the cost model prices); None for fp32, which trains as built."""
+    if dtype not in MIXED_PARAM_DTYPES:
+        return None
+    return MixedPrecisionPolicy(param_dtype=MIXED_PARAM_DTYPES[dtype], reduce_dtype=torch.float32)
 
 
 def apply_data_parallel(root: nn.Module, units: list[nn.Module], dp_mesh: DeviceMesh, zero: int,
