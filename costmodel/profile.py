@@ -45,9 +45,16 @@ from costmodel.profile_collectives import (COLLECTIVE_BYTES, COLLECTIVE_ITERATIO
 MATMUL_SIZES = {"cpu": (64, 128, 256, 512, 1024, 2048), "cuda": (256, 512, 1024, 2048, 4096, 8192)}
 QUICK_MATMUL_SIZES = {"cpu": (64, 256), "cuda": (512, 4096)}
 DTYPES = {"cpu": ("fp32", "bf16"), "cuda": ("bf16", "fp16", "fp32")}
-# Bytes of each tensor of the streaming and elementwise measurements: well past the last-level cache.
+# Bytes of each tensor of the streaming copy: well past the last-level cache.
 STREAM_BYTES = {"cpu": 64 * 2**20, "cuda": 1 * 2**30}
 QUICK_STREAM_BYTES = {"cpu": 4 * 2**20, "cuda": 64 * 2**20}
+# Bytes of each tensor of the elementwise measurements (their outputs are allocated, as in training).
+# On a CPU a tensor above glibc's largest mmap threshold (32 MiB) is mapped fresh on every call and
+# its page faults, not memory bandwidth, set its time: measured on this project's 2-core host, a
+# one-thread `a + b` over 64 MiB tensors moved 4.2 GB/s against 20.9 GB/s with a preallocated output
+# (`torch.add(a, b, out=c)`), while at 1-16 MiB the two agree. Training tensors of a CPU-sized model
+# (a few MiB) come from the reused heap, so the CPU size stays below that threshold.
+ELEMENTWISE_BYTES = {"cpu": 8 * 2**20, "cuda": 1 * 2**30}
 # (batch, heads, seq, head_dim) of the attention measurements: a small and a GPT-2-sized layer.
 ATTENTION_SHAPES = {"cpu": ((1, 8, 256, 64), (1, 12, 1024, 64)), "cuda": ((4, 16, 2048, 128), (1, 32, 8192, 128))}
 QUICK_ATTENTION_SHAPES = {"cpu": ((1, 4, 128, 32),), "cuda": ((1, 16, 2048, 128),)}
@@ -123,11 +130,12 @@ def measure_matmuls(device, dtypes, sizes, min_run_time_s, advance) -> dict[str,
 def measure_memory(device, dtypes, stream_bytes, min_run_time_s, advance) -> tuple[float, dict[str, float], dict[str, dict[str, float]]]:
     """Copy bandwidth, elementwise bandwidth by op and dtype, and elementwise times by dtype and key."""
     x = torch.randn(stream_bytes // 4, device=device)
+    elementwise = torch.randn(min(stream_bytes, ELEMENTWISE_BYTES[device.type]) // 4, device=device)
     (copy_s,) = rank_max([_time_s("y.copy_(x)", {"x": x, "y": torch.empty_like(x)}, min_run_time_s)])
     advance()
     rates, times = {}, {}
     for dtype in dtypes:
-        t = x.to(getattr(torch, _TORCH_DTYPES[dtype])).view(-1, 1024)
+        t = elementwise.to(getattr(torch, _TORCH_DTYPES[dtype])).view(-1, 1024)
         size = t.numel() * t.element_size()
         ops = {"add": ("a + b", 3 * size), "gelu": ("gelu(a)", 2 * size), "layer_norm": ("norm(a, (1024,))", 2 * size)}
         measured = []
