@@ -130,6 +130,7 @@ def measure_matmuls(device, dtypes, sizes, min_run_time_s, advance) -> dict[str,
 def measure_memory(device, dtypes, stream_bytes, min_run_time_s, advance) -> tuple[float, dict[str, float], dict[str, dict[str, float]]]:
     """Copy bandwidth, elementwise bandwidth by op and dtype, and elementwise times by dtype and key."""
     x = torch.randn(stream_bytes // 4, device=device)
+    # Quick runs shrink `stream_bytes` below ELEMENTWISE_BYTES; the elementwise tensors shrink with it.
     elementwise = torch.randn(min(stream_bytes, ELEMENTWISE_BYTES[device.type]) // 4, device=device)
     (copy_s,) = rank_max([_time_s("y.copy_(x)", {"x": x, "y": torch.empty_like(x)}, min_run_time_s)])
     advance()
