@@ -119,7 +119,9 @@ class AppliedPlan:
             losses: list[torch.Tensor] = []
             first = any(stage.is_first for stage in self.stages)
             args = (tokens,) if first else ()
-            self.schedule.step(*args, target=tokens if self.has_loss else None, losses=losses)
+            # return_outputs=False: the last stage would otherwise keep every micro-batch's output (the
+            # logits) until the step ends, to merge them; a training step needs only the losses.
+            self.schedule.step(*args, target=tokens if self.has_loss else None, losses=losses, return_outputs=False)
             return torch.stack(losses).mean().detach() if self.has_loss else None
         (model,) = self.modules
         chunks = tokens.chunk(config.num_microbatches)
