@@ -53,6 +53,7 @@ def _add_sweep_args(sub) -> None:
     sweep.add_argument("--seq-lens", type=_listed("seq-lens", positive=True), help="comma-separated sequence lengths")
     sweep.add_argument("--dtype", choices=TRAINING_DTYPES)
     sweep.add_argument("--attention", choices=["flash", "unfused"])
+    sweep.add_argument("--loss", choices=["torch", "fused"])
     sweep.add_argument("--tp-comm-overlap", dest="tp_overlap", action="store_const", const=True,
                        help="TP collectives overlapped with GEMMs (Megatron-Core --tp-comm-overlap, async TP)")
     sweep.add_argument("--out", required=True, help="results file, .csv or .jsonl; re-running resumes it")
@@ -75,6 +76,9 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool) -> None:
         parser.add_argument("--dtype", default="bf16", choices=TRAINING_DTYPES)
         parser.add_argument("--attention", default="flash", choices=["flash", "unfused"],
                             help="attention kernel of the training code (unfused: scores materialised, pre-FlashAttention)")
+        parser.add_argument("--loss", default="torch", choices=["torch", "fused"],
+                            help="cross-entropy kernel of the training code (torch: fp32 logits and F.cross_entropy; "
+                                 "fused: one kernel over the half-precision logits, e.g. flash-attn's xentropy)")
         parser.add_argument("--tp-comm-overlap", action="store_true",
                             help="the training code overlaps tensor-parallel collectives with GEMMs (Megatron-Core --tp-comm-overlap, async TP)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -168,7 +172,7 @@ def _run(args) -> int:
         from planner.report.estimate import estimate_json, render_estimate
 
         result = planner.evaluate(args.model, args.cluster, _constraints(args), global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype,
-                                  attention=args.attention, tp_overlap=args.tp_comm_overlap)
+                                  attention=args.attention, tp_overlap=args.tp_comm_overlap, loss=args.loss)
         if args.json:
             _print_json(estimate_json(result))
         else:
@@ -181,7 +185,7 @@ def _run(args) -> int:
 
         check_plan_chart_paths(args.timeline, args.memory_chart)
         result = planner.plan(
-            args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, attention=args.attention, tp_overlap=args.tp_comm_overlap,
+            args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, attention=args.attention, tp_overlap=args.tp_comm_overlap, loss=args.loss,
             mem_headroom=args.mem_headroom, top=args.top, allow_offload=args.allow_offload, **_constraints(args),
         )
         if args.out:
@@ -215,7 +219,7 @@ def _sweep(args, console) -> int:
     from planner.sweeps.runner import SweepInterrupted, sweep
     from planner.sweeps.spec import load_sweep_spec
 
-    keys = ("models", "devices", "cluster_sizes", "clusters", "global_batches", "seq_lens", "dtype", "attention", "tp_overlap")
+    keys = ("models", "devices", "cluster_sizes", "clusters", "global_batches", "seq_lens", "dtype", "attention", "loss", "tp_overlap")
     spec = load_sweep_spec(args.file, {key: getattr(args, key) for key in keys})
     try:
         summary = sweep(spec, args.out, workers=args.workers, executor=args.executor, address=args.address,

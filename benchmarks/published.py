@@ -2,7 +2,9 @@
 
 Each run's own configuration is evaluated; the published metric is converted to step time with
 the source's FLOP convention (benchmarks/published_rows.py). Prints per-row error and the mean
-absolute percentage error (MAPE) of throughput per group and over the goal groups.
+absolute percentage error (MAPE) of throughput per group and over the goal groups, and each row's
+predicted peak memory over the device's capacity: every row ran, so a row over 100% is a memory
+prediction proven too high.
 
 Usage: python benchmarks/published.py [--all-groups] [--csv out.csv]
 """
@@ -30,7 +32,7 @@ def evaluate_row(row: Row) -> Estimate:
     graph = trace(source, seq_len=row.seq_len)
     for config in fitting_configs(row):
         est = evaluate(graph, row.cluster, config, global_batch=row.global_batch, attention=row.attention,
-                       tp_overlap=row.tp_overlap, dtype=row.dtype)
+                       tp_overlap=row.tp_overlap, dtype=row.dtype, loss=row.loss)
         if est.fits:
             break
     return est
@@ -49,7 +51,8 @@ def main() -> None:
     rows, skipped = load_rows(None if args.all_groups else GOAL_GROUPS)
     errors: dict[str, list[float]] = {}
     lines = []
-    print(f"{'run':58s} {'pred s':>9s} {'pub s':>9s} {'tput err':>9s} {'MFU':>6s} fits")
+    print(f"{'run':58s} {'pred s':>9s} {'pub s':>9s} {'tput err':>9s} {'MFU':>6s} {'mem/cap':>7s} fits")
+    over_capacity = []
     for row in rows:
         try:
             est = evaluate_row(row)
@@ -59,7 +62,10 @@ def main() -> None:
         err = throughput_error(row, est)
         errors.setdefault(row.group, []).append(abs(err))
         flag = " <-- >25%" if abs(err) > 0.25 else ""
-        print(f"{row.id:58s} {est.step_time_s:9.3f} {row.published_step_s:9.3f} {err:+9.1%} {est.mfu:6.1%} {est.fits}{flag}")
+        filled = max(stage["total_bytes"] / stage["capacity_bytes"] for stage in est.memory)
+        if not est.fits:
+            over_capacity.append(row.id)
+        print(f"{row.id:58s} {est.step_time_s:9.3f} {row.published_step_s:9.3f} {err:+9.1%} {est.mfu:6.1%} {filled:7.1%} {est.fits}{flag}")
         lines.append(f"{row.id},{row.group},{est.step_time_s},{row.published_step_s},{err},{est.mfu},{est.fits}")
     print()
     goal = []
@@ -69,6 +75,7 @@ def main() -> None:
             goal += values
     if goal:
         print(f"{'goal groups':32s} rows {len(goal):3d}  MAPE {statistics.mean(goal):6.1%}  max {max(goal):6.1%}  over 25%: {sum(v > 0.25 for v in goal)}")
+    print(f"rows that ran but are predicted not to fit: {len(over_capacity)}" + (f" ({', '.join(over_capacity)})" if over_capacity else ""))
     for run_id, reason in skipped:
         print(f"skipped {run_id}: {reason}")
     if args.csv:

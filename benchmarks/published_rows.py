@@ -34,9 +34,14 @@ FILL_RULES = {
                                   "optimizer (ZeRO-1)",
     "attention": "unfused for runs published before FlashAttention (May 2022) and the frameworks of that era "
                  "(Megatron-LM 2020-2022, Megatron-DeepSpeed/BLOOM, metaseq/OPT, Alpa); flash otherwise",
+    "loss": "fused for llm-foundry's MPT runs (ComposerMPTCausalLM's default loss_fn is 'fused_crossentropy', "
+            "flash-attn's xentropy kernel); torch (fp32 logits, F.cross_entropy) otherwise",
 }
 
 # Groups whose software predates fused (flash) attention: the score tensor is materialised.
+# Groups whose training code computes the cross-entropy with a fused kernel over half-precision logits.
+FUSED_LOSS_GROUPS = ("llmfoundry_mpt",)
+
 UNFUSED_ATTENTION_GROUPS = ("megatron2020_tp_scaling", "megatron2021_weak", "megatron2021_zero3_vs_ptd",
                             "korthikanti2022_table5", "korthikanti2022_abstract", "bloom", "opt", "alpa_osdi22")
 
@@ -62,6 +67,7 @@ class Row:
     open_choices: tuple[str, ...] = ()
     tp_overlap: bool = False
     dtype: str = "bf16"
+    loss: str = "torch"
 
 
 def _device(gpu: str) -> str | None:
@@ -163,8 +169,9 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
         attention = "unfused" if run["group"] in UNFUSED_ATTENTION_GROUPS else "flash"
         tp_overlap = "--tp-comm-overlap" in flags or "asynctp" in run["id"].lower()
         dtype = "fp8" if "fp8" in str(run.get("precision", "")).lower() else "bf16"
+        loss = "fused" if run["group"] in FUSED_LOSS_GROUPS else "torch"
         rows.append(Row(run["id"], run["group"], _spec(model), seq, cluster, config, gb, step[0], step[1],
-                        bool(run.get("unverified")), attention, open_choices, tp_overlap, dtype))
+                        bool(run.get("unverified")), attention, open_choices, tp_overlap, dtype, loss))
     return rows, skipped
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
 from planner.config import ParallelConfig
 from planner.errors import PlannerError, invalid
 from planner.graph import LayerKind, ModelGraph, Recompute
-from planner.layer_cost import AttentionKernel, LayerContext, LayerCost, bytes_per_element, price_layer
+from planner.layer_cost import AttentionKernel, LayerContext, LayerCost, LossKernel, bytes_per_element, price_layer
 from planner.mesh import expert_data_group, mesh_groups, stage_devices
 from planner.result import Estimate, StagePlan
 from planner.space import check_config
@@ -63,6 +64,14 @@ def _load_op_table(path: str) -> OpTable:
     return OpTable.from_dict(json.loads(Path(path).read_text()))
 
 
+def _kernel(kind: type[StrEnum], value, field: str):
+    """`value` as a member of the kernel enum `kind`; PlannerError naming `field` and the choices."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise invalid(f"{field}={value!r}: use one of {', '.join(repr(k.value) for k in kind)}") from None
+
+
 class Evaluator:
     """Prices configurations of one model on one cluster, caching per-layer costs across configs.
 
@@ -74,14 +83,17 @@ class Evaluator:
         attention: the attention kernel the training code uses (flash by default).
         tp_overlap: the training code overlaps tensor-parallel collectives with GEMMs (Megatron-Core
             `--tp-comm-overlap`, PyTorch async TP); otherwise they are exposed.
+        loss: the cross-entropy kernel the training code uses (`LossKernel`; torch by default).
     """
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, dtype: str = "bf16", table: OpTable | None = None,
-                 attention: AttentionKernel | str = AttentionKernel.FLASH, tp_overlap: bool = False):
+                 attention: AttentionKernel | str = AttentionKernel.FLASH, tp_overlap: bool = False,
+                 loss: LossKernel | str = LossKernel.TORCH):
         if bytes_per_element(base_dtype(graph.dtype)) != bytes_per_element(base_dtype(dtype)):
             raise invalid(f"dtype={dtype!r}: {graph.name} was traced in {graph.dtype}, whose activations differ in size; "
                           f"fix: trace it with dtype={dtype!r}")
-        self.attention = AttentionKernel(attention)
+        self.attention = _kernel(AttentionKernel, attention, "attention")
+        self.loss = _kernel(LossKernel, loss, "loss")
         self.tp_overlap = tp_overlap
         self.graph = graph
         self.cluster = cluster
@@ -137,7 +149,7 @@ class Evaluator:
                 sequence_parallel=config.sequence_parallel, tp_group=groups.tp, cp_group=groups.cp,
                 ep_group=groups.ep, top_k=self.graph.dims.top_k, hidden=self.graph.dims.hidden,
                 table=self.table_for(device, self.dtype_for(device)), attention=self.attention,
-                tp_overlap=self.tp_overlap,
+                tp_overlap=self.tp_overlap, loss=self.loss,
             )
             cost = price_layer(layer, tp_plan_for(layer, config.tp, device, node, ctx.dtype, self.layout_cache), ctx)
             self._layer_cache[key] = cost

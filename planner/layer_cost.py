@@ -24,6 +24,17 @@ class AttentionKernel(StrEnum):
     UNFUSED = "unfused"
 
 
+class LossKernel(StrEnum):
+    """How the cross-entropy runs: "torch" upcasts the logits to fp32 and calls `F.cross_entropy`
+    (Megatron-LM, torchtitan, the zoo's models: what the trace measures); "fused" is one kernel over
+    the half-precision logits that keeps them and a log-sum-exp per row for backward and writes a
+    half-precision logits gradient (flash-attn's xentropy `CrossEntropyLoss`, the default
+    `fused_crossentropy` loss of llm-foundry's MPT)."""
+
+    TORCH = "torch"
+    FUSED = "fused"
+
+
 # Unfused attention, bytes of device-memory traffic per score element (b*a*s*s) in the forward:
 # QK^T writes the scores (2), the fused scale-mask-softmax reads and writes them (4), dropout reads
 # them and writes its output and mask (2 + 2 + 1), AV reads the dropped-out probabilities (2).
@@ -114,6 +125,7 @@ class LayerContext:
     table: OpTable | None = None
     attention: AttentionKernel = AttentionKernel.FLASH
     tp_overlap: bool = False
+    loss: LossKernel = LossKernel.TORCH
 
 
 # Ops that only reinterpret a tensor's shape or strides: no kernel, no memory traffic.
@@ -188,7 +200,7 @@ def _layer_level_works(layer: Layer, ctx: LayerContext, split: int) -> tuple[lis
 
 
 def _activation_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:
-    saved = layer.saved_bytes[ctx.recompute] * ctx.batch_scale / ctx.cp
+    saved = (layer.saved_bytes[ctx.recompute] - _fused_loss_saving(layer, ctx)) * ctx.batch_scale / ctx.cp
     # Score tensors are split by heads, so tp divides them with or without sequence parallelism.
     scores = 0.0
     if ctx.attention == AttentionKernel.UNFUSED and ctx.recompute == Recompute.NONE:
@@ -204,7 +216,8 @@ def _activation_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:
 
 def _loss_temp_bytes(layer: Layer, plan: TpPlan, ctx: LayerContext) -> float:
     """Transient bytes of the layer's loss at the step's peak: `LOSS_TEMP_INPUT_COPIES` of its input
-    (`LOSS_PARALLEL_TEMP_INPUT_COPIES` of the local share when the loss is vocabulary-parallel)."""
+    (`LOSS_PARALLEL_TEMP_INPUT_COPIES` of the local share when the loss is vocabulary-parallel); a
+    fused loss holds only its half-precision logits gradient."""
     losses = [op for op in layer.ops if op.kind == OpKind.LOSS]
     if not losses:
         return 0.0
@@ -212,9 +225,37 @@ def _loss_temp_bytes(layer: Layer, plan: TpPlan, ctx: LayerContext) -> float:
     temp = 0.0
     for op in losses:
         split = _split_of(op, plan, ctx)
-        copies = LOSS_PARALLEL_TEMP_INPUT_COPIES if split > 1 else LOSS_TEMP_INPUT_COPIES
+        if ctx.loss == LossKernel.FUSED:
+            copies = _fused_logits_fraction(op, layer, ctx)
+        else:
+            copies = LOSS_PARALLEL_TEMP_INPUT_COPIES if split > 1 else LOSS_TEMP_INPUT_COPIES
         temp += copies * reads[op.name] * ctx.batch_scale / (split * ctx.cp)
     return temp
+
+
+def _fused_logits_fraction(op: Op, layer: Layer, ctx: LayerContext) -> float:
+    """Bytes of the half-precision logits over the bytes of the loss's input (the logits as the trace
+    feeds them to the loss: fp32 after the upcast, so 1/2 in bf16 training, 1 in fp32)."""
+    produced = {o.name: o for o in layer.ops}
+    source = produced.get(op.inputs[0]) if op.inputs else None
+    if source is None or not source.out_shape:
+        return 1.0
+    elements = 1
+    for size in source.out_shape:
+        elements *= size
+    return min(1.0, bytes_per_element(base_dtype(ctx.dtype)) * elements / source.out_bytes)
+
+
+def _fused_loss_saving(layer: Layer, ctx: LayerContext) -> float:
+    """Saved bytes (traced micro-batch) a fused loss keeps fewer than the traced torch loss: the fp32
+    log-probabilities (one loss input) replaced by the half-precision logits. Only where the loss's
+    own saved tensors are kept (no recompute or attention-only recompute); op-level checkpointing
+    keeps the logits already and full recompute keeps neither."""
+    if ctx.loss != LossKernel.FUSED or ctx.recompute not in (Recompute.NONE, Recompute.SELECTIVE):
+        return 0.0
+    reads = input_bytes_of(layer)
+    return sum((1.0 - _fused_logits_fraction(op, layer, ctx)) * reads[op.name]
+               for op in layer.ops if op.kind == OpKind.LOSS)
 
 
 def _cp_comm_s(layer: Layer, ctx: LayerContext, attention_fwd_s: float, attention_bwd_s: float) -> float:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import cli
+from costmodel.memory import ALLOCATOR_FRAGMENTATION_FRACTION
 from costmodel.profile_loader import load_device
 from planner.result import Plan
 
@@ -115,6 +116,22 @@ def test_evaluate_fp32_prices_fp32_states_and_peak(capsys):
               for dtype, data in results.items()}
     assert states["fp32"] == pytest.approx(states["bf16"] * 16 / 18)
     assert results["fp32"]["step_time_s"] > results["bf16"]["step_time_s"]
+
+
+def test_evaluate_fused_loss_holds_less_on_the_loss_stage(capsys):
+    """--loss fused: the last stage keeps bf16 logits instead of fp32 log-probabilities and holds one
+    bf16 gradient instead of two fp32 tensors: 2 + 6 B less per logit of a micro-batch
+    (gpt3-125m's vocabulary of 51200, micro-batch 4 of 128 tokens); the first stage is unchanged."""
+    base = ["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "2", "--micro-batch", "4", "--json"]
+    rows = {}
+    for loss in ("torch", "fused"):
+        code, out, _ = run([*base, "--loss", loss], capsys)
+        assert code == 0
+        rows[loss] = json.loads(out)["memory"]
+    first, last = ((rows["torch"][i]["total_bytes"] - rows["fused"][i]["total_bytes"]) for i in (0, 1))
+    assert first == 0.0
+    fragmentation = 1 + ALLOCATOR_FRAGMENTATION_FRACTION
+    assert last == pytest.approx(8 * 4 * 128 * 51200 * fragmentation, rel=1e-3)
 
 
 def test_plan_json_contract(capsys):

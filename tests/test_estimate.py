@@ -230,6 +230,27 @@ def test_loss_temporaries_are_two_fp32_logits_on_the_last_stage(gpt350m):
     assert row["grads_bytes"] == 0.0 and row["activations_bytes"] > 4 * gpt350m.params
 
 
+@pytest.mark.parametrize("recompute", [Recompute.NONE, Recompute.FULL])
+def test_fused_loss_keeps_half_precision_logits_and_one_gradient(gpt350m, recompute):
+    # A fused cross-entropy keeps the bf16 logits (2 B each) where the traced torch loss keeps fp32
+    # log-probabilities (4 B each), and its backward holds one bf16 logits gradient (2 B) where the
+    # torch loss holds two fp32 tensors (8 B). Recompute policies apply to the blocks, so the head keeps
+    # its loss's tensors under both. Micro-batches of 8 sequences of 256 tokens; two of them, so the gradients
+    # accumulate and every category is alive at the peak.
+    config = ParallelConfig(dp=8, micro_batch=8, num_microbatches=2, recompute=recompute)
+    logits = 8 * 256 * gpt350m.dims.vocab
+    torch_row, fused_row = (Evaluator(gpt350m, load_cluster("a100-80g:1x8"), loss=loss).estimate(config, 128).memory[0]
+                            for loss in ("torch", "fused"))
+    assert fused_row["temp_bytes"] == pytest.approx(2 * logits, rel=1e-3)
+    assert torch_row["temp_bytes"] == pytest.approx(8 * logits, rel=1e-3)
+    assert torch_row["activations_bytes"] - fused_row["activations_bytes"] == pytest.approx(2 * logits, rel=1e-3)
+
+
+def test_unknown_loss_kernel_is_one_line(gpt350m):
+    with pytest.raises(PlannerError, match=r"loss='chunked': use one of 'torch', 'fused'"):
+        Evaluator(gpt350m, load_cluster("a100-80g:1x8"), loss="chunked")
+
+
 @pytest.fixture(scope="module")
 def tiny_moe(spec_dir):
     path = spec_dir / "tiny-moe.yaml"

@@ -95,6 +95,21 @@ def test_tp_overlap_is_a_sweep_setting(tmp_path):
     assert overlapped["step_time_s"] < exposed["step_time_s"]
 
 
+def test_loss_kernel_is_a_sweep_setting(tmp_path):
+    path = write(tmp_path, "models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\n"
+                           "loss: fused\n")
+    spec = load_sweep_spec(path)
+    assert spec.loss == "fused" and spec.settings == "dtype=bf16 attention=flash loss=fused"
+    assert load_sweep_spec(path, {"loss": "torch"}).loss == "torch"  # a flag overrides the file
+    graph = planner.trace("gpt3-125m", seq_len=512)
+    point, cluster = spec.points[0], spec.clusters["a100-80g:1x8"]
+    # The same configuration with a fused loss needs less memory on the device holding the loss.
+    fixed = {"tp": 1, "pp": 1, "micro_batch": 8, "zero": 0, "recompute": "none"}
+    torch_row, fused_row = (plan_point(point, graph, cluster, PlanSettings("bf16", "flash", fixed, "", loss=loss))
+                            for loss in ("torch", "fused"))
+    assert fused_row["peak_memory_bytes"] < torch_row["peak_memory_bytes"]
+
+
 @pytest.mark.parametrize("text, message", [
     ("models: [gpt3-125m]\ndevices: [a100-80g, h100-sxn]\ncluster_sizes: [8]\nglobal_batches: [64]\nseq_lens: [512]\n",
      "sweep.yaml:2: devices[1]: device 'h100-sxn': unknown; did you mean h100-sxm"),
@@ -114,6 +129,8 @@ def test_tp_overlap_is_a_sweep_setting(tmp_path):
      "sweep.yaml:2: points[0]: seq_len: missing"),
     ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\nconstraints: {zeros: 1}\n",
      "sweep.yaml:5: constraints: zeros: unknown constraint; did you mean zero?"),
+    ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\nloss: chunked\n",
+     "sweep.yaml:5: loss: 'chunked': use one of torch, fused"),
     ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\ntp_overlap: yes please\n",
      "sweep.yaml:5: tp_overlap: 'yes please': use true or false"),
     ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64, 64]\nseq_lens: [512]\n",

@@ -49,6 +49,7 @@ class PlanSettings:
     settings: str
     plan_dir: str | None = None
     tp_overlap: bool = False
+    loss: str = "torch"
 
 
 GraphKey = tuple[str, int]  # (model, seq_len)
@@ -64,7 +65,8 @@ def plan_point(point: SweepPoint, graph: ModelGraph, cluster: Cluster, settings:
     row = base_row(point, cluster, settings)
     try:
         result = plan(graph, cluster, global_batch=point.global_batch, dtype=settings.dtype,
-                      attention=settings.attention, tp_overlap=settings.tp_overlap, **settings.constraints)
+                      attention=settings.attention, tp_overlap=settings.tp_overlap, loss=settings.loss,
+                      **settings.constraints)
     except Exception as error:  # noqa: BLE001 - a failed point is a row, never the end of a sweep
         row.update(failure(error))
     else:

@@ -12,6 +12,7 @@ keys is a point; explicit `points` follow:
     seq_lens: [2048, 4096]                  # tokens per sequence
     dtype: bf16                             # optional: bf16 (default), fp16, fp8 or fp32
     attention: flash                        # optional: flash (default) or unfused
+    loss: torch                             # optional: torch (default) or fused (cross-entropy kernel)
     tp_overlap: false                       # optional: TP collectives overlapped with GEMMs (as --tp-comm-overlap)
     constraints: {zero: 1}                  # optional: fixed choices or bounds, as `paraplan plan` takes
     points:                                 # optional: explicit points
@@ -43,10 +44,11 @@ from planner.config import TRAINING_DTYPES
 from planner.errors import PlannerError, invalid
 
 GRID_LIST_KEYS = ("models", "devices", "cluster_sizes", "clusters", "global_batches", "seq_lens")
-SETTING_KEYS = ("dtype", "attention", "tp_overlap", "constraints")
+SETTING_KEYS = ("dtype", "attention", "loss", "tp_overlap", "constraints")
 SPEC_KEYS = (*GRID_LIST_KEYS, *SETTING_KEYS, "points")
 POINT_KEYS = ("model", "cluster", "global_batch", "seq_len")
 ATTENTION_KERNELS = ("flash", "unfused")
+LOSS_KERNELS = ("torch", "fused")
 # Keys `plan` itself takes from a sweep's settings, not from `constraints`.
 RESERVED_CONSTRAINTS = ("top",)
 
@@ -68,7 +70,7 @@ class SweepSpec:
     Attributes:
         points: in order, without repeats.
         clusters: the Cluster behind each point's `cluster` name.
-        dtype, attention, tp_overlap, constraints: passed to `planner.plan` for every point.
+        dtype, attention, loss, tp_overlap, constraints: passed to `planner.plan` for every point.
     """
 
     points: tuple[SweepPoint, ...]
@@ -77,11 +79,12 @@ class SweepSpec:
     attention: str = "flash"
     constraints: dict = field(default_factory=dict)
     tp_overlap: bool = False
+    loss: str = "torch"
 
     @property
     def settings(self) -> str:
         """The planning settings as one string, stored in each row so a resume can check them."""
-        extra = " ".join(["tp_overlap=True"] * self.tp_overlap + [f"{key}={self.constraints[key]}" for key in sorted(self.constraints)])
+        extra = " ".join(["tp_overlap=True"] * self.tp_overlap + [f"loss={self.loss}"] * (self.loss != "torch") + [f"{key}={self.constraints[key]}" for key in sorted(self.constraints)])
         return f"dtype={self.dtype} attention={self.attention}" + (f" {extra}" if extra else "")
 
 
@@ -165,6 +168,7 @@ def _validate(entries: dict[str, _Entry], base: Path) -> SweepSpec:
             raise invalid(f"{entry.where}: unknown key; {hint}")
     dtype = _choice(entries, "dtype", TRAINING_DTYPES)
     attention = _choice(entries, "attention", ATTENTION_KERNELS)
+    loss = _choice(entries, "loss", LOSS_KERNELS)
     tp_overlap = _flag(entries, "tp_overlap")
     constraints = _constraints(entries.get("constraints"))
     clusters: dict[str, Cluster] = {}
@@ -174,7 +178,7 @@ def _validate(entries: dict[str, _Entry], base: Path) -> SweepSpec:
     if not points:
         raise invalid("sweep: no points; give models, devices with cluster_sizes (or clusters), global_batches and seq_lens, or points")
     return SweepSpec(points=tuple(dict.fromkeys(points)), clusters=clusters, dtype=dtype, attention=attention,
-                     constraints=constraints, tp_overlap=tp_overlap)
+                     constraints=constraints, tp_overlap=tp_overlap, loss=loss)
 
 
 def _grid_points(entries: dict[str, _Entry], base: Path, clusters: dict[str, Cluster]) -> list[SweepPoint]:
