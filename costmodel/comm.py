@@ -11,7 +11,8 @@ hierarchically, as NCCL's multi-node algorithms do (ring inside a node, ring or 
 - p2p: one message, over the intra-node link or over one NIC.
 
 A group inside one node is the one-node case of the same formulas. Per phase over n ranks with
-link bandwidth B (bytes/s, times the link's efficiency) and latency a:
+link bandwidth B (bytes/s, times the link's efficiency) and latency a, each phase's time multiplied
+by its link's measured factor for the collective (`LinkTier.time_factor`, 1 unless profiled):
 
 - ring all-gather / reduce-scatter of S bytes: (n-1)/n * S/B + (n-1) * a.
 - ring all-reduce: 2(n-1)/n * S/B + 2(n-1) * a. Between nodes NCCL's tuner may instead pick its
@@ -101,6 +102,12 @@ def _inter_node_all_reduce_s(n: int, size_bytes: float, path: _Path) -> float:
     return min(ring_s, tree_s)
 
 
+def _link_path(op: Collective, link: LinkTier, bytes_per_s: float) -> _Path:
+    """`op`'s path over `link` at `bytes_per_s`, slowed by the link's measured factor for `op`."""
+    factor = link.time_factor(op.value)
+    return _Path(bytes_per_s / factor, link.latency_s * factor)
+
+
 def _nic_path(op: Collective, group: CommGroup, intra: LinkTier, nic: LinkTier, devices_per_node: int,
               oversubscription: float) -> _Path:
     """One rank's share of its node's NICs (see the module docstring)."""
@@ -110,7 +117,7 @@ def _nic_path(op: Collective, group: CommGroup, intra: LinkTier, nic: LinkTier, 
         node_nic_bytes_per_s = nic.bw_bytes_per_s * devices_per_node
         share_bytes_per_s = min(node_nic_bytes_per_s / (group.concurrent_per_node * group.ranks_per_node),
                                 max(nic.bw_bytes_per_s, intra.bw_bytes_per_s))
-    return _Path(share_bytes_per_s * nic.efficiency / oversubscription, nic.latency_s)
+    return _link_path(op, nic, share_bytes_per_s * nic.efficiency / oversubscription)
 
 
 @lru_cache(maxsize=_CACHE_SIZE)
@@ -130,7 +137,7 @@ def _collective_time_s(op: Collective, size_bytes: float, group: CommGroup, intr
     n, r, nodes = group.size, group.ranks_per_node, group.num_nodes
     if n == 1:
         return 0.0
-    local = _Path(intra.bw_bytes_per_s * intra.efficiency, intra.latency_s)
+    local = _link_path(op, intra, intra.bw_bytes_per_s * intra.efficiency)
     remote = _nic_path(op, group, intra, nic, devices_per_node, oversubscription)
     match op:
         case Collective.ALL_REDUCE:

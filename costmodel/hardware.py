@@ -54,6 +54,9 @@ class LinkTier:
         latency_s: per-message latency (alpha of the alpha-beta model).
         efficiency: fraction of bw_bytes_per_s that collectives reach (bus bandwidth / link bandwidth).
         source: where the numbers come from.
+        collective_factors: (collective, factor) pairs: the collective's measured time over what the
+            ring formulas give on this link (`paraplan profile` measures them: gloo's all-gather and
+            reduce-scatter run several times slower than its all-reduce implies). Absent: 1.
     """
 
     name: str
@@ -62,6 +65,11 @@ class LinkTier:
     latency_s: float
     efficiency: float = 1.0
     source: str = ""
+    collective_factors: tuple[tuple[str, float], ...] = ()
+
+    def time_factor(self, collective: str) -> float:
+        """How much longer `collective` takes on this link than its ring formula says (1 if unmeasured)."""
+        return dict(self.collective_factors).get(collective, 1.0)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ from torch.utils.benchmark import Timer
 from costmodel.compute import OpTable
 from costmodel.hardware import DeviceSpec, LinkTier
 from costmodel.profile_collectives import (COLLECTIVE_BYTES, COLLECTIVE_ITERATIONS, QUICK_COLLECTIVE_BYTES,
-                                          QUICK_COLLECTIVE_ITERATIONS, fit_link, measure_collectives, rank_max)
+                                          QUICK_COLLECTIVE_ITERATIONS, collective_factors, fit_link,
+                                          measure_collectives, rank_max)
 
 # Matrix sizes n of the n x n x n GEMMs timed, per device type and mode: from launch-bound to the
 # plateau of one CPU core (about 1 GFLOP/s-scale ops) or one GPU (about 1 TFLOP ops).
@@ -89,6 +90,7 @@ class Measurements:
     elementwise_bytes_per_s: dict[str, float] = field(default_factory=dict)
     op_times_s: dict[str, dict[str, float]] = field(default_factory=dict)
     link: tuple[float, float] | None = None  # (bytes/s, latency s)
+    link_factors: dict[str, float] = field(default_factory=dict)  # collective -> measured / ring formula
     collective_samples: list[dict] = field(default_factory=list)
 
 
@@ -217,14 +219,18 @@ def measure(*, quick: bool = False, progress=None) -> Measurements:
         iterations = QUICK_COLLECTIVE_ITERATIONS if quick else COLLECTIVE_ITERATIONS
         result.collective_samples = measure_collectives(device, collective_sizes, iterations, advance)
         result.link = fit_link(result.collective_samples, world)
+        result.link_factors = collective_factors(result.collective_samples, world, result.link)
     return result
 
 
 def _link_mapping(link: LinkTier, base_name: str) -> dict:
     """An inline copy of a base profile's link, its sources kept."""
-    return {"name": link.name, "kind": str(link.kind), "bw_bytes_per_s": link.bw_bytes_per_s,
-            "latency_s": link.latency_s, "efficiency": link.efficiency,
-            "sources": {"bw_bytes_per_s": f"from {base_name} ({link.source or 'no source given'})"}}
+    mapping = {"name": link.name, "kind": str(link.kind), "bw_bytes_per_s": link.bw_bytes_per_s,
+               "latency_s": link.latency_s, "efficiency": link.efficiency,
+               "sources": {"bw_bytes_per_s": f"from {base_name} ({link.source or 'no source given'})"}}
+    if link.collective_factors:
+        mapping["collective_factors"] = dict(link.collective_factors)
+    return mapping
 
 
 def write_profile(out: str | Path, measured: Measurements, base: DeviceSpec) -> list[Path]:
@@ -257,8 +263,10 @@ def write_profile(out: str | Path, measured: Measurements, base: DeviceSpec) -> 
     if measured.link is not None:
         intra = {"name": f"{stem}-link", "kind": MEASURED_LINK_KIND[measured.device_type],
                  "bw_bytes_per_s": measured.link[0], "latency_s": measured.link[1], "efficiency": 1.0,
+                 "collective_factors": measured.link_factors,
                  "sources": {"bw_bytes_per_s": f"{how}: fit of all-reduce/all-gather/reduce-scatter/p2p times",
-                             "latency_s": f"{how}: same fit", "efficiency": "bandwidth is the achieved figure"}}
+                             "latency_s": f"{how}: same fit", "efficiency": "bandwidth is the achieved figure",
+                             "collective_factors": f"{how}: each collective's time over the fit's, median over bandwidth-bound sizes"}}
     else:
         intra = _link_mapping(base.intra_link, base.name)
     device = {

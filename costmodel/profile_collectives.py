@@ -1,6 +1,9 @@
 """Collective timing for `paraplan profile`: all-reduce, all-gather, reduce-scatter and p2p across
-sizes over the ranks the profile runs on, and the fit of a link's bandwidth and latency to the cost
-model's ring formulas (`costmodel.comm`) by relative least squares.
+sizes over the ranks the profile runs on, the fit of a link's bandwidth and latency to the cost
+model's ring formulas (`costmodel.comm`) by relative least squares, and each collective's factor
+over that fit (`LinkTier.collective_factors`): one link cannot describe an implementation whose
+collectives differ in kind, as gloo's do (measured on this project's 2-core host, 2 ranks: all-reduce
+1.0-1.6x and p2p 0.6-2x the joint fit, all-gather 2-6x and reduce-scatter 4-9x).
 """
 from __future__ import annotations
 
@@ -79,6 +82,23 @@ def fit_link(samples: list[dict], world: int) -> tuple[float, float]:
     (inverse_bw, latency), *_ = np.linalg.lstsq(rows / seconds[:, None], np.ones_like(seconds), rcond=None)
     best_rate = max(row[0] / t for row, t in zip(rows, seconds))
     return float(1.0 / inverse_bw if inverse_bw > 0 else best_rate), max(float(latency), MIN_LATENCY_S)
+
+
+def collective_factors(samples: list[dict], world: int, link: tuple[float, float]) -> dict[str, float]:
+    """Per collective, the median of measured time over the ring formula's time on `link` (bytes/s,
+    latency s), over its bandwidth-bound sizes (where the bandwidth term is at least half the
+    formula's time: the sizes training moves; small sizes are the noisiest) or all its sizes if none is."""
+    bw, latency = link
+    ratios: dict[str, list[tuple[bool, float]]] = {}
+    for sample in samples:
+        per_byte, steps = _coefficients(sample["op"], world, sample["bytes"])
+        formula_s = per_byte / bw + steps * latency
+        ratios.setdefault(sample["op"], []).append((per_byte / bw >= formula_s / 2, sample["seconds"] / formula_s))
+    factors = {}
+    for op, values in ratios.items():
+        bound = [ratio for bandwidth_bound, ratio in values if bandwidth_bound]
+        factors[op] = float(np.median(bound or [ratio for _, ratio in values]))
+    return factors
 
 
 def measure_collectives(device, sizes, iterations, advance) -> list[dict]:

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from costmodel import profile_fields as fields
+from costmodel.comm import Collective
 from costmodel.errors import ProfileError
 from costmodel.hardware import (INTER_NODE_KINDS, INTRA_NODE_KINDS, Cluster, DeviceSpec, Dtype, LinkKind, LinkTier,
                                 NodeGroup, NodeSpec)
@@ -50,7 +51,7 @@ MATMUL_REFERENCE_DTYPES = (Dtype.BF16, Dtype.FP16, Dtype.FP32)
 
 _SHORTHAND = re.compile(r"(?P<device>[^:]+):(?P<nodes>[0-9]+)(?:[xX](?P<gpus>[0-9]+))?", re.ASCII)
 
-_LINK_KEYS = ("name", "kind", "bw_bytes_per_s", "latency_s", "efficiency", "sources")
+_LINK_KEYS = ("name", "kind", "bw_bytes_per_s", "latency_s", "efficiency", "collective_factors", "sources")
 _LINK_REQUIRED = ("kind", "bw_bytes_per_s", "latency_s")
 _DEVICE_KEYS = ("name", "description", "peak_flops_per_s", "mem_bytes", "mem_bw_bytes_per_s",
                 "matmul_efficiency", "mem_bw_efficiency", "matmul_sustained_fraction", "comm_overlaps_compute", "node", "nic", "price_per_hour", "power_w",
@@ -190,7 +191,19 @@ def _parse_link(origin: Origin, prefix: str, data: dict, default_name: str | Non
         latency_s=fields.positive(origin, f"{prefix}latency_s", data["latency_s"]),
         efficiency=fields.fraction(origin, f"{prefix}efficiency", data.get("efficiency", 1.0)),
         source="; ".join(f"{key}: {text}" for key, text in sources.items()),
+        collective_factors=_collective_factors(origin, f"{prefix}collective_factors", data.get("collective_factors", {})),
     )
+
+
+def _collective_factors(origin: Origin, field_name: str, value) -> tuple[tuple[str, float], ...]:
+    """A link's measured collective factors: a mapping from collective name to a positive number."""
+    if not isinstance(value, dict):
+        raise origin.error(field_name, "must be a mapping of collective to factor, e.g. {all_gather: 2.5}")
+    factors = []
+    for name, factor in value.items():
+        kind = fields.enum_member(origin, f"{field_name}.{name}", name, Collective)
+        factors.append((kind.value, fields.positive(origin, f"{field_name}.{name}", factor)))
+    return tuple(sorted(factors))
 
 
 def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Path, ...], base: Path) -> DeviceSpec:

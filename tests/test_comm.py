@@ -37,6 +37,16 @@ def test_all_gather_and_reduce_scatter_inside_node(op):
     assert t == pytest.approx(3.5e-3 + 14e-6)
 
 
+def test_measured_collective_factor_scales_that_collective_only():
+    # A profiled link whose all-gather ran 3x its ring formula: all-gather takes 3 x (3.5e-3 + 14e-6) s,
+    # all-reduce keeps its formula (factor absent: 1).
+    slow_gather = dataclasses.replace(INTRA, collective_factors=(("all_gather", 3.0),))
+    node = dataclasses.replace(NODE, intra_link=slow_gather)
+    group = CommGroup(size=8, ranks_per_node=8)
+    assert collective_time_s(Collective.ALL_GATHER, S, group, node) == pytest.approx(3 * (3.5e-3 + 14e-6))
+    assert collective_time_s(Collective.ALL_REDUCE, S, group, node) == pytest.approx(7e-3 + 28e-6)
+
+
 def test_all_to_all_inside_node():
     # (n-1)/n of the 1.2e9-byte send buffer leaves each rank: 7/8 * 1.2e9 / 300e9 = 3.5e-3 s, + 7 * 2e-6 s.
     t = collective_time_s(Collective.ALL_TO_ALL, S, CommGroup(size=8, ranks_per_node=8), NODE)

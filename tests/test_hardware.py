@@ -233,6 +233,9 @@ DEVICE_ERRORS = [
     ({"nic__kind": "infiniband"}, "nic.kind", "not a known LinkKind"),
     ({"price_per_hour": 0}, "price_per_hour", "positive"),
     ({"comm_overlaps_compute": "no"}, "comm_overlaps_compute", "true or false"),
+    ({"nic__collective_factors": {"allgather": 2.0}}, "nic.collective_factors.allgather", "did you mean 'all_gather'"),
+    ({"nic__collective_factors": {"all_gather": 0}}, "nic.collective_factors.all_gather", "positive"),
+    ({"nic__collective_factors": [2.0]}, "nic.collective_factors", "mapping of collective to factor"),
 ]
 
 

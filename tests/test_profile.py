@@ -17,7 +17,7 @@ import planner
 from costmodel.compute import OpTable, OpWork, WorkKind, op_time_s
 from costmodel.profile_loader import load_cluster, load_device
 from costmodel.profile import Measurements, run_profile, write_profile
-from costmodel.profile_collectives import _coefficients, fit_link
+from costmodel.profile_collectives import _coefficients, collective_factors, fit_link
 from planner.estimate import Evaluator
 
 TINY_GPT = "arch: gpt\nlayers: 2\nhidden: 64\nheads: 4\nvocab: 256\nmax_seq_len: 64\ntie_embeddings: false\n"
@@ -57,9 +57,32 @@ def test_fit_link_recovers_the_link_the_samples_come_from():
     assert fitted_latency == pytest.approx(latency, rel=1e-9)
 
 
+def test_collective_factors_recover_each_collectives_own_slowdown():
+    # Samples from the ring formulas on a 2 GB/s, 30 us link, with all-gather 3x and reduce-scatter
+    # 5x slower than the formula (as gloo's are); the joint fit lands between them, and each factor
+    # times the fitted formula gives back the measured times at the bandwidth-bound sizes.
+    bw, latency, world = 2e9, 30e-6, 2
+    slowdown = {"all_reduce": 1.0, "all_gather": 3.0, "reduce_scatter": 5.0, "p2p": 1.0}
+    samples = []
+    for op, factor in slowdown.items():
+        for size in (4**6, 4**9, 4**11, 4**12):
+            per_byte, steps = _coefficients(op, world, size)
+            samples.append({"op": op, "bytes": size, "seconds": factor * (per_byte / bw + steps * latency)})
+    link = fit_link(samples, world)
+    factors = collective_factors(samples, world, link)
+    assert factors["reduce_scatter"] > factors["all_gather"] > factors["all_reduce"]
+    for sample in samples:
+        per_byte, steps = _coefficients(sample["op"], world, sample["bytes"])
+        if sample["bytes"] >= 4**11:
+            predicted = factors[sample["op"]] * (per_byte / link[0] + steps * link[1])
+            assert predicted == pytest.approx(sample["seconds"], rel=0.05)
+
+
 def test_written_profile_loads_with_measured_fields(tmp_path):
     out = tmp_path / "box.yaml"
-    written = write_profile(out, _measurements(link=(3e9, 40e-6), world=2), load_device("cpu"))
+    measured = _measurements(link=(3e9, 40e-6), world=2)
+    measured.link_factors = {"all_reduce": 1.5, "all_gather": 3.0}
+    written = write_profile(out, measured, load_device("cpu"))
     assert [p.name for p in written] == ["box.yaml", "box-device.yaml", "box-ops-fp32.json", "box-ops-bf16.json"]
     cluster = load_cluster(str(out))
     device = cluster.groups[0].node.device
@@ -70,6 +93,7 @@ def test_written_profile_loads_with_measured_fields(tmp_path):
     # Elementwise efficiency: median of the fp32 elementwise rates (10 and 5 GB/s) over the 20 GB/s copy.
     assert device.mem_bw_bytes_per_s == 20e9 and device.mem_bw_efficiency == pytest.approx(7.5e9 / 20e9)
     assert (device.intra_link.bw_bytes_per_s, device.intra_link.latency_s) == (3e9, 40e-6)
+    assert [device.intra_link.time_factor(op) for op in ("all_reduce", "all_gather", "p2p")] == [1.5, 3.0, 1.0]
     base_nic = load_device("cpu").nic
     assert (device.nic.kind, device.nic.bw_bytes_per_s, device.nic.latency_s) == (base_nic.kind, base_nic.bw_bytes_per_s,
                                                                                 base_nic.latency_s)
