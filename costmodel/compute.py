@@ -11,6 +11,7 @@ An `OpTable` of measured times, when given, overrides the roofline for the ops i
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +65,10 @@ FP8_MATMUL_EFFICIENCY_RATIO = 0.883
 # beside activations at training batch sizes and are not counted.
 FP8_CAST_TRAFFIC_RATIO = 2.5
 
+# Memory-bound ops read their inputs and write their output; a backward elementwise op reads the
+# output gradient and the saved input and writes the input gradient: twice the forward traffic.
+MEMORY_BWD_TRAFFIC_RATIO = 2.0
+
 # Distinct (work, device, dtype) prices kept by the roofline cache; a search over thousands of
 # configs touches a few thousand distinct ops.
 _CACHE_SIZE = 1 << 16
@@ -74,13 +79,16 @@ class WorkKind(StrEnum):
 
     MATMUL: GEMM on the tensor cores. ATTENTION / ATTENTION_BWD: fused (flash) attention forward /
     backward, priced as a matmul at a lower efficiency; callers give forward and backward FLOPs as
-    separate works. MEMORY: elementwise, norm, embedding lookup: bound by memory bandwidth.
+    separate works. MEMORY: elementwise, norm, embedding lookup: bound by memory bandwidth. LOSS: a
+    loss over the logits, priced as MEMORY unless an op table measured it (on CPUs cross-entropy's
+    exp and log over every logit, not the bytes, set its time).
     """
 
     MATMUL = "matmul"
     ATTENTION = "attention"
     ATTENTION_BWD = "attention_bwd"
     MEMORY = "memory"
+    LOSS = "loss"
 
 
 _EFFICIENCY_RATIO = {
@@ -194,32 +202,49 @@ class OpTable:
         matmul_times_s: (FLOPs, measured time) of GEMMs, strictly ascending in FLOPs; a matmul
             without a key match is priced at the achieved FLOP/s interpolated in log10(FLOPs)
             between its nearest measured sizes (clamped outside them).
+        attention_times_s: (forward FLOPs, forward time, backward time) of causal fused attention,
+            strictly ascending in FLOPs; FLOPs are counted as the trace counts them (the full score
+            matrix, no causal halving). Attention works are priced at the achieved FLOP/s
+            interpolated the same way (the backward's FLOPs are twice the forward's).
+        loss_bytes_per_s: bytes of loss works (`WorkKind.LOSS`) per second, measured on
+            cross-entropy's forward and backward over fp32 logits; 0 when not measured.
     """
 
     device: str
     dtype: str
     times_s_by_key: Mapping[str, float] = field(default_factory=dict, hash=False)
     matmul_times_s: tuple[tuple[float, float], ...] = ()
+    attention_times_s: tuple[tuple[float, float, float], ...] = ()
+    loss_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
-        times = list(self.times_s_by_key.values()) + [t for _, t in self.matmul_times_s]
-        if any(t <= 0 for t in times):
-            raise ProfileError(f"op table for {self.device}: every measured time must be > 0 s")
-        if self.matmul_times_s:
-            _log_curve(self._matmul_rates(), f"op table for {self.device} matmul_times_s")
+        times = (list(self.times_s_by_key.values()) + [t for _, t in self.matmul_times_s]
+                 + [t for point in self.attention_times_s for t in point[1:]])
+        if any(t <= 0 for t in times) or self.loss_bytes_per_s < 0:
+            raise ProfileError(f"op table for {self.device}: every measured time and rate must be > 0")
+        for kind, rates in self._curves.items():
+            _log_curve(rates, f"op table for {self.device} {kind}")
 
-    def _matmul_rates(self) -> tuple[tuple[float, float], ...]:
-        """(FLOPs, achieved FLOP/s) of the measured GEMMs."""
-        return tuple((flops, flops / time_s) for flops, time_s in self.matmul_times_s)
+    @functools.cached_property
+    def _curves(self) -> dict[WorkKind, tuple[tuple[float, float], ...]]:
+        """(FLOPs, achieved FLOP/s) of each measured kind of work."""
+        rates = {}
+        if self.matmul_times_s:
+            rates[WorkKind.MATMUL] = tuple((flops, flops / time_s) for flops, time_s in self.matmul_times_s)
+        if self.attention_times_s:
+            rates[WorkKind.ATTENTION] = tuple((flops, flops / fwd_s) for flops, fwd_s, _ in self.attention_times_s)
+            rates[WorkKind.ATTENTION_BWD] = tuple((2 * flops, 2 * flops / bwd_s) for flops, _, bwd_s in self.attention_times_s)
+        return rates
 
     def lookup(self, work: OpWork) -> float | None:
         """Measured time of `work` in seconds, or None when the table does not cover it."""
         if work.key in self.times_s_by_key:
             return self.times_s_by_key[work.key]
-        if work.kind is WorkKind.MATMUL and self.matmul_times_s and work.flops > 0:
-            rate_flops_per_s = _interp_log10(work.flops, self._matmul_rates(),
-                                             f"op table for {self.device} matmul_times_s")
-            return work.flops / rate_flops_per_s
+        if work.kind is WorkKind.LOSS and self.loss_bytes_per_s > 0:
+            return work.bytes / self.loss_bytes_per_s
+        rates = self._curves.get(work.kind)
+        if rates and work.flops > 0:
+            return work.flops / _interp_log10(work.flops, rates, f"op table for {self.device} {work.kind}")
         return None
 
     def to_dict(self) -> dict:
@@ -229,6 +254,9 @@ class OpTable:
             "dtype": self.dtype,
             "times_s_by_key": dict(self.times_s_by_key),
             "matmul_times_s": [{"flops": flops, "time_s": time_s} for flops, time_s in self.matmul_times_s],
+            "attention_times_s": [{"flops": flops, "fwd_s": fwd_s, "bwd_s": bwd_s}
+                                  for flops, fwd_s, bwd_s in self.attention_times_s],
+            "loss_bytes_per_s": self.loss_bytes_per_s,
         }
 
     @classmethod
@@ -245,10 +273,14 @@ class OpTable:
                 times_s_by_key={str(k): float(v) for k, v in data.get("times_s_by_key", {}).items()},
                 matmul_times_s=tuple((float(p["flops"]), float(p["time_s"]))
                                      for p in data.get("matmul_times_s", ())),
+                attention_times_s=tuple((float(p["flops"]), float(p["fwd_s"]), float(p["bwd_s"]))
+                                        for p in data.get("attention_times_s", ())),
+                loss_bytes_per_s=float(data.get("loss_bytes_per_s", 0.0)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProfileError(f"op table: bad or missing field ({exc!r}); expected keys device, dtype, "
-                               f"times_s_by_key {{key: seconds}}, matmul_times_s [{{flops, time_s}}]") from None
+                               f"times_s_by_key {{key: seconds}}, matmul_times_s [{{flops, time_s}}], "
+                               f"attention_times_s [{{flops, fwd_s, bwd_s}}], loss_bytes_per_s") from None
 
 
 def _check_table(table: OpTable, device: DeviceSpec, dtype: str) -> None:

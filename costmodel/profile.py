@@ -10,7 +10,9 @@ NCCL on GPUs). Measured:
   interpolates a GEMM's time from its nearest measured sizes);
 - streaming copy bandwidth -> `mem_bw_bytes_per_s`; elementwise ops (add, GELU, LayerNorm) ->
   their achieved bandwidth relative to the copy, `mem_bw_efficiency`;
-- scaled-dot-product attention forward and forward+backward -> op-table entries by shape;
+- causal scaled-dot-product attention forward and forward+backward at two shapes -> the op table's
+  `attention_times_s` (the compute model interpolates an attention op's time from them as for GEMMs);
+- cross-entropy forward and backward over fp32 logits -> the op table's `loss_bytes_per_s`;
 - all-reduce, all-gather, reduce-scatter and p2p across sizes -> the intra-node link's bandwidth
   and latency, fitted to the cost model's ring formulas (`costmodel.profile_collectives`).
 
@@ -35,7 +37,7 @@ import torch.distributed as dist
 import yaml
 from torch.utils.benchmark import Timer
 
-from costmodel.compute import OpTable
+from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO, OpTable
 from costmodel.hardware import DeviceSpec, LinkTier
 from costmodel.profile_collectives import (COLLECTIVE_BYTES, COLLECTIVE_ITERATIONS, QUICK_COLLECTIVE_BYTES,
                                           QUICK_COLLECTIVE_ITERATIONS, collective_factors, fit_link,
@@ -56,6 +58,12 @@ QUICK_STREAM_BYTES = {"cpu": 4 * 2**20, "cuda": 64 * 2**20}
 # (`torch.add(a, b, out=c)`), while at 1-16 MiB the two agree. Training tensors of a CPU-sized model
 # (a few MiB) come from the reused heap, so the CPU size stays below that threshold.
 ELEMENTWISE_BYTES = {"cpu": 8 * 2**20, "cuda": 1 * 2**30}
+# (tokens, vocabulary) of the cross-entropy measurement: fp32 logits of ELEMENTWISE_BYTES.
+LOSS_SHAPES = {"cpu": (512, 4096), "cuda": (8192, 32768)}
+QUICK_LOSS_SHAPES = {"cpu": (64, 1024), "cuda": (1024, 32768)}
+# Bytes the cost model counts for a loss per fp32 logit: its forward reads the logits (4 B), its
+# backward moves MEMORY_BWD_TRAFFIC_RATIO times that (`planner.layer_cost`).
+LOSS_BYTES_PER_LOGIT = 4 * (1 + MEMORY_BWD_TRAFFIC_RATIO)
 # (batch, heads, seq, head_dim) of the attention measurements: a small and a GPT-2-sized layer.
 ATTENTION_SHAPES = {"cpu": ((1, 8, 256, 64), (1, 12, 1024, 64)), "cuda": ((4, 16, 2048, 128), (1, 32, 8192, 128))}
 QUICK_ATTENTION_SHAPES = {"cpu": ((1, 4, 128, 32),), "cuda": ((1, 16, 2048, 128),)}
@@ -89,6 +97,8 @@ class Measurements:
     stream_bytes_per_s: float = 0.0
     elementwise_bytes_per_s: dict[str, float] = field(default_factory=dict)
     op_times_s: dict[str, dict[str, float]] = field(default_factory=dict)
+    attention_times_s: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
+    loss_bytes_per_s: float = 0.0
     link: tuple[float, float] | None = None  # (bytes/s, latency s)
     link_factors: dict[str, float] = field(default_factory=dict)  # collective -> measured / ring formula
     collective_samples: list[dict] = field(default_factory=list)
@@ -153,24 +163,43 @@ def measure_memory(device, dtypes, stream_bytes, min_run_time_s, advance) -> tup
     return 2 * stream_bytes / copy_s, rates, times
 
 
-def measure_attention(device, dtypes, shapes, min_run_time_s, advance) -> dict[str, dict[str, float]]:
-    """Causal SDPA forward and forward+backward seconds, by dtype and shape key."""
+def measure_attention(device, dtypes, shapes, min_run_time_s, advance) -> dict[str, list[tuple[float, float, float]]]:
+    """(forward FLOPs, forward s, backward s) of causal SDPA at each shape, by dtype, ascending in FLOPs.
+
+    FLOPs are 4·b·h·s²·d, the two batched GEMMs over the full score matrix, as `FlopCounterMode`
+    counts attention in the trace; the backward is the forward+backward time less the forward.
+    """
     sdpa = torch.nn.functional.scaled_dot_product_attention
     out = {}
     for dtype in dtypes:
-        keys, seconds = [], []
+        flops, seconds = [], []
         for batch, heads, seq, head_dim in shapes:
             q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=getattr(torch, _TORCH_DTYPES[dtype]),
                             requires_grad=True)
-            shape = f"b{batch}.h{heads}.s{seq}.d{head_dim}"
             values = {"q": q, "sdpa": sdpa}
-            keys.append(f"attention_fwd:{shape}")
+            flops.append(4.0 * batch * heads * seq * seq * head_dim)
             seconds.append(_time_s("sdpa(q, q, q, is_causal=True)", values, min_run_time_s))
-            keys.append(f"attention_fwd_bwd:{shape}")
             seconds.append(_time_s("sdpa(q, q, q, is_causal=True).sum().backward()", values, min_run_time_s))
             advance()
-        out[dtype] = dict(zip(keys, rank_max(seconds)))
+        seconds = rank_max(seconds)
+        # A backward (twice the forward's FLOPs) never beats its forward; the floor keeps timing noise
+        # from pricing it below that.
+        points = [(f, fwd_s, max(fwd_bwd_s - fwd_s, fwd_s)) for f, fwd_s, fwd_bwd_s in zip(flops, seconds[::2], seconds[1::2])]
+        out[dtype] = sorted(points)
     return out
+
+
+def measure_loss(device, shape: tuple[int, int], min_run_time_s: float, advance) -> float:
+    """Cross-entropy forward and backward over fp32 logits of `shape`, as bytes per second in the cost
+    model's accounting (LOSS_BYTES_PER_LOGIT)."""
+    tokens, vocab = shape
+    logits = torch.randn(tokens, vocab, device=device, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,), device=device)
+    (seconds,) = rank_max([_time_s("cross_entropy(x, t).backward()",
+                                   {"x": logits, "t": targets, "cross_entropy": torch.nn.functional.cross_entropy},
+                                   min_run_time_s)])
+    advance()
+    return LOSS_BYTES_PER_LOGIT * tokens * vocab / seconds
 
 
 def _mem_bytes(device, world_on_host: int) -> float:
@@ -201,7 +230,7 @@ def measure(*, quick: bool = False, progress=None) -> Measurements:
     collective_sizes = (QUICK_COLLECTIVE_BYTES if quick else COLLECTIVE_BYTES)[kind]
     run_time_s = QUICK_MIN_RUN_TIME_S if quick else MIN_RUN_TIME_S
     world = dist.get_world_size() if distributed else 1
-    steps = len(dtypes) * (len(sizes) + 3 + len(shapes)) + 1 + (4 * len(collective_sizes) if world > 1 else 0)
+    steps = len(dtypes) * (len(sizes) + 3 + len(shapes)) + 2 + (4 * len(collective_sizes) if world > 1 else 0)
     task = progress.add_task(f"profiling {kind} x{world}", total=steps) if progress is not None else None
 
     def advance() -> None:
@@ -213,8 +242,9 @@ def measure(*, quick: bool = False, progress=None) -> Measurements:
     result.matmul_times_s = measure_matmuls(device, dtypes, sizes, run_time_s, advance)
     result.stream_bytes_per_s, result.elementwise_bytes_per_s, elementwise = measure_memory(
         device, dtypes, (QUICK_STREAM_BYTES if quick else STREAM_BYTES)[kind], run_time_s, advance)
-    attention = measure_attention(device, dtypes, shapes, run_time_s, advance)
-    result.op_times_s = {dtype: {**elementwise[dtype], **attention[dtype]} for dtype in dtypes}
+    result.attention_times_s = measure_attention(device, dtypes, shapes, run_time_s, advance)
+    result.loss_bytes_per_s = measure_loss(device, (QUICK_LOSS_SHAPES if quick else LOSS_SHAPES)[kind], run_time_s, advance)
+    result.op_times_s = elementwise
     if world > 1:
         iterations = QUICK_COLLECTIVE_ITERATIONS if quick else COLLECTIVE_ITERATIONS
         result.collective_samples = measure_collectives(device, collective_sizes, iterations, advance)
@@ -257,7 +287,8 @@ def write_profile(out: str | Path, measured: Measurements, base: DeviceSpec) -> 
     tables = {}
     for dtype, points in measured.matmul_times_s.items():
         path = out.with_name(f"{stem}-ops-{dtype}.json")
-        table = OpTable(name, dtype, measured.op_times_s.get(dtype, {}), tuple(points))
+        table = OpTable(name, dtype, measured.op_times_s.get(dtype, {}), tuple(points),
+                        tuple(measured.attention_times_s.get(dtype, ())), measured.loss_bytes_per_s)
         path.write_text(json.dumps(table.to_dict(), indent=1))
         tables[dtype] = path.name
     if measured.link is not None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from costmodel.comm import Collective, CommGroup, collective_time_s
-from costmodel.compute import OpTable, OpWork, WorkKind, base_dtype, layer_time_s
+from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO, OpTable, OpWork, WorkKind, base_dtype, layer_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
 from planner.graph import Layer, Op, OpKind, Recompute
 
@@ -64,10 +64,6 @@ LOSS_TEMP_INPUT_COPIES = 2
 # Vocabulary-parallel cross-entropy (DTensor `loss_parallel`) holds one more: the same measurement at
 # tp=2, micro-batch 8 gives 48.1 MiB = 3 x (8 x 256 x 2048 fp32 logits per rank).
 LOSS_PARALLEL_TEMP_INPUT_COPIES = 3
-
-# Memory-bound ops read their inputs and write their output; a backward elementwise op reads the
-# output gradient and the saved input and writes the input gradient: twice the forward traffic.
-MEMORY_BWD_TRAFFIC_RATIO = 2.0
 
 
 @dataclass(frozen=True)
@@ -177,7 +173,8 @@ def _works(op: Op, share: float, input_bytes: float | None = None) -> tuple[list
         return [gemm], [gemm] * MATMUL_BWD_GEMMS
     read = op.out_bytes * len(op.inputs) if input_bytes is None else input_bytes
     traffic = (op.out_bytes + read) * share
-    return [OpWork(WorkKind.MEMORY, 0.0, traffic)], [OpWork(WorkKind.MEMORY, 0.0, MEMORY_BWD_TRAFFIC_RATIO * traffic)]
+    kind = WorkKind.LOSS if op.kind == OpKind.LOSS else WorkKind.MEMORY
+    return [OpWork(kind, 0.0, traffic)], [OpWork(kind, 0.0, MEMORY_BWD_TRAFFIC_RATIO * traffic)]
 
 
 def op_time_s(op: Op, device: DeviceSpec, dtype: str, shards: int, table: OpTable | None = None) -> float:

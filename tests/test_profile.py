@@ -39,7 +39,9 @@ def _measurements(matmul_scale: float = 1.0, link=None, world: int = 1) -> Measu
                         "bf16": [(f, matmul_scale * f / 25e9) for f in sizes]},
         stream_bytes_per_s=20e9,
         elementwise_bytes_per_s={"add:1B:fp32": 10e9, "gelu:1B:fp32": 5e9, "add:1B:bf16": 1e9},
-        op_times_s={"fp32": {"attention_fwd:b1.h4.s128.d32": 1e-4}, "bf16": {}},
+        op_times_s={"fp32": {"add:1048576B": 1e-4}, "bf16": {}},
+        attention_times_s={"fp32": [(1e8, 2e-3, 5e-3), (1e9, 1e-2, 3e-2)]},
+        loss_bytes_per_s=2e9,
         link=link,
     )
 
@@ -98,7 +100,8 @@ def test_written_profile_loads_with_measured_fields(tmp_path):
     assert (device.nic.kind, device.nic.bw_bytes_per_s, device.nic.latency_s) == (base_nic.kind, base_nic.bw_bytes_per_s,
                                                                                 base_nic.latency_s)
     table = OpTable.from_dict(json.loads(Path(device.op_tables["fp32"]).read_text()))
-    assert table.device == "box-device" and table.times_s_by_key == {"attention_fwd:b1.h4.s128.d32": 1e-4}
+    assert table.device == "box-device" and table.times_s_by_key == {"add:1048576B": 1e-4}
+    assert table.attention_times_s == ((1e8, 2e-3, 5e-3), (1e9, 1e-2, 3e-2)) and table.loss_bytes_per_s == 2e9
 
 
 def test_measured_op_table_overrides_the_roofline(tmp_path):
@@ -112,6 +115,16 @@ def test_measured_op_table_overrides_the_roofline(tmp_path):
     assert op_time_s(gemm, device, "fp32") != pytest.approx(flops / 50e9, rel=1e-3)
     memory = OpWork(WorkKind.MEMORY, 0.0, 1e6)  # the table has no memory-bound entry: roofline
     assert op_time_s(memory, device, "fp32", table) == op_time_s(memory, device, "fp32")
+    # Attention at a measured size: its forward and backward times; between the two measured sizes
+    # (1e8 FLOPs at 50 GFLOP/s, 1e9 at 100 GFLOP/s) the rate is interpolated in log10(FLOPs).
+    assert op_time_s(OpWork(WorkKind.ATTENTION, 1e8, 0.0), device, "fp32", table) == pytest.approx(2e-3)
+    assert op_time_s(OpWork(WorkKind.ATTENTION_BWD, 2e8, 0.0), device, "fp32", table) == pytest.approx(5e-3)
+    middle = 10 ** 8.5
+    assert op_time_s(OpWork(WorkKind.ATTENTION, middle, 0.0), device, "fp32", table) == pytest.approx(middle / 75e9)
+    # A loss at the measured 2 GB/s; without a table, at the roofline's memory bandwidth.
+    loss = OpWork(WorkKind.LOSS, 0.0, 1e6)
+    assert op_time_s(loss, device, "fp32", table) == pytest.approx(1e6 / 2e9)
+    assert op_time_s(loss, device, "fp32") == op_time_s(memory, device, "fp32")
 
 
 def test_profile_op_tables_drive_the_evaluator(tmp_path, spec):
