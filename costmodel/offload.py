@@ -2,7 +2,7 @@
 
 With the optimizer offloaded, each device copies its gradient shard to the host (bf16), the CPU
 runs Adam over the fp32 master weights and moments in host memory, and the updated bf16 weights
-come back. Memory on the device drops by the optimizer states (`costmodel.memory`,
+come back (fp32 training moves fp32 gradients and weights, and its Adam has no master copy). Memory on the device drops by the optimizer states (`costmodel.memory`,
 `Optimizer.ADAM_MIXED_OFFLOAD`); this module prices the copies and the CPU update. Both are
 counted as exposed: the update needs every gradient and the next forward needs the weights.
 """
@@ -17,8 +17,9 @@ HOST_LINK_BYTES_PER_S = 25e9
 # reaches about half of it.
 HOST_MEMORY_BYTES_PER_S = 25e9
 
-# Bytes moved over the host link per parameter: bf16 gradient down, bf16 weight back up.
-HOST_LINK_BYTES_PER_PARAM = 2 + 2
+# Host-link copies per parameter: the gradient down and the updated working weight back up, each
+# at the working weight's size (2 B in mixed precision).
+HOST_LINK_COPIES_PER_PARAM = 2
 
 # Host-memory bytes of the CPU Adam update per parameter: read fp32 master, two moments and the
 # gradient (16 B, the gradient upcast from bf16), write master and moments (12 B) and the bf16
@@ -26,12 +27,15 @@ HOST_LINK_BYTES_PER_PARAM = 2 + 2
 CPU_ADAM_BYTES_PER_PARAM = 30
 
 
-def offload_step_s(params: float, host_link_bytes_per_s: float = HOST_LINK_BYTES_PER_S,
+def offload_step_s(params: float, weight_bytes: float = 2.0, adam_bytes_per_param: float = CPU_ADAM_BYTES_PER_PARAM,
+                   host_link_bytes_per_s: float = HOST_LINK_BYTES_PER_S,
                    host_memory_bytes_per_s: float = HOST_MEMORY_BYTES_PER_S) -> float:
     """Seconds one device spends per step on an offloaded optimizer over `params` parameters.
 
     Args:
         params: parameters whose optimizer states this device owns (its ZeRO shard).
+        weight_bytes: bytes of one working weight (and gradient) crossing the host link.
+        adam_bytes_per_param: host-memory bytes of the CPU update per parameter.
         host_link_bytes_per_s: device <-> host bandwidth.
         host_memory_bytes_per_s: host memory bandwidth the CPU update of this shard gets.
 
@@ -42,4 +46,5 @@ def offload_step_s(params: float, host_link_bytes_per_s: float = HOST_LINK_BYTES
     """
     if params < 0:
         raise ValueError(f"params={params}: must be >= 0")
-    return params * HOST_LINK_BYTES_PER_PARAM / host_link_bytes_per_s + params * CPU_ADAM_BYTES_PER_PARAM / host_memory_bytes_per_s
+    return (params * HOST_LINK_COPIES_PER_PARAM * weight_bytes / host_link_bytes_per_s
+            + params * adam_bytes_per_param / host_memory_bytes_per_s)

@@ -82,7 +82,7 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
 def optimizer_step_s(config: ParallelConfig, precision: Precision, device: DeviceSpec, owned_params: float) -> float:
     """Seconds of the optimizer update over the `owned_params` whose states one device holds (linear in them)."""
     if config.offload_optimizer:
-        return offload_step_s(owned_params)
+        return offload_step_s(owned_params, precision.weight_bytes, precision.optimizer_step_bytes)
     return owned_params * precision.optimizer_step_bytes / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
 
 

@@ -15,6 +15,7 @@ from costmodel.memory import (
     model_state_bytes,
     stage_memory,
 )
+from costmodel.offload import HOST_LINK_BYTES_PER_S, HOST_MEMORY_BYTES_PER_S, offload_step_s
 from costmodel.pipeline import in_flight_microbatches
 
 GIB = 1024**3
@@ -222,3 +223,11 @@ def test_zero3_beats_zero2_while_the_gathered_copy_is_smaller_than_the_saved_sha
     zero2 = sum(model_state_bytes(params, 2, dp))
     zero3 = sum(model_state_bytes(params, 3, dp, gathered_params=gathered))
     assert zero3 <= zero2 * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("weight_bytes, adam_bytes", [(2.0, 30.0), (4.0, 28.0)])
+def test_offloaded_step_moves_gradients_and_weights_at_their_size(weight_bytes, adam_bytes):
+    # 1e9 parameters: gradient down and weight up over the 25 GB/s host link at the working weight's
+    # size (bf16 2 B: 4 GB; fp32 4 B: 8 GB), then the CPU Adam's host-memory bytes at 25 GB/s.
+    expected_s = 2 * weight_bytes * 1e9 / HOST_LINK_BYTES_PER_S + adam_bytes * 1e9 / HOST_MEMORY_BYTES_PER_S
+    assert offload_step_s(1e9, weight_bytes, adam_bytes) == pytest.approx(expected_s)
