@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="per-layer FLOPs, parameters and activation bytes")
     _add_model_args(inspect, needs_batch=False)
     inspect.add_argument("--micro-batch", type=_positive("micro-batch"), default=1)
+    inspect.add_argument("--dtype", default="bf16", choices=TRAINING_DTYPES,
+                         help="training dtype the model is traced in (activation bytes follow it)")
     evaluate = sub.add_parser("evaluate", help="predict one parallel configuration")
     _add_model_args(evaluate, needs_batch=True)
     _add_config_args(evaluate, required=True)
@@ -161,7 +163,7 @@ def _run(args) -> int:
         from planner.api import model_graph
         from planner.report.inspect import inspect_json, render_inspect
 
-        graph = model_graph(args.model, seq_len=args.seq_len, micro_batch=args.micro_batch)
+        graph = model_graph(args.model, seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype)
         if args.json:
             _print_json(inspect_json(graph))
         else:

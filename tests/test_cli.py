@@ -86,6 +86,19 @@ def test_inspect_json_contract(capsys):
     assert sum(layer["params"] for layer in layers) == data["params"]
 
 
+def test_inspect_traces_in_the_requested_dtype(capsys):
+    saved = {}
+    for dtype in ("bf16", "fp32"):
+        code, out, _ = run(["inspect", *MODEL_ARGS, "--dtype", dtype, "--json"], capsys)
+        assert code == 0
+        data = json.loads(out)
+        assert data["dtype"] == dtype
+        saved[dtype] = data["layers"][1]["saved_bytes"]["none"]
+    # A block's saved activations are element-sized: fp32 keeps twice bf16's bytes (up to a few
+    # dtype-independent tensors such as dropout masks).
+    assert 1.8 < saved["fp32"] / saved["bf16"] <= 2.0
+
+
 def test_evaluate_json_contract(capsys):
     argv = ["evaluate", *RUN_ARGS, "--tp", "2", "--pp", "2", "--micro-batch", "2", "--zero", "1", "--recompute", "selective", "--json"]
     code, out, _ = run(argv, capsys)
