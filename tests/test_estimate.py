@@ -251,6 +251,24 @@ def test_unknown_loss_kernel_is_one_line(gpt350m):
         Evaluator(gpt350m, load_cluster("a100-80g:1x8"), loss="chunked")
 
 
+# MosaicML's llm-foundry benchmark table (published-runs.json, group llmfoundry_mpt): configurations
+# that ran on A100-40GB with FSDP FULL_SHARD, no activation checkpointing, and llm-foundry's default
+# fused cross-entropy. (name, layers, hidden, heads, GPUs, micro-batch) at sequence length 2048,
+# vocabulary 50368; the three whose predicted peak is closest to the capacity.
+MPT_RUNS = [("mpt-1b", 24, 2048, 16, 32, 10), ("mpt-350m", 24, 1024, 16, 16, 18), ("mpt-3b", 32, 2560, 20, 32, 6)]
+
+
+@pytest.mark.parametrize("name, layers, hidden, heads, gpus, micro_batch", MPT_RUNS, ids=[r[0] for r in MPT_RUNS])
+def test_published_runs_that_ran_are_predicted_to_fit(spec_dir, name, layers, hidden, heads, gpus, micro_batch):
+    path = spec_dir / f"{name}.yaml"
+    path.write_text(f"arch: gpt\nlayers: {layers}\nhidden: {hidden}\nheads: {heads}\nvocab: 50368\nmax_seq_len: 2048\n")
+    graph = trace(str(path), seq_len=2048)
+    evaluator = Evaluator(graph, load_cluster(f"a100-40g:{gpus // 8}x8"), loss="fused")
+    config = ParallelConfig(dp=gpus, micro_batch=micro_batch, num_microbatches=1, zero=3, recompute=Recompute.NONE)
+    estimate = evaluator.estimate(config, gpus * micro_batch)
+    assert estimate.fits, f"{name}: {estimate.peak_memory_bytes / 2**30:.1f} GiB predicted on a 40 GB device"
+
+
 @pytest.fixture(scope="module")
 def tiny_moe(spec_dir):
     path = spec_dir / "tiny-moe.yaml"
