@@ -233,7 +233,8 @@ class OpTable:
             rates[WorkKind.MATMUL] = tuple((flops, flops / time_s) for flops, time_s in self.matmul_times_s)
         if self.attention_times_s:
             rates[WorkKind.ATTENTION] = tuple((flops, flops / fwd_s) for flops, fwd_s, _ in self.attention_times_s)
-            rates[WorkKind.ATTENTION_BWD] = tuple((2 * flops, 2 * flops / bwd_s) for flops, _, bwd_s in self.attention_times_s)
+            rates[WorkKind.ATTENTION_BWD] = tuple((2 * flops, 2 * flops / bwd_s)
+                                                  for flops, _, bwd_s in self.attention_times_s)
         return rates
 
     def lookup(self, work: OpWork) -> float | None:

@@ -2,7 +2,8 @@
 
 With the optimizer offloaded, each device copies its gradient shard to the host (bf16), the CPU
 runs Adam over the fp32 master weights and moments in host memory, and the updated bf16 weights
-come back (fp32 training moves fp32 gradients and weights, and its Adam has no master copy). Memory on the device drops by the optimizer states (`costmodel.memory`,
+come back (fp32 training moves fp32 gradients and weights, and its Adam has no master copy).
+Memory on the device drops by the optimizer states (`costmodel.memory`,
 `Optimizer.ADAM_MIXED_OFFLOAD`); this module prices the copies and the CPU update. Both are
 counted as exposed: the update needs every gradient and the next forward needs the weights.
 """

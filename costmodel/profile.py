@@ -184,7 +184,8 @@ def measure_attention(device, dtypes, shapes, min_run_time_s, advance) -> dict[s
         seconds = rank_max(seconds)
         # A backward (twice the forward's FLOPs) never beats its forward; the floor keeps timing noise
         # from pricing it below that.
-        points = [(f, fwd_s, max(fwd_bwd_s - fwd_s, fwd_s)) for f, fwd_s, fwd_bwd_s in zip(flops, seconds[::2], seconds[1::2])]
+        points = [(f, fwd_s, max(fwd_bwd_s - fwd_s, fwd_s))
+                  for f, fwd_s, fwd_bwd_s in zip(flops, seconds[::2], seconds[1::2])]
         out[dtype] = sorted(points)
     return out
 
@@ -243,7 +244,8 @@ def measure(*, quick: bool = False, progress=None) -> Measurements:
     result.stream_bytes_per_s, result.elementwise_bytes_per_s, elementwise = measure_memory(
         device, dtypes, (QUICK_STREAM_BYTES if quick else STREAM_BYTES)[kind], run_time_s, advance)
     result.attention_times_s = measure_attention(device, dtypes, shapes, run_time_s, advance)
-    result.loss_bytes_per_s = measure_loss(device, (QUICK_LOSS_SHAPES if quick else LOSS_SHAPES)[kind], run_time_s, advance)
+    loss_shape = (QUICK_LOSS_SHAPES if quick else LOSS_SHAPES)[kind]
+    result.loss_bytes_per_s = measure_loss(device, loss_shape, run_time_s, advance)
     result.op_times_s = elementwise
     if world > 1:
         iterations = QUICK_COLLECTIVE_ITERATIONS if quick else COLLECTIVE_ITERATIONS

@@ -191,7 +191,8 @@ def _parse_link(origin: Origin, prefix: str, data: dict, default_name: str | Non
         latency_s=fields.positive(origin, f"{prefix}latency_s", data["latency_s"]),
         efficiency=fields.fraction(origin, f"{prefix}efficiency", data.get("efficiency", 1.0)),
         source="; ".join(f"{key}: {text}" for key, text in sources.items()),
-        collective_factors=_collective_factors(origin, f"{prefix}collective_factors", data.get("collective_factors", {})),
+        collective_factors=_collective_factors(origin, f"{prefix}collective_factors",
+                                               data.get("collective_factors", {})),
     )
 
 

@@ -84,7 +84,8 @@ class SweepSpec:
     @property
     def settings(self) -> str:
         """The planning settings as one string, stored in each row so a resume can check them."""
-        extra = " ".join(["tp_overlap=True"] * self.tp_overlap + [f"loss={self.loss}"] * (self.loss != "torch") + [f"{key}={self.constraints[key]}" for key in sorted(self.constraints)])
+        flags = ["tp_overlap=True"] * self.tp_overlap + [f"loss={self.loss}"] * (self.loss != "torch")
+        extra = " ".join(flags + [f"{key}={self.constraints[key]}" for key in sorted(self.constraints)])
         return f"dtype={self.dtype} attention={self.attention}" + (f" {extra}" if extra else "")
 
 
