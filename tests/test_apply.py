@@ -52,6 +52,8 @@ SPECS = {
     "gpt-mixed": GPT_SPEC.replace("hidden: 128", "hidden: 96"),
     "llama": f"arch: llama\nlayers: 2\nhidden: 128\nheads: 4\nkv_heads: 2\nffn_hidden: 256\nvocab: {VOCAB}\n"
              f"max_seq_len: {SEQ_LEN}\n",
+    "moe": f"arch: moe\nlayers: 2\nhidden: 128\nheads: 4\nkv_heads: 2\nffn_hidden: 256\nvocab: {VOCAB}\n"
+           f"max_seq_len: {SEQ_LEN}\nexperts: 4\ntop_k: 2\nmoe_ffn_hidden: 128\nshared_experts: 1\n",
 }
 
 
@@ -210,7 +212,7 @@ def _memory_pressure_plan(spec: Path, tmp: Path) -> Plan:
 
 @pytest.fixture(scope="module")
 def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
-    gpt, mixed, llama = spec_dir / "gpt.yaml", spec_dir / "gpt-mixed.yaml", spec_dir / "llama.yaml"
+    gpt, mixed, llama, moe = (spec_dir / f"{name}.yaml" for name in ("gpt", "gpt-mixed", "llama", "moe"))
     sp_plan = _plan(gpt, "cpu:1x2", tp=2, pp=1)
     all_blocks = [f"layers.{i}" for i in range(4)]
     two_rank = [
@@ -225,6 +227,7 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("tp_gathered", _time_only_layouts(_plan(mixed, "cpu:1x2", tp=2, pp=1), mixed), mixed),
         ("dp_zero3", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=3), gpt),
         ("llama_tp", _plan(llama, "cpu:1x2", tp=2, pp=1), llama),
+        ("moe_tp", _plan(moe, "cpu:1x2", tp=2, pp=1), moe),
         ("llama_selective_op", _plan(llama, "cpu:1x2", dp=2, tp=1, pp=1, recompute="selective_op"), llama),
         ("dp_offload", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=2, offload_optimizer=True), gpt),
     ]
@@ -315,6 +318,20 @@ def test_llama_grouped_query_attention_tp2(trained):
     plan = trained["llama_tp"][0]
     assert plan.layouts["layers.0.attn.k_proj"] == "colwise"
     _check(trained["llama_tp"])
+
+
+def test_mixture_of_experts_tp2(trained):
+    # The layout ILP splits each expert like a Megatron MLP (gate/up colwise, down rowwise); applied,
+    # every rank routes the same tokens and the experts' partial sums are all-reduced.
+    plan, spec, result = trained["moe_tp"]
+    assert [plan.layouts[f"layers.0.mlp.experts.{name}"] for name in ("gate_proj", "up_proj", "down_proj")] == [
+        "colwise", "colwise", "rowwise"]
+    _check(trained["moe_tp"])
+    # The experts hold 60% of the parameters; each rank keeps half of them.
+    params = dict(_build(str(spec)).named_parameters())
+    experts = sum(p.numel() for name, p in params.items() if ".experts." in name)
+    others = sum(p.numel() for name, p in params.items() if ".experts." not in name)
+    assert max(result["local_numel"]) <= experts / 2 + others
 
 
 def test_dp_x_tp_mesh(trained):

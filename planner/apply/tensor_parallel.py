@@ -18,6 +18,11 @@ output back, so any mix of placements the sharding ILP chooses composes:
 - head: colwise keeps the logits split over the vocabulary for a vocab-parallel cross entropy
   (`loss_parallel`, Megatron's parallel cross entropy; without pipelining) or gathers them;
   rowwise gathers them; `replicate` -> plain.
+- mixture of experts (a container with `experts` of `GroupedLinear` projections): routing runs on
+  the full, replicated input (the router as a Linear; colwise gathers its logits); the experts'
+  gate and up projections are colwise and the down projection rowwise, each expert's weights split
+  like a Megatron MLP's (`GroupedLinearParallel`), the down projection's partial sums all-reduced
+  before the combine; shared experts are a nested MLP container on the replicated input.
 
 Attention modules split heads through the projection widths: the zoo's attention infers its
 local head count from the projected tensor, so column-sharded q/k/v give `heads / tp` local heads
@@ -28,7 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -41,6 +47,7 @@ from torch.distributed.tensor.parallel import (
 
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.tp_strategies import Placement, TensorLayout
+from planner.zoo.moe import GroupedLinear
 
 # Names of the projection that produces a container's output (zoo: attention o_proj, GPT MLP fc2,
 # SwiGLU down_proj); every other Linear child reads the container's input.
@@ -102,6 +109,71 @@ def _linear_style(placement: Placement, fqn: str, need_in: TensorLayout, out: Te
         return _convert(need_in, R, R, out)
     raise unsupported(f"layout {fqn}: placement {placement!r} on a {nn.Linear.__name__} cannot be applied; "
                       f"re-plan (`paraplan plan`) or use tp=1")
+
+
+class GroupedLinearParallel(ParallelStyle):
+    """Tensor parallelism of a `GroupedLinear` (weight: experts x in_features x out_features), as
+    Colwise/RowwiseParallel split a Linear: colwise shards out_features (weight dim 2), reads the
+    replicated input and returns its feature slice; rowwise shards in_features (weight dim 1), reads
+    a feature slice and returns the all-reduced output. Inputs and outputs are local tensors."""
+
+    def __init__(self, colwise: bool):
+        super().__init__()
+        self.colwise = colwise
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        weight_dim = 2 if self.colwise else 1
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for param_name, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(param_name, nn.Parameter(
+                    distribute_tensor(param, mesh, [Shard(weight_dim)], src_data_rank=self.src_data_rank)))
+
+        def prepare_input(mod: nn.Module, inputs, mesh: DeviceMesh):
+            placement = Replicate() if self.colwise else Shard(2)
+            return (DTensor.from_local(inputs[0], mesh, [placement], run_check=False), *inputs[1:])
+
+        def prepare_output(mod: nn.Module, output: DTensor, mesh: DeviceMesh):
+            return (output if self.colwise else output.redistribute(mesh, [Replicate()])).to_local()
+
+        return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
+
+
+def _moe_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: TensorLayout,
+                tp: int) -> dict[str, ParallelStyle]:
+    """Styles of a mixture-of-experts container (see the module docstring)."""
+    styles: dict[str, ParallelStyle] = {}
+    for name, child in module.named_children():
+        child_fqn = f"{fqn}.{name}"
+        if isinstance(child, nn.Linear):
+            style = _linear_style(_placement(layouts, child_fqn), child_fqn, R, R)
+        elif any(isinstance(c, GroupedLinear) for c in child.children()):
+            styles.update(_grouped_expert_styles(child_fqn, child, layouts))
+            continue
+        elif any(isinstance(c, nn.Linear) for c in child.children()):
+            styles.update(_container_styles(child_fqn, child, layouts, R, tp))
+            continue
+        else:
+            style = None
+        if style is not None:
+            styles[child_fqn] = style
+    style = _convert(stream, R, R, stream)
+    if style is not None:
+        styles[fqn] = style
+    return styles
+
+
+def _grouped_expert_styles(fqn: str, module: nn.Module, layouts: dict[str, str]) -> dict[str, ParallelStyle]:
+    """The experts' projections: all replicated, or inputs colwise and the output rowwise."""
+    placements = {name: _placement(layouts, f"{fqn}.{name}") for name, _ in module.named_children()}
+    outputs = [name for name in placements if name in OUTPUT_PROJECTIONS]
+    if set(placements.values()) == {Placement.REPLICATE}:
+        return {}
+    if len(outputs) != 1 or placements[outputs[0]] != Placement.ROWWISE or any(
+            placement != Placement.COLWISE for name, placement in placements.items() if name != outputs[0]):
+        raise unsupported(f"layout {fqn}: experts apply with colwise input projections and a rowwise "
+                          f"{' or '.join(OUTPUT_PROJECTIONS)}, or all replicated; got {placements}; re-plan")
+    return {f"{fqn}.{name}": GroupedLinearParallel(colwise=name != outputs[0]) for name in placements}
 
 
 def _check_heads(fqn: str, module: nn.Module, inputs: list[str], tp: int) -> None:
@@ -239,6 +311,8 @@ def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[st
                 fqn = f"{unit}.{name}"
                 if isinstance(child, NORM_TYPES):
                     styles.update(_norm_styles(fqn, layouts, stream))
+                elif any(isinstance(c, GroupedLinear) for c in getattr(child, "experts", nn.Module()).children()):
+                    styles.update(_moe_styles(fqn, child, layouts, stream, tp))
                 elif any(isinstance(c, nn.Linear) for c in child.children()):
                     styles.update(_container_styles(fqn, child, layouts, stream, tp))
                 elif any(True for _ in child.parameters()) and _placement(layouts, fqn) != Placement.REPLICATE:

@@ -18,6 +18,7 @@ from torch import nn
 from planner.errors import invalid
 from planner.result import Plan
 from planner.tp_strategies import Placement
+from planner.zoo.moe import GroupedLinear
 
 # Placements `parallelize_module` applies to a module through a weight split.
 _SPLIT_PLACEMENTS = frozenset({Placement.COLWISE, Placement.ROWWISE})
@@ -153,8 +154,9 @@ def expand_layouts(plan: Plan, model: nn.Module, units: tuple[str, ...], blocks:
             module = model.get_submodule(fqn)
         except AttributeError:
             raise invalid(f"model: lacks module {fqn!r} named by the plan's layouts; apply the plan to the model it was made for") from None
-        if placement in _SPLIT_PLACEMENTS and not isinstance(module, (nn.Linear, nn.Embedding)):
-            raise invalid(f"layout {fqn}: {placement} needs a Linear or Embedding, the model has {type(module).__name__}; re-plan")
+        if placement in _SPLIT_PLACEMENTS and not isinstance(module, (nn.Linear, nn.Embedding, GroupedLinear)):
+            raise invalid(f"layout {fqn}: {placement} needs a Linear, Embedding or GroupedLinear, the model has "
+                          f"{type(module).__name__}; re-plan")
     return out
 
 
