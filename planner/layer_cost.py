@@ -235,7 +235,7 @@ def _fused_logits_fraction(op: Op, layer: Layer, ctx: LayerContext) -> float:
     feeds them to the loss: fp32 after the upcast, so 1/2 in bf16 training, 1 in fp32)."""
     produced = {o.name: o for o in layer.ops}
     source = produced.get(op.inputs[0]) if op.inputs else None
-    if source is None or not source.out_shape:
+    if source is None or not source.out_shape or not source.out_bytes:
         return 1.0
     elements = 1
     for size in source.out_shape:
