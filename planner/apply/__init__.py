@@ -10,10 +10,12 @@ job and returns an `AppliedPlan` holding what a training loop needs. Order of ap
    (the default process group is created when missing: NCCL on GPUs, gloo on CPUs; a one-rank
    group when a one-device plan runs without torchrun);
 3. pipeline split: this rank's chunks of the plan's stages (`pipeline.StageModule`, model FQNs kept);
-4. tensor parallelism on the `tp` axis (`parallelize_module` with the plan's per-module layouts);
+4. tensor parallelism on the `tp` axis (`parallelize_module` with the plan's per-module layouts),
+   then expert parallelism over `ep` consecutive ranks of the `dp` axis (`expert_parallel`);
 5. activation checkpointing on the layers the memory plan names (after TP, so recomputation
    replays the TP collectives; before FSDP, so FSDP wraps the checkpointed blocks);
-6. data parallelism on the `dp` axis by ZeRO stage (`data_parallel`), per block then the root;
+6. data parallelism on the `dp` axis by ZeRO stage (`data_parallel`), per block then the root (the
+   experts of an expert-parallel plan first, over the `dp / ep` ranks holding the same experts);
 7. the pipeline schedule over this rank's stages with the plan's micro-batch count.
 
 Example (one process per device, e.g. `torchrun --nproc-per-node 4 train.py`)::
@@ -40,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from planner.apply.data_parallel import apply_data_parallel, mixed_precision_policy
+from planner.apply.expert_parallel import apply_expert_parallel, expert_mesh
 from planner.apply.pipeline import StageModule, build_schedule, check_schedule, chunk_units
 from planner.apply.recompute import apply_recompute
 from planner.apply.tensor_parallel import tensor_parallel_plan
@@ -203,6 +206,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
         torch.cuda.set_device(device)
     _init_process_group(device)
     mesh = init_device_mesh(device.type, (config.pp, config.dp, config.cp, config.tp), mesh_dim_names=MESH_AXES)
+    experts_mesh = expert_mesh(device.type, config) if config.ep > 1 else None
 
     if config.pp > 1:
         chunks = []
@@ -217,10 +221,12 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
             styles = {fqn: style for fqn, style in tp_plan.styles.items()
                       if any(fqn == u or fqn.startswith(u + ".") for u in units)}
             parallelize_module(module, mesh["tp"], styles)
+        experts = apply_expert_parallel(module, experts_mesh["ep"]) if experts_mesh is not None else []
         recomputed.update(apply_recompute(module, plan.memory_plan, units))
         if config.dp > 1 or mp_policy is not None or config.offload_optimizer:
             own_units = [module.get_submodule(u) for u in units if u not in match.tied]
-            apply_data_parallel(module, own_units, mesh["dp"], config.zero, mp_policy, config.offload_optimizer)
+            apply_data_parallel(module, own_units, mesh["dp"], config.zero, mp_policy, config.offload_optimizer,
+                                experts, experts_mesh["edp"] if experts_mesh is not None else None)
     if config.pp == 1:
         return AppliedPlan(plan, mesh, (model,), (), None, None, recomputed, tp_plan is not None and tp_plan.loss_parallel)
     loss_fn = loss_fn or language_model_loss(loss_module)

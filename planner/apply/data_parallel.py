@@ -44,7 +44,8 @@ def mixed_precision_policy(dtype: str) -> MixedPrecisionPolicy | None:
 
 
 def apply_data_parallel(root: nn.Module, units: list[nn.Module], dp_mesh: DeviceMesh, zero: int,
-                        mp_policy: MixedPrecisionPolicy | None = None, offload: bool = False) -> None:
+                        mp_policy: MixedPrecisionPolicy | None = None, offload: bool = False,
+                        experts: list[nn.Module] = (), edp_mesh: DeviceMesh | None = None) -> None:
     """Wraps each unit, then `root`, for data parallelism over `dp_mesh` at ZeRO stage `zero`.
 
     Args:
@@ -54,12 +55,19 @@ def apply_data_parallel(root: nn.Module, units: list[nn.Module], dp_mesh: Device
         zero: ZeRO stage 0-3 (see the module docstring for what each maps to).
         mp_policy: FSDP2 mixed precision (parameter and reduction dtypes); none keeps the model's dtype.
         offload: keep optimizer states (and the sharded parameters and gradients) in host memory.
+        experts: expert-parallel expert modules (`expert_parallel`), wrapped first, over `edp_mesh`,
+            their gradients divided by the whole dp group.
+        edp_mesh: the expert-data-parallel mesh, with `experts`.
     """
     policy = mp_policy or MixedPrecisionPolicy()
-    modules = [unit for unit in units if any(True for _ in unit.parameters())] + [root]
+    for module in experts:
+        _wrap(module, edp_mesh, zero, policy, offload).set_gradient_divide_factor(float(dp_mesh.size()))
+    for module in [unit for unit in units if any(True for _ in unit.parameters())] + [root]:
+        _wrap(module, dp_mesh, zero, policy, offload)
+
+
+def _wrap(module: nn.Module, mesh: DeviceMesh, zero: int, policy: MixedPrecisionPolicy, offload: bool) -> nn.Module:
+    if zero == 0 and not offload:
+        return replicate(module, mesh=mesh, mp_policy=policy)
     offload_policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
-    for module in modules:
-        if zero == 0 and not offload:
-            replicate(module, mesh=dp_mesh, mp_policy=policy)
-        else:
-            fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=policy, offload_policy=offload_policy)
+    return fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy, offload_policy=offload_policy)
