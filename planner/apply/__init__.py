@@ -199,7 +199,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
     tp_plan = None
     if config.tp > 1:
         tp_plan = tensor_parallel_plan(model, list(match.units), list(match.blocks), match.layouts, config.tp,
-                                       vocab_parallel_loss=config.pp == 1)
+                                       vocab_parallel_loss=config.pp == 1, expert_parallel=config.ep > 1)
 
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda":
@@ -221,7 +221,8 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
             styles = {fqn: style for fqn, style in tp_plan.styles.items()
                       if any(fqn == u or fqn.startswith(u + ".") for u in units)}
             parallelize_module(module, mesh["tp"], styles)
-        experts = apply_expert_parallel(module, experts_mesh["ep"]) if experts_mesh is not None else []
+        experts = (apply_expert_parallel(module, experts_mesh["ep", "tp"], match.layouts)
+                   if experts_mesh is not None else [])
         recomputed.update(apply_recompute(module, plan.memory_plan, units))
         if config.dp > 1 or mp_policy is not None or config.offload_optimizer:
             own_units = [module.get_submodule(u) for u in units if u not in match.tied]

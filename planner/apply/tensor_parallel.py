@@ -140,15 +140,17 @@ class GroupedLinearParallel(ParallelStyle):
 
 
 def _moe_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: TensorLayout,
-                tp: int) -> dict[str, ParallelStyle]:
-    """Styles of a mixture-of-experts container (see the module docstring)."""
+                tp: int, expert_parallel: bool) -> dict[str, ParallelStyle]:
+    """Styles of a mixture-of-experts container (see the module docstring); with expert parallelism
+    the experts are left to `expert_parallel`, which splits them over (ep, tp) itself."""
     styles: dict[str, ParallelStyle] = {}
     for name, child in module.named_children():
         child_fqn = f"{fqn}.{name}"
         if isinstance(child, nn.Linear):
             style = _linear_style(_placement(layouts, child_fqn), child_fqn, R, R)
         elif any(isinstance(c, GroupedLinear) for c in child.children()):
-            styles.update(_grouped_expert_styles(child_fqn, child, layouts))
+            if not expert_parallel:
+                styles.update(_grouped_expert_styles(child_fqn, child, layouts))
             continue
         elif any(isinstance(c, nn.Linear) for c in child.children()):
             styles.update(_container_styles(child_fqn, child, layouts, R, tp))
@@ -286,7 +288,7 @@ def stream_layout(layouts: dict[str, str], block_fqns: list[str], model: nn.Modu
 
 
 def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[str], layouts: dict[str, str],
-                         tp: int, vocab_parallel_loss: bool = False) -> TensorParallelPlan:
+                         tp: int, vocab_parallel_loss: bool = False, expert_parallel: bool = False) -> TensorParallelPlan:
     """Parallel styles for every unit of `model` under per-module `layouts` (FQN -> placement, all blocks).
 
     Args:
@@ -297,6 +299,8 @@ def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[st
         tp: tensor-parallel degree.
         vocab_parallel_loss: let a colwise head feed a vocab-parallel loss (the caller runs the
             loss under `loss_parallel()`); otherwise its logits are gathered.
+        expert_parallel: the plan has ep > 1, so the experts' projections are split by
+            `expert_parallel` over the (ep, tp) mesh rather than here.
 
     Raises:
         PlannerError: UNSUPPORTED_MODEL naming the module whose placement cannot be applied.
@@ -312,7 +316,7 @@ def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[st
                 if isinstance(child, NORM_TYPES):
                     styles.update(_norm_styles(fqn, layouts, stream))
                 elif any(isinstance(c, GroupedLinear) for c in getattr(child, "experts", nn.Module()).children()):
-                    styles.update(_moe_styles(fqn, child, layouts, stream, tp))
+                    styles.update(_moe_styles(fqn, child, layouts, stream, tp, expert_parallel))
                 elif any(isinstance(c, nn.Linear) for c in child.children()):
                     styles.update(_container_styles(fqn, child, layouts, stream, tp))
                 elif any(True for _ in child.parameters()) and _placement(layouts, fqn) != Placement.REPLICATE:

@@ -61,9 +61,6 @@ def check_supported(plan: Plan) -> None:
     config = plan.config
     if config.cp > 1:
         raise invalid(f"cp={config.cp}: applying context parallelism is not supported; re-plan with --cp 1")
-    if config.ep > 1 and config.tp > 1:
-        raise invalid(f"ep={config.ep} with tp={config.tp}: applying expert parallelism together with tensor "
-                      f"parallelism is not supported; re-plan with --ep 1 or --tp 1")
     if config.ep > 1 and config.offload_optimizer:
         raise invalid(f"ep={config.ep}: applying expert parallelism with optimizer offload is not supported; "
                       f"re-plan with --ep 1")
