@@ -70,4 +70,5 @@ def _wrap(module: nn.Module, mesh: DeviceMesh, zero: int, policy: MixedPrecision
     if zero == 0 and not offload:
         return replicate(module, mesh=mesh, mp_policy=policy)
     offload_policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
-    return fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy, offload_policy=offload_policy)
+    return fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy,
+                       offload_policy=offload_policy)

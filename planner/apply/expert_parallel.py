@@ -63,7 +63,8 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, layouts: dict[str
             tp_placement = _TP_WEIGHT_PLACEMENTS.get(Placement(layouts.get(f"{fqn}.{name}", Placement.REPLICATE)))
             if tp_placement is None:
                 raise invalid(f"layout {fqn}.{name}: {layouts[f'{fqn}.{name}']!r} cannot split an expert; re-plan")
-            projection.weight = nn.Parameter(distribute_tensor(projection.weight.detach(), mesh, [Shard(0), tp_placement]))
+            weight = distribute_tensor(projection.weight.detach(), mesh, [Shard(0), tp_placement])
+            projection.weight = nn.Parameter(weight)
         expert.register_forward_pre_hook(functools.partial(_dispatch, mesh))
         expert.register_forward_hook(functools.partial(_combine, mesh))
         experts.append(expert)
@@ -77,7 +78,8 @@ def _dispatch(mesh: DeviceMesh, module: nn.Module, args: tuple) -> tuple:
     ep = mesh.size(0)
     received = all_to_all_single_autograd(slots.reshape(experts * capacity, hidden).contiguous(), None, None,
                                           mesh.get_group("ep"))
-    local = received.view(ep, experts // ep, capacity, hidden).transpose(0, 1).reshape(experts // ep, ep * capacity, hidden)
+    local = received.view(ep, experts // ep, capacity, hidden).transpose(0, 1)
+    local = local.reshape(experts // ep, ep * capacity, hidden)
     return (DTensor.from_local(local, mesh, _TOKENS, run_check=False), *args[1:])
 
 
@@ -87,6 +89,6 @@ def _combine(mesh: DeviceMesh, module: nn.Module, args: tuple, output: DTensor) 
     local_experts, slots, hidden = out.shape
     ep = mesh.size(0)
     capacity = slots // ep
-    back = out.view(local_experts, ep, capacity, hidden).transpose(0, 1).reshape(ep * local_experts * capacity, hidden)
+    back = out.view(local_experts, ep, capacity, hidden).transpose(0, 1).reshape(-1, hidden)
     returned = all_to_all_single_autograd(back.contiguous(), None, None, mesh.get_group("ep"))
     return returned.view(ep * local_experts, capacity, hidden)
