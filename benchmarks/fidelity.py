@@ -2,11 +2,13 @@
 
     python benchmarks/fidelity.py [--steps 5] [--worlds 2,4] [--out benchmarks/results/fidelity-cpu.txt]
 
-For each world size and parallel mode it profiles the machine with that many ranks (`paraplan
-profile` under torchrun: GEMM, memory and attention times measured while all ranks run, gloo
-collectives), plans a small GPT on the measured cluster with constraints forcing the mode, in the
-dtype the profile found fastest (bf16 where the cores have bf16 GEMM instructions; fp32 on cores
-without them, which emulate bf16 GEMMs tens of times slower), applies the plan under torchrun (bf16:
+For each world size and parallel mode (data, ZeRO-3, tensor, pipeline, expert parallel and their
+2-D mixes) it profiles the machine with that many ranks (`paraplan profile` under torchrun: GEMM,
+memory, attention and loss times measured while all ranks run, gloo collectives), plans a small GPT
+(a mixture of experts of the same width for expert parallelism) on the measured cluster with
+constraints forcing the mode, in the dtype the profile found fastest (bf16 where the cores have
+bf16 GEMM instructions; fp32 on cores without them, which emulate bf16 GEMMs tens of times
+slower), applies the plan under torchrun (bf16:
 compute through FSDP2 mixed precision with fp32 master weights and gradient reduction; fp32: plain
 fp32; AdamW either way: the states the cost model assumes for that dtype) and measures:
 
@@ -42,8 +44,13 @@ from planner.models import resolve_model  # noqa: E402
 from planner.result import Plan  # noqa: E402
 
 # A GPT-2-style model sized for seconds-long CPU steps, so per-op dispatch overhead stays small
-# against compute; untied so pipeline stages do not share the embedding.
-SPEC = "arch: gpt\nlayers: 4\nhidden: 512\nheads: 8\nvocab: 4096\nmax_seq_len: 256\ntie_embeddings: false\n"
+# against compute; untied so pipeline stages do not share the embedding. The expert-parallel mode
+# trains a mixture of experts of the same width (4 experts, top-2 routing).
+SPECS = {
+    "gpt": "arch: gpt\nlayers: 4\nhidden: 512\nheads: 8\nvocab: 4096\nmax_seq_len: 256\ntie_embeddings: false\n",
+    "moe": "arch: moe\nlayers: 4\nhidden: 512\nheads: 8\nffn_hidden: 1024\nvocab: 4096\nmax_seq_len: 256\n"
+           "experts: 4\ntop_k: 2\nmoe_ffn_hidden: 1024\n",
+}
 GLOBAL_BATCH = 8
 SEQ_LEN = 256
 # Dtypes a CPU rank can train in; each mode uses the one its profile measured fastest.
@@ -54,12 +61,12 @@ LEARNING_RATE = 1e-4
 # Targets of issue 5: step time within 25%, peak memory within 10% of the measurement.
 TIME_TOLERANCE = 0.25
 MEMORY_TOLERANCE = 0.10
-# Parallel modes per world size: name -> planner constraints.
+# Parallel modes per world size: name -> (model, planner constraints).
 MODES = {
-    2: {"dp2 zero0": {"dp": 2, "zero": 0}, "dp2 zero3": {"dp": 2, "zero": 3}, "tp2": {"tp": 2},
-        "pp2 1f1b": {"pp": 2, "schedule": "1f1b"}},
-    4: {"dp2 x tp2": {"dp": 2, "tp": 2, "zero": 2}, "pp2 x dp2": {"pp": 2, "dp": 2, "schedule": "1f1b"},
-        "dp4 zero3": {"dp": 4, "zero": 3}},
+    2: {"dp2 zero0": ("gpt", {"dp": 2, "zero": 0}), "dp2 zero3": ("gpt", {"dp": 2, "zero": 3}), "tp2": ("gpt", {"tp": 2}),
+        "pp2 1f1b": ("gpt", {"pp": 2, "schedule": "1f1b"}), "dp2 ep2 moe": ("moe", {"dp": 2, "ep": 2, "zero": 0})},
+    4: {"dp2 x tp2": ("gpt", {"dp": 2, "tp": 2, "zero": 2}),
+        "pp2 x dp2": ("gpt", {"pp": 2, "dp": 2, "schedule": "1f1b"}), "dp4 zero3": ("gpt", {"dp": 4, "zero": 3})},
 }
 # Degrees a mode leaves out are pinned to 1, so the mode is exactly what its name says.
 PINNED = ("dp", "tp", "pp")
@@ -152,11 +159,13 @@ def run(worlds: list[int], steps: int) -> list[dict]:
     """Profiles, plans, applies and measures every mode of every world size."""
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        spec = Path(scratch) / "fidelity-gpt.yaml"
-        spec.write_text(SPEC)
+        specs = {model: Path(scratch) / f"fidelity-{model}.yaml" for model in SPECS}
+        for model, path in specs.items():
+            path.write_text(SPECS[model])
         for world in worlds:
             cluster = Path(scratch) / f"cpu-x{world}.yaml"
-            for name, constraints in MODES[world].items():
+            for name, (model, constraints) in MODES[world].items():
+                spec = specs[model]
                 # Profiled right before each run: on a shared machine the load drifts within minutes.
                 _torchrun(world, "cli.py", "profile", "--out", str(cluster))
                 fixed = {axis: constraints.get(axis, 1) for axis in PINNED}
@@ -179,13 +188,13 @@ def run(worlds: list[int], steps: int) -> list[dict]:
 def _format(row: dict) -> str:
     time_error = row["predicted_s"] / row["measured_s"] - 1
     memory_error = row["predicted_bytes"] / row["measured_bytes"] - 1
-    return (f"{row['world']:<5} {row['mode']:<11} {row['dtype']:<5} {row['config']:<32} {row['predicted_s']:8.3f} {row['measured_s']:8.3f} "
+    return (f"{row['world']:<5} {row['mode']:<11} {row['dtype']:<5} {row['config']:<34} {row['predicted_s']:8.3f} {row['measured_s']:8.3f} "
             f"{time_error:+7.1%}{' ' if abs(time_error) <= TIME_TOLERANCE else '!'}  "
             f"{row['predicted_bytes'] / 2**20:9.1f} {row['measured_bytes'] / 2**20:9.1f} {memory_error:+7.1%}"
             f"{' ' if abs(memory_error) <= MEMORY_TOLERANCE else '!'}")
 
 
-HEADER = (f"{'ranks':<5} {'mode':<11} {'dtype':<5} {'config':<32} {'pred s':>8} {'meas s':>8} {'error':>7}   "
+HEADER = (f"{'ranks':<5} {'mode':<11} {'dtype':<5} {'config':<34} {'pred s':>8} {'meas s':>8} {'error':>7}   "
           f"{'pred MiB':>9} {'meas MiB':>9} {'error':>7}\n"
           "(! = outside the target: step time 25%, memory 10%)")
 
