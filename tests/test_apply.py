@@ -228,6 +228,8 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("dp_zero3", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=3), gpt),
         ("llama_tp", _plan(llama, "cpu:1x2", tp=2, pp=1), llama),
         ("moe_tp", _plan(moe, "cpu:1x2", tp=2, pp=1), moe),
+        ("cp", _plan(gpt, "cpu:1x2", cp=2, dp=1, tp=1, pp=1), gpt),
+        ("llama_cp", _plan(llama, "cpu:1x2", cp=2, dp=1, tp=1, pp=1), llama),
         ("moe_dp", _plan(moe, "cpu:1x2", dp=2, ep=1, tp=1, pp=1, zero=0), moe),
         ("moe_ep", _plan(moe, "cpu:1x2", dp=2, ep=2, tp=1, pp=1, zero=0), moe),
         ("moe_ep_zero3", _plan(moe, "cpu:1x2", dp=2, ep=2, tp=1, pp=1, zero=3), moe),
@@ -239,6 +241,7 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("pp_x_dp", _plan(gpt, "cpu:1x4", dp=2, pp=2, tp=1, zero=0, schedule="1f1b"), gpt),
         ("moe_dp_x_tp", _plan(moe, "cpu:1x4", dp=2, tp=2, pp=1, ep=1, zero=0), moe),
         ("moe_ep_x_tp", _plan(moe, "cpu:1x4", dp=2, tp=2, pp=1, ep=2, zero=0), moe),
+        ("llama_cp_x_tp", _plan(llama, "cpu:1x4", cp=2, tp=2, dp=1, pp=1), llama),
     ]
     results = {**_run(2, two_rank), **_run(4, four_rank)}
     return {name: (plan, spec, results[name]) for name, plan, spec in two_rank + four_rank}
@@ -362,6 +365,14 @@ def test_expert_parallel_trains_like_data_parallel(trained, case, reference_case
         assert max(reference["local_numel"]) - max(result["local_numel"]) == experts // tp - experts // (tp * ep)
 
 
+@pytest.mark.parametrize("case", ["cp", "llama_cp", "llama_cp_x_tp"])
+def test_context_parallel(trained, case):
+    # Each rank holds half of every sequence (learned positions or rotary embeddings offset to its
+    # chunk, keys and values gathered, causal mask at true positions): the same losses and updates.
+    assert trained[case][0].config.cp == 2
+    _check(trained[case])
+
+
 def test_dp_x_tp_mesh(trained):
     assert (trained["dp_x_tp"][0].config.dp, trained["dp_x_tp"][0].config.tp) == (2, 2)
     _check(trained["dp_x_tp"])
@@ -376,6 +387,14 @@ def test_wrong_world_size_fails_before_process_group(spec_dir, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(PlannerError, match=r"world size 4: .*needs 2 processes"):
         plan.apply(_build(str(spec_dir / "gpt.yaml")))
+    assert not dist.is_initialized()
+
+
+def test_context_and_expert_parallel_together_fail_before_process_group(spec_dir, monkeypatch):
+    plan = _plan(spec_dir / "moe.yaml", "cpu:1x4", dp=2, ep=2, cp=2, tp=1, pp=1)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(PlannerError, match=r"cp=2 with ep=2: .*re-plan with --cp 1 or --ep 1"):
+        plan.apply(_build(str(spec_dir / "moe.yaml")))
     assert not dist.is_initialized()
 
 

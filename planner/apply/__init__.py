@@ -11,10 +11,12 @@ job and returns an `AppliedPlan` holding what a training loop needs. Order of ap
    group when a one-device plan runs without torchrun);
 3. pipeline split: this rank's chunks of the plan's stages (`pipeline.StageModule`, model FQNs kept);
 4. tensor parallelism on the `tp` axis (`parallelize_module` with the plan's per-module layouts),
-   then expert parallelism over `ep` consecutive ranks of the `dp` axis (`expert_parallel`);
+   then expert parallelism over `ep` consecutive ranks of the `dp` axis (`expert_parallel`) and
+   context parallelism over the `cp` axis (`context_parallel`: each rank a chunk of every sequence);
 5. activation checkpointing on the layers the memory plan names (after TP, so recomputation
    replays the TP collectives; before FSDP, so FSDP wraps the checkpointed blocks);
-6. data parallelism on the `dp` axis by ZeRO stage (`data_parallel`), per block then the root (the
+6. data parallelism on the `dp` axis (the flattened dp x cp axes with context parallelism) by ZeRO
+   stage (`data_parallel`), per block then the root (the
    experts of an expert-parallel plan first, over the `dp / ep` ranks holding the same experts);
 7. the pipeline schedule over this rank's stages with the plan's micro-batch count.
 
@@ -42,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from planner.apply.data_parallel import apply_data_parallel, mixed_precision_policy
+from planner.apply.context_parallel import apply_context_parallel
 from planner.apply.expert_parallel import apply_expert_parallel, expert_mesh
 from planner.apply.pipeline import StageModule, build_schedule, check_schedule, chunk_units
 from planner.apply.recompute import apply_recompute
@@ -96,16 +99,21 @@ class AppliedPlan:
             yield from module.parameters()
 
     def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
-        """This rank's data-parallel slice of a global batch (rows split evenly over dp).
+        """This rank's slice of a global batch: rows split evenly over dp, and with context
+        parallelism its contiguous chunk of every sequence.
 
         Raises:
-            PlannerError: the batch does not split into dp * num_microbatches equal parts.
+            PlannerError: the batch does not split into dp * num_microbatches equal parts, or its
+                sequences not into cp equal chunks.
         """
         config = self.plan.config
         if batch.shape[0] % (config.dp * config.num_microbatches):
             raise invalid(f"batch of {batch.shape[0]} sequences: must split over dp={config.dp} x "
                           f"num_microbatches={config.num_microbatches}")
-        return batch.chunk(config.dp)[self.dp_rank]
+        if batch.shape[1] % config.cp:
+            raise invalid(f"sequences of {batch.shape[1]} tokens: must split into cp={config.cp} equal chunks")
+        rows = batch.chunk(config.dp)[self.dp_rank]
+        return rows.chunk(config.cp, dim=1)[self.mesh["cp"].get_local_rank()] if config.cp > 1 else rows
 
     def forward_backward(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """One step's forward and backward over `tokens` (this rank's slice) in the plan's micro-batches.
@@ -207,6 +215,8 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
     _init_process_group(device)
     mesh = init_device_mesh(device.type, (config.pp, config.dp, config.cp, config.tp), mesh_dim_names=MESH_AXES)
     experts_mesh = expert_mesh(device.type, config) if config.ep > 1 else None
+    # Gradients are averaged over every rank that holds the same parameters: dp, and cp's chunks.
+    dp_mesh = mesh["dp", "cp"]._flatten("dp_cp") if config.cp > 1 else mesh["dp"]
 
     if config.pp > 1:
         chunks = []
@@ -223,10 +233,12 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
             parallelize_module(module, mesh["tp"], styles)
         experts = (apply_expert_parallel(module, experts_mesh["ep", "tp"], match.layouts)
                    if experts_mesh is not None else [])
+        if config.cp > 1:
+            apply_context_parallel(module, mesh["cp"], plan.seq_len)
         recomputed.update(apply_recompute(module, plan.memory_plan, units))
-        if config.dp > 1 or mp_policy is not None or config.offload_optimizer:
+        if config.dp * config.cp > 1 or mp_policy is not None or config.offload_optimizer:
             own_units = [module.get_submodule(u) for u in units if u not in match.tied]
-            apply_data_parallel(module, own_units, mesh["dp"], config.zero, mp_policy, config.offload_optimizer,
+            apply_data_parallel(module, own_units, dp_mesh, config.zero, mp_policy, config.offload_optimizer,
                                 experts, experts_mesh["edp"] if experts_mesh is not None else None)
     if config.pp == 1:
         return AppliedPlan(plan, mesh, (model,), (), None, None, recomputed, tp_plan is not None and tp_plan.loss_parallel)

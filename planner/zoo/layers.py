@@ -31,6 +31,9 @@ class Attention(nn.Module):
         bias: whether the four projections have biases (GPT, BERT, ViT) or not (Llama).
         causal: mask future positions (decoders).
         rope_theta: rotary embedding base, or None for no rotary embedding.
+
+    Context parallelism (`planner.apply.context_parallel`) sets `position_offset`, the position of
+    this rank's first token, and replaces `attend`.
     """
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, *, bias: bool, causal: bool,
@@ -41,6 +44,7 @@ class Attention(nn.Module):
         self.head_dim = hidden // heads
         self.causal = causal
         self.rope_theta = rope_theta
+        self.position_offset = 0
         self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
@@ -51,27 +55,32 @@ class Attention(nn.Module):
         k = self._split_heads(self.k_proj(x))
         v = self._split_heads(self.v_proj(x))
         if self.rope_theta is not None:
-            q = apply_rope(q, self.rope_theta)
-            k = apply_rope(k, self.rope_theta)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
-                                             enable_gqa=self.kv_heads != self.heads)
+            q = apply_rope(q, self.rope_theta, self.position_offset)
+            k = apply_rope(k, self.rope_theta, self.position_offset)
+        out = self.attend(q, k, v)
         return self.o_proj(out.transpose(1, 2).flatten(2))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Scaled dot-product attention over (b, heads, s, head_dim) queries, keys and values."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=self.kv_heads != self.heads)
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(b, s, n * head_dim) -> (b, n, s, head_dim)."""
         return x.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
 
 
-def apply_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, theta: float, offset: int = 0) -> torch.Tensor:
     """Rotates (b, heads, s, head_dim) by position-dependent angles (Su et al. 2021).
 
-    The angles are computed from `arange(s)` in forward (no cached table), in float32, using the
-    rotate-half layout of Hugging Face Llama.
+    The angles are computed from `arange(s)` (shifted by `offset`, the first token's position) in
+    forward (no cached table), in float32, using the rotate-half layout of Hugging Face Llama.
     """
     seq_len, head_dim = x.shape[-2], x.shape[-1]
     inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32)
                           / head_dim)
     positions = torch.arange(seq_len, device=x.device, dtype=torch.float32)
+    if offset:
+        positions = positions + offset
     angles = torch.outer(positions, inv_freq).repeat(1, 2)
     first, second = x.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)
@@ -145,15 +154,20 @@ class PositionalEmbedding(nn.Module):
         vocab: vocabulary size.
         hidden: model width.
         max_positions: rows of the position table; the traced sequence must not exceed it.
+
+    Context parallelism sets `position_offset`, the position of this rank's first token.
     """
 
     def __init__(self, vocab: int, hidden: int, max_positions: int):
         super().__init__()
         self.tok = nn.Embedding(vocab, hidden)
         self.pos = nn.Embedding(max_positions, hidden)
+        self.position_offset = 0
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
+        if self.position_offset:
+            positions = positions + self.position_offset
         return self.tok(tokens) + self.pos(positions)
 
 
