@@ -2,8 +2,8 @@
 
     python benchmarks/fidelity.py [--steps 5] [--worlds 2,4] [--out benchmarks/results/fidelity-cpu.txt]
 
-For each world size and parallel mode (data, ZeRO-3, tensor, pipeline, expert parallel and their
-2-D mixes) it profiles the machine with that many ranks (`paraplan profile` under torchrun: GEMM,
+For each world size and parallel mode (data, ZeRO-3, tensor, pipeline, context, expert parallel
+and their 2-D mixes) it profiles the machine with that many ranks (`paraplan profile` under torchrun: GEMM,
 memory, attention and loss times measured while all ranks run, gloo collectives), plans a small GPT
 (a mixture of experts of the same width for expert parallelism) on the measured cluster with
 constraints forcing the mode, in the dtype the profile found fastest (bf16 where the cores have
@@ -64,7 +64,8 @@ MEMORY_TOLERANCE = 0.10
 # Parallel modes per world size: name -> (model, planner constraints).
 MODES = {
     2: {"dp2 zero0": ("gpt", {"dp": 2, "zero": 0}), "dp2 zero3": ("gpt", {"dp": 2, "zero": 3}), "tp2": ("gpt", {"tp": 2}),
-        "pp2 1f1b": ("gpt", {"pp": 2, "schedule": "1f1b"}), "dp2 ep2 moe": ("moe", {"dp": 2, "ep": 2, "zero": 0})},
+        "pp2 1f1b": ("gpt", {"pp": 2, "schedule": "1f1b"}), "cp2": ("gpt", {"cp": 2}),
+        "dp2 ep2 moe": ("moe", {"dp": 2, "ep": 2, "zero": 0})},
     4: {"dp2 x tp2": ("gpt", {"dp": 2, "tp": 2, "zero": 2}),
         "pp2 x dp2": ("gpt", {"pp": 2, "dp": 2, "schedule": "1f1b"}), "dp4 zero3": ("gpt", {"dp": 4, "zero": 3})},
 }
