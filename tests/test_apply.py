@@ -242,6 +242,9 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("moe_dp_x_tp", _plan(moe, "cpu:1x4", dp=2, tp=2, pp=1, ep=1, zero=0), moe),
         ("moe_ep_x_tp", _plan(moe, "cpu:1x4", dp=2, tp=2, pp=1, ep=2, zero=0), moe),
         ("llama_cp_x_tp", _plan(llama, "cpu:1x4", cp=2, tp=2, dp=1, pp=1), llama),
+        ("pp_x_cp", _plan(gpt, "cpu:1x4", cp=2, pp=2, dp=1, tp=1, schedule="1f1b"), gpt),
+        ("moe_pp_x_dp", _plan(moe, "cpu:1x4", pp=2, dp=2, ep=1, tp=1, zero=0, schedule="1f1b"), moe),
+        ("moe_pp_x_ep", _plan(moe, "cpu:1x4", pp=2, dp=2, ep=2, tp=1, zero=0, schedule="1f1b"), moe),
     ]
     results = {**_run(2, two_rank), **_run(4, four_rank)}
     return {name: (plan, spec, results[name]) for name, plan, spec in two_rank + four_rank}
@@ -343,7 +346,7 @@ def test_mixture_of_experts_tp2(trained):
 
 
 @pytest.mark.parametrize("case, reference_case", [("moe_ep", "moe_dp"), ("moe_ep_zero3", "moe_dp"),
-                                                   ("moe_ep_x_tp", "moe_dp_x_tp")])
+                                                   ("moe_ep_x_tp", "moe_dp_x_tp"), ("moe_pp_x_ep", "moe_pp_x_dp")])
 def test_expert_parallel_trains_like_data_parallel(trained, case, reference_case):
     # Each data-parallel rank fills its own expert capacity, so a data-parallel MoE run differs from
     # one process holding the whole batch; with ep=2 each rank keeps half the experts (each of them
@@ -358,14 +361,15 @@ def test_expert_parallel_trains_like_data_parallel(trained, case, reference_case
         torch.testing.assert_close(result["params"][name], value, atol=TOLERANCE, rtol=0, msg=name)
     initial = dict(_build(str(spec)).named_parameters())
     assert max((reference["params"][n] - p).abs().max().item() for n, p in initial.items()) > 100 * TOLERANCE
-    # Each rank keeps 1/ep of the experts it holds at ep=1 (at the same ZeRO stage: the rest alike).
+    # Each rank keeps 1/ep of the experts it holds at ep=1 (at the same ZeRO stage: the rest alike;
+    # with pipelining, its stage's share of the MoE layers, split evenly here).
     experts = sum(p.numel() for name, p in initial.items() if ".experts." in name)
-    tp, ep = plan.config.tp, plan.config.ep
+    held = experts // (plan.config.tp * plan.config.pp)
     if plan.config.zero == reference_plan.config.zero:
-        assert max(reference["local_numel"]) - max(result["local_numel"]) == experts // tp - experts // (tp * ep)
+        assert max(reference["local_numel"]) - max(result["local_numel"]) == held - held // plan.config.ep
 
 
-@pytest.mark.parametrize("case", ["cp", "llama_cp", "llama_cp_x_tp"])
+@pytest.mark.parametrize("case", ["cp", "llama_cp", "llama_cp_x_tp", "pp_x_cp"])
 def test_context_parallel(trained, case):
     # Each rank holds half of every sequence (learned positions or rotary embeddings offset to its
     # chunk, keys and values gathered, causal mask at true positions): the same losses and updates.
