@@ -245,6 +245,8 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("pp_x_cp", _plan(gpt, "cpu:1x4", cp=2, pp=2, dp=1, tp=1, schedule="1f1b"), gpt),
         ("moe_pp_x_dp", _plan(moe, "cpu:1x4", pp=2, dp=2, ep=1, tp=1, zero=0, schedule="1f1b"), moe),
         ("moe_pp_x_ep", _plan(moe, "cpu:1x4", pp=2, dp=2, ep=2, tp=1, zero=0, schedule="1f1b"), moe),
+        ("moe_dp_x_cp", _plan(moe, "cpu:1x4", dp=2, cp=2, ep=1, tp=1, pp=1, zero=0), moe),
+        ("moe_ep_x_cp", _plan(moe, "cpu:1x4", dp=2, cp=2, ep=2, tp=1, pp=1, zero=0), moe),
     ]
     results = {**_run(2, two_rank), **_run(4, four_rank)}
     return {name: (plan, spec, results[name]) for name, plan, spec in two_rank + four_rank}
@@ -346,7 +348,8 @@ def test_mixture_of_experts_tp2(trained):
 
 
 @pytest.mark.parametrize("case, reference_case", [("moe_ep", "moe_dp"), ("moe_ep_zero3", "moe_dp"),
-                                                   ("moe_ep_x_tp", "moe_dp_x_tp"), ("moe_pp_x_ep", "moe_pp_x_dp")])
+                                                   ("moe_ep_x_tp", "moe_dp_x_tp"), ("moe_pp_x_ep", "moe_pp_x_dp"),
+                                                   ("moe_ep_x_cp", "moe_dp_x_cp")])
 def test_expert_parallel_trains_like_data_parallel(trained, case, reference_case):
     # Each data-parallel rank fills its own expert capacity, so a data-parallel MoE run differs from
     # one process holding the whole batch; with ep=2 each rank keeps half the experts (each of them
@@ -394,10 +397,10 @@ def test_wrong_world_size_fails_before_process_group(spec_dir, monkeypatch):
     assert not dist.is_initialized()
 
 
-def test_context_and_expert_parallel_together_fail_before_process_group(spec_dir, monkeypatch):
-    plan = _plan(spec_dir / "moe.yaml", "cpu:1x4", dp=2, ep=2, cp=2, tp=1, pp=1)
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(PlannerError, match=r"cp=2 with ep=2: .*re-plan with --cp 1 or --ep 1"):
+def test_expert_parallel_with_offload_fails_before_process_group(spec_dir, monkeypatch):
+    plan = _plan(spec_dir / "moe.yaml", "cpu:1x2", dp=2, ep=2, tp=1, pp=1, zero=2, offload_optimizer=True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(PlannerError, match=r"ep=2: applying expert parallelism with optimizer offload"):
         plan.apply(_build(str(spec_dir / "moe.yaml")))
     assert not dist.is_initialized()
 

@@ -215,8 +215,12 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
     _init_process_group(device)
     mesh = init_device_mesh(device.type, (config.pp, config.dp, config.cp, config.tp), mesh_dim_names=MESH_AXES)
     experts_mesh = expert_mesh(device.type, config) if config.ep > 1 else None
-    # Gradients are averaged over every rank that holds the same parameters: dp, and cp's chunks.
+    # Gradients are averaged over every rank that holds the same parameters: dp, and cp's chunks
+    # (for experts: the dp / ep ranks holding the same experts, and cp's chunks).
     dp_mesh = mesh["dp", "cp"]._flatten("dp_cp") if config.cp > 1 else mesh["dp"]
+    edp_mesh = None
+    if experts_mesh is not None:
+        edp_mesh = experts_mesh["edp", "cp"]._flatten("edp_cp") if config.cp > 1 else experts_mesh["edp"]
 
     if config.pp > 1:
         chunks = []
@@ -239,7 +243,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
         if config.dp * config.cp > 1 or mp_policy is not None or config.offload_optimizer:
             own_units = [module.get_submodule(u) for u in units if u not in match.tied]
             apply_data_parallel(module, own_units, dp_mesh, config.zero, mp_policy, config.offload_optimizer,
-                                experts, experts_mesh["edp"] if experts_mesh is not None else None)
+                                experts, edp_mesh)
     if config.pp == 1:
         return AppliedPlan(plan, mesh, (model,), (), None, None, recomputed, tp_plan is not None and tp_plan.loss_parallel)
     loss_fn = loss_fn or language_model_loss(loss_module)

@@ -59,9 +59,6 @@ def check_world_size(plan: Plan) -> None:
 def check_supported(plan: Plan) -> None:
     """Raises PlannerError for plan features `apply` does not implement."""
     config = plan.config
-    if config.cp > 1 and config.ep > 1:
-        raise invalid(f"cp={config.cp} with ep={config.ep}: applying context and expert parallelism together is "
-                      f"not supported; re-plan with --cp 1 or --ep 1")
     if config.ep > 1 and config.offload_optimizer:
         raise invalid(f"ep={config.ep}: applying expert parallelism with optimizer offload is not supported; "
                       f"re-plan with --ep 1")
