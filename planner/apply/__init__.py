@@ -16,8 +16,8 @@ job and returns an `AppliedPlan` holding what a training loop needs. Order of ap
 5. activation checkpointing on the layers the memory plan names (after TP, so recomputation
    replays the TP collectives; before FSDP, so FSDP wraps the checkpointed blocks);
 6. data parallelism on the `dp` axis (the flattened dp x cp axes with context parallelism) by ZeRO
-   stage (`data_parallel`), per block then the root (the
-   experts of an expert-parallel plan first, over the `dp / ep` ranks holding the same experts);
+   stage (`data_parallel`), per block then the root; the experts of an expert-parallel plan first,
+   over the `dp / ep` ranks holding the same experts (times cp);
 7. the pipeline schedule over this rank's stages with the plan's micro-batch count.
 
 Example (one process per device, e.g. `torchrun --nproc-per-node 4 train.py`)::
@@ -43,8 +43,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-from planner.apply.data_parallel import apply_data_parallel, mixed_precision_policy
 from planner.apply.context_parallel import apply_context_parallel
+from planner.apply.data_parallel import apply_data_parallel, mixed_precision_policy
 from planner.apply.expert_parallel import apply_expert_parallel, expert_mesh
 from planner.apply.pipeline import StageModule, build_schedule, check_schedule, chunk_units
 from planner.apply.recompute import apply_recompute
