@@ -49,7 +49,7 @@ from planner.apply.expert_parallel import apply_expert_parallel, expert_mesh
 from planner.apply.pipeline import StageModule, build_schedule, check_schedule, chunk_units
 from planner.apply.recompute import apply_recompute
 from planner.apply.tensor_parallel import tensor_parallel_plan
-from planner.apply.validate import check_supported, check_world_size, match_model, world_size
+from planner.apply.validate import check_world_size, match_model, world_size
 from planner.errors import invalid
 from planner.graph import Recompute
 from planner.result import Plan
@@ -197,7 +197,6 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
             process-group work, when the model or world size does not match the plan.
     """
     check_world_size(plan)
-    check_supported(plan)
     check_schedule(plan)
     match = match_model(plan, model)
     config = plan.config

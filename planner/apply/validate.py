@@ -56,14 +56,6 @@ def check_world_size(plan: Plan) -> None:
                       f"start torchrun with --nproc-per-node {plan.config.devices} (or re-plan for {size} devices)")
 
 
-def check_supported(plan: Plan) -> None:
-    """Raises PlannerError for plan features `apply` does not implement."""
-    config = plan.config
-    if config.ep > 1 and config.offload_optimizer:
-        raise invalid(f"ep={config.ep}: applying expert parallelism with optimizer offload is not supported; "
-                      f"re-plan with --ep 1")
-
-
 def model_units(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(units, blocks): top-level children in order, the members of a ModuleList/ModuleDict expanded."""
     units, blocks = [], []
