@@ -25,6 +25,7 @@ import yaml
 import planner
 from costmodel.profile_files import PROFILES_DIR
 from costmodel.profile_loader import load_cluster
+from planner.apply.context_parallel import token_positions
 from planner.apply.tensor_parallel import tensor_parallel_plan
 from planner.apply.validate import model_units
 from planner.errors import PlannerError
@@ -380,6 +381,16 @@ def test_context_parallel(trained, case):
     # chunk, keys and values gathered, causal mask at true positions): the same losses and updates.
     assert trained[case][0].config.cp == 2
     _check(trained[case])
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_ranks_share_the_causal_scores_equally(cp):
+    seq_len = 64
+    positions = [token_positions(seq_len, cp, rank) for rank in range(cp)]
+    assert sorted(torch.cat(positions).tolist()) == list(range(seq_len))  # every token on one rank
+    # Scores a rank computes under the causal mask: each query attends to its position + 1 keys.
+    scores = [int((p + 1).sum()) for p in positions]
+    assert len(set(scores)) == 1 and sum(scores) == seq_len * (seq_len + 1) // 2
 
 
 def test_dp_x_tp_mesh(trained):

@@ -12,7 +12,7 @@ job and returns an `AppliedPlan` holding what a training loop needs. Order of ap
 3. pipeline split: this rank's chunks of the plan's stages (`pipeline.StageModule`, model FQNs kept);
 4. tensor parallelism on the `tp` axis (`parallelize_module` with the plan's per-module layouts),
    then expert parallelism over `ep` consecutive ranks of the `dp` axis (`expert_parallel`) and
-   context parallelism over the `cp` axis (`context_parallel`: each rank a chunk of every sequence);
+   context parallelism over the `cp` axis (`context_parallel`: each rank two chunks of every sequence);
 5. activation checkpointing on the layers the memory plan names (after TP, so recomputation
    replays the TP collectives; before FSDP, so FSDP wraps the checkpointed blocks);
 6. data parallelism on the `dp` axis (the flattened dp x cp axes with context parallelism) by ZeRO
@@ -43,7 +43,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-from planner.apply.context_parallel import apply_context_parallel
+from planner.apply.context_parallel import apply_context_parallel, token_positions
 from planner.apply.data_parallel import apply_data_parallel, mixed_precision_policy
 from planner.apply.expert_parallel import apply_expert_parallel, expert_mesh
 from planner.apply.pipeline import StageModule, build_schedule, check_schedule, chunk_units
@@ -100,20 +100,22 @@ class AppliedPlan:
 
     def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a global batch: rows split evenly over dp, and with context
-        parallelism its contiguous chunk of every sequence.
+        parallelism its tokens of every sequence (`context_parallel.token_positions`).
 
         Raises:
             PlannerError: the batch does not split into dp * num_microbatches equal parts, or its
-                sequences not into cp equal chunks.
+                sequences not into 2 * cp equal chunks.
         """
         config = self.plan.config
         if batch.shape[0] % (config.dp * config.num_microbatches):
             raise invalid(f"batch of {batch.shape[0]} sequences: must split over dp={config.dp} x "
                           f"num_microbatches={config.num_microbatches}")
-        if batch.shape[1] % config.cp:
-            raise invalid(f"sequences of {batch.shape[1]} tokens: must split into cp={config.cp} equal chunks")
         rows = batch.chunk(config.dp)[self.dp_rank]
-        return rows.chunk(config.cp, dim=1)[self.mesh["cp"].get_local_rank()] if config.cp > 1 else rows
+        if config.cp == 1:
+            return rows
+        if batch.shape[1] % (2 * config.cp):
+            raise invalid(f"sequences of {batch.shape[1]} tokens: must split into 2 x cp={2 * config.cp} equal chunks")
+        return rows[:, token_positions(batch.shape[1], config.cp, self.mesh["cp"].get_local_rank()).to(rows.device)]
 
     def forward_backward(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """One step's forward and backward over `tokens` (this rank's slice) in the plan's micro-batches.

@@ -1,13 +1,16 @@
-"""Context parallelism: each of the `cp` ranks of a group holds one contiguous chunk of every sequence.
+"""Context parallelism: the `cp` ranks of a group split every sequence between them.
 
-Everything but attention is per token, so it runs on the local chunk unchanged; positions start at
-the chunk's first token (`position_offset` of the zoo's embeddings and attention). Attention
-all-gathers the keys and values of the whole sequence from the group and runs this rank's queries
-against them, masked causally at their true positions: the all-gather form of context parallelism
-that Llama 3's training used (Dubey et al. 2024, section 3.3.2). Its traffic is the ring's (every
-rank receives every other chunk's keys and values), which the cost model prices as overlapped with
-attention; here the gather runs before attention rather than beside it. The loss of each rank is
-the mean over its chunk, so averaging gradients over the (dp, cp) ranks gives the full sequence's.
+Everything but attention is per token, so it runs on the local tokens unchanged, at their true
+positions (`positions` of the zoo's embeddings and attention). Attention all-gathers the keys and
+values of the whole sequence from the group and runs this rank's queries against them, masked
+causally at their true positions: the all-gather form of context parallelism that Llama 3's training
+used (Dubey et al. 2024, section 3.3.2). As there, the sequence is cut into 2·cp chunks and rank r
+holds chunks r and 2·cp-1-r, so that under the causal mask every rank computes the same share of
+the attention scores (with one contiguous chunk each, the last rank would compute 2·cp-1 times the
+first's), as the cost model prices it. The traffic is the ring's (every rank receives every other
+rank's keys and values), which the cost model prices as overlapped with attention; here the gather
+runs before attention rather than beside it. Each rank's loss is the mean over its tokens, so
+averaging gradients over the (dp, cp) ranks gives the whole sequence's.
 """
 from __future__ import annotations
 
@@ -25,23 +28,32 @@ from planner.zoo.layers import Attention
 KV_SEQUENCE_DIM = 2
 
 
+def token_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Positions of the tokens `rank` holds: chunks `rank` and `2·cp-1-rank` of 2·cp equal chunks."""
+    chunk = seq_len // (2 * cp)
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                      torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+
+
 def apply_context_parallel(module: nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
-    """Makes `module` run this rank's chunk of `seq_len`-token sequences (see the module docstring)."""
-    offset = cp_mesh.get_local_rank() * (seq_len // cp_mesh.size())
+    """Makes `module` run this rank's tokens of `seq_len`-token sequences (see the module docstring)."""
+    cp = cp_mesh.size()
+    positions = token_positions(seq_len, cp, cp_mesh.get_local_rank())
+    gathered = torch.cat([token_positions(seq_len, cp, rank) for rank in range(cp)])
     for child in module.modules():
-        if hasattr(child, "position_offset"):
-            child.position_offset = offset
+        if hasattr(child, "positions"):
+            child.positions = positions
         if isinstance(child, Attention):
-            child.attend = functools.partial(_attend_whole_sequence, child, cp_mesh, offset)
+            child.attend = functools.partial(_attend_whole_sequence, child, cp_mesh, positions, gathered)
 
 
-def _attend_whole_sequence(attention: Attention, mesh: DeviceMesh, offset: int, q: torch.Tensor, k: torch.Tensor,
-                           v: torch.Tensor) -> torch.Tensor:
-    """This rank's queries against the keys and values of the whole sequence, gathered from the group."""
+def _attend_whole_sequence(attention: Attention, mesh: DeviceMesh, positions: torch.Tensor, gathered: torch.Tensor,
+                           q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """This rank's queries against the keys and values of the whole sequence, gathered from the group
+    (in rank order, so the keys' positions are `gathered`)."""
     k = all_gather_tensor_autograd(k.contiguous(), KV_SEQUENCE_DIM, mesh.get_group())
     v = all_gather_tensor_autograd(v.contiguous(), KV_SEQUENCE_DIM, mesh.get_group())
     mask = None
     if attention.causal:
-        query_positions = offset + torch.arange(q.shape[KV_SEQUENCE_DIM], device=q.device)
-        mask = torch.arange(k.shape[KV_SEQUENCE_DIM], device=q.device) <= query_positions[:, None]
+        mask = (gathered[None, :] <= positions[:, None]).to(q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=attention.kv_heads != attention.heads)

@@ -32,8 +32,8 @@ class Attention(nn.Module):
         causal: mask future positions (decoders).
         rope_theta: rotary embedding base, or None for no rotary embedding.
 
-    Context parallelism (`planner.apply.context_parallel`) sets `position_offset`, the position of
-    this rank's first token, and replaces `attend`.
+    Context parallelism (`planner.apply.context_parallel`) sets `positions`, the positions of this
+    rank's tokens in the sequence (None: 0..s-1), and replaces `attend`.
     """
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, *, bias: bool, causal: bool,
@@ -44,7 +44,7 @@ class Attention(nn.Module):
         self.head_dim = hidden // heads
         self.causal = causal
         self.rope_theta = rope_theta
-        self.position_offset = 0
+        self.positions: torch.Tensor | None = None
         self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
@@ -55,8 +55,8 @@ class Attention(nn.Module):
         k = self._split_heads(self.k_proj(x))
         v = self._split_heads(self.v_proj(x))
         if self.rope_theta is not None:
-            q = apply_rope(q, self.rope_theta, self.position_offset)
-            k = apply_rope(k, self.rope_theta, self.position_offset)
+            q = apply_rope(q, self.rope_theta, self.positions)
+            k = apply_rope(k, self.rope_theta, self.positions)
         out = self.attend(q, k, v)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
@@ -69,18 +69,19 @@ class Attention(nn.Module):
         return x.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
 
 
-def apply_rope(x: torch.Tensor, theta: float, offset: int = 0) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Rotates (b, heads, s, head_dim) by position-dependent angles (Su et al. 2021).
 
-    The angles are computed from `arange(s)` (shifted by `offset`, the first token's position) in
-    forward (no cached table), in float32, using the rotate-half layout of Hugging Face Llama.
+    The angles are computed from the tokens' positions (`arange(s)` unless given) in forward (no
+    cached table), in float32, using the rotate-half layout of Hugging Face Llama.
     """
     seq_len, head_dim = x.shape[-2], x.shape[-1]
     inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32)
                           / head_dim)
-    positions = torch.arange(seq_len, device=x.device, dtype=torch.float32)
-    if offset:
-        positions = positions + offset
+    if positions is None:
+        positions = torch.arange(seq_len, device=x.device, dtype=torch.float32)
+    else:
+        positions = positions.to(device=x.device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq).repeat(1, 2)
     first, second = x.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)
@@ -155,19 +156,20 @@ class PositionalEmbedding(nn.Module):
         hidden: model width.
         max_positions: rows of the position table; the traced sequence must not exceed it.
 
-    Context parallelism sets `position_offset`, the position of this rank's first token.
+    Context parallelism sets `positions`, the positions of this rank's tokens (None: 0..s-1).
     """
 
     def __init__(self, vocab: int, hidden: int, max_positions: int):
         super().__init__()
         self.tok = nn.Embedding(vocab, hidden)
         self.pos = nn.Embedding(max_positions, hidden)
-        self.position_offset = 0
+        self.positions: torch.Tensor | None = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        if self.position_offset:
-            positions = positions + self.position_offset
+        if self.positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        else:
+            positions = self.positions.to(tokens.device)
         return self.tok(tokens) + self.pos(positions)
 
 
