@@ -5,7 +5,9 @@ spawned processes (gloo, one thread each), runs 2 SGD steps on random tokens, an
 losses and the updated parameters (gathered to full tensors) with the same model trained in this
 process on the same data. The expected values are that single-process run: every mode computes the
 same mean cross entropy over the same global batch, so only float32 summation order differs.
-All cases of one world size run in one spawned job (process start-up dominates their cost).
+Mixture-of-experts models under data parallelism fill their expert capacity per rank, so their
+expert-parallel runs are compared with the same run at ep=1 instead. All cases of one world size
+run in one spawned job (process start-up dominates their cost).
 """
 from __future__ import annotations
 
@@ -377,8 +379,9 @@ def test_expert_parallel_trains_like_data_parallel(trained, case, reference_case
 
 @pytest.mark.parametrize("case", ["cp", "llama_cp", "llama_cp_x_tp", "pp_x_cp"])
 def test_context_parallel(trained, case):
-    # Each rank holds half of every sequence (learned positions or rotary embeddings offset to its
-    # chunk, keys and values gathered, causal mask at true positions): the same losses and updates.
+    # Each rank holds half of every sequence (two of four chunks; learned positions or rotary
+    # embeddings at the tokens' true positions, keys and values gathered, causal mask at true
+    # positions): the same losses and updates.
     assert trained[case][0].config.cp == 2
     _check(trained[case])
 
