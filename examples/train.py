@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 2 examples/train.py --plan plan.json --model examples/tiny-llama.yaml --steps 5
 
 The model is built from the plan's model name (or --model) with the same seed on every rank, the
-plan is applied with `Plan.apply` (mesh, tensor parallelism, checkpointing, FSDP2, pipeline), and
+plan is applied with `Plan.apply` (mesh, tensor, expert and context parallelism, checkpointing,
+FSDP2, pipeline), and
 each step trains on one global batch of random tokens, in the plan's dtype: fp32 plans in plain
 float32, bf16/fp16 plans through FSDP2 mixed precision (fp32 master weights and gradient
 reduction; fp8 plans run their GEMMs in bf16 here, as torchao's Float8Linear is not applied). GPUs
