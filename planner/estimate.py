@@ -33,7 +33,8 @@ from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
 from planner.config import ParallelConfig
 from planner.errors import PlannerError, invalid
 from planner.graph import LayerKind, ModelGraph, Recompute
-from planner.layer_cost import AttentionKernel, LayerContext, LayerCost, LossKernel, bytes_per_element, price_layer
+from planner.layer_cost import AttentionKernel, LayerContext, LayerCost, bytes_per_element, price_layer
+from planner.loss_cost import LossKernel
 from planner.mesh import expert_data_group, mesh_groups, stage_devices
 from planner.result import Estimate, StagePlan
 from planner.space import check_config

@@ -14,6 +14,7 @@ from costmodel.comm import Collective, CommGroup, collective_time_s
 from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO, OpTable, OpWork, WorkKind, base_dtype, layer_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
 from planner.graph import Layer, Op, OpKind, Recompute
+from planner.loss_cost import LossKernel, fused_loss_saving, loss_temp_copies
 
 class AttentionKernel(StrEnum):
     """How the attention core runs: fused flash attention (scores never leave on-chip memory), or
@@ -22,17 +23,6 @@ class AttentionKernel(StrEnum):
 
     FLASH = "flash"
     UNFUSED = "unfused"
-
-
-class LossKernel(StrEnum):
-    """How the cross-entropy runs: "torch" upcasts the logits to fp32 and calls `F.cross_entropy`
-    (Megatron-LM, torchtitan, the zoo's models: what the trace measures); "fused" is one kernel over
-    the half-precision logits that keeps them and a log-sum-exp per row for backward and writes a
-    half-precision logits gradient (flash-attn's xentropy `CrossEntropyLoss`, the default
-    `fused_crossentropy` loss of llm-foundry's MPT)."""
-
-    TORCH = "torch"
-    FUSED = "fused"
 
 
 # Unfused attention, bytes of device-memory traffic per score element (b*a*s*s) in the forward:
@@ -52,18 +42,6 @@ UNSPLIT_ACTIVATION_FRACTION_WITHOUT_SP = 10 / 34
 
 # Backward of a matmul is two GEMMs (input gradient and weight gradient) of the forward's FLOPs.
 MATMUL_BWD_GEMMS = 2
-
-# Cross-entropy over fp32 logits holds two transient logits-sized fp32 tensors beyond what it saves
-# (the log-probabilities) when its backward starts, right after the forward (the step's peak): the
-# gradient with respect to the log-probabilities and the logits' gradient. Measured: the TEMP category of PyTorch's
-# MemTracker at the peak of one step of benchmarks/fidelity.py's GPT, dp=2 and ZeRO-0 or -3 at
-# micro-batch 4: 32.0 MiB = 2 x (4 x 256 x 4096 fp32 logits); rerun: `python
-# benchmarks/fidelity.py --worlds 2` reports the step peak (the categories come from MemTracker's
-# `get_tracker_snapshot("peak")`).
-LOSS_TEMP_INPUT_COPIES = 2
-# Vocabulary-parallel cross-entropy (DTensor `loss_parallel`) holds one more: the same measurement at
-# tp=2, micro-batch 8 gives 48.1 MiB = 3 x (8 x 256 x 2048 fp32 logits per rank).
-LOSS_PARALLEL_TEMP_INPUT_COPIES = 3
 
 
 @dataclass(frozen=True)
@@ -197,7 +175,9 @@ def _layer_level_works(layer: Layer, ctx: LayerContext, split: int) -> tuple[lis
 
 
 def _activation_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:
-    saved = (layer.saved_bytes[ctx.recompute] - _fused_loss_saving(layer, ctx)) * ctx.batch_scale / ctx.cp
+    saving = fused_loss_saving(layer, ctx.loss, ctx.recompute, input_bytes_of(layer),
+                               bytes_per_element(base_dtype(ctx.dtype)))
+    saved = (layer.saved_bytes[ctx.recompute] - saving) * ctx.batch_scale / ctx.cp
     # Score tensors are split by heads, so tp divides them with or without sequence parallelism.
     scores = 0.0
     if ctx.attention == AttentionKernel.UNFUSED and ctx.recompute == Recompute.NONE:
@@ -212,47 +192,19 @@ def _activation_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:
 
 
 def _loss_temp_bytes(layer: Layer, plan: TpPlan, ctx: LayerContext) -> float:
-    """Transient bytes of the layer's loss at the step's peak: `LOSS_TEMP_INPUT_COPIES` of its input
-    (`LOSS_PARALLEL_TEMP_INPUT_COPIES` of the local share when the loss is vocabulary-parallel); a
-    fused loss holds only its half-precision logits gradient."""
+    """Transient bytes of the layer's loss at the step's peak (`loss_cost.loss_temp_copies` of the
+    local share of its input)."""
     losses = [op for op in layer.ops if op.kind == OpKind.LOSS]
     if not losses:
         return 0.0
     reads = input_bytes_of(layer)
+    activation_bytes = bytes_per_element(base_dtype(ctx.dtype))
     temp = 0.0
     for op in losses:
         split = _split_of(op, plan, ctx)
-        if ctx.loss == LossKernel.FUSED:
-            copies = _fused_logits_fraction(op, layer, ctx)
-        else:
-            copies = LOSS_PARALLEL_TEMP_INPUT_COPIES if split > 1 else LOSS_TEMP_INPUT_COPIES
+        copies = loss_temp_copies(op, layer, ctx.loss, split, activation_bytes)
         temp += copies * reads[op.name] * ctx.batch_scale / (split * ctx.cp)
     return temp
-
-
-def _fused_logits_fraction(op: Op, layer: Layer, ctx: LayerContext) -> float:
-    """Bytes of the half-precision logits over the bytes of the loss's input (the logits as the trace
-    feeds them to the loss: fp32 after the upcast, so 1/2 in bf16 training, 1 in fp32)."""
-    produced = {o.name: o for o in layer.ops}
-    source = produced.get(op.inputs[0]) if op.inputs else None
-    if source is None or not source.out_shape or not source.out_bytes:
-        return 1.0
-    elements = 1
-    for size in source.out_shape:
-        elements *= size
-    return min(1.0, bytes_per_element(base_dtype(ctx.dtype)) * elements / source.out_bytes)
-
-
-def _fused_loss_saving(layer: Layer, ctx: LayerContext) -> float:
-    """Saved bytes (traced micro-batch) a fused loss keeps fewer than the traced torch loss: the fp32
-    log-probabilities (one loss input) replaced by the half-precision logits. Only where the loss's
-    own saved tensors are kept (no recompute or attention-only recompute); op-level checkpointing
-    keeps the logits already and full recompute keeps neither."""
-    if ctx.loss != LossKernel.FUSED or ctx.recompute not in (Recompute.NONE, Recompute.SELECTIVE):
-        return 0.0
-    reads = input_bytes_of(layer)
-    return sum((1.0 - _fused_logits_fraction(op, layer, ctx)) * reads[op.name]
-               for op in layer.ops if op.kind == OpKind.LOSS)
 
 
 def _cp_comm_s(layer: Layer, ctx: LayerContext, attention_fwd_s: float, attention_bwd_s: float) -> float:

@@ -22,7 +22,8 @@ from planner.errors import PlannerError
 from planner.estimate import COL, ZERO3_GATHERED_LAYERS, Evaluator
 from planner.mesh import axis_group, stage_devices
 from planner.graph import LayerKind, Recompute
-from planner.layer_cost import LOSS_TEMP_INPUT_COPIES, AttentionKernel, op_sac_reruns_collectives, overlapped_tp_comm_s
+from planner.layer_cost import AttentionKernel, op_sac_reruns_collectives, overlapped_tp_comm_s
+from planner.loss_cost import LOSS_TEMP_INPUT_COPIES
 from planner.tracing import trace
 from planner.tp_plan import tp_plan_for
 

@@ -165,6 +165,12 @@ def _moe_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: Te
     return styles
 
 
+def _is_moe(module: nn.Module) -> bool:
+    """A mixture-of-experts container: its `experts` child holds `GroupedLinear` projections."""
+    experts = getattr(module, "experts", None)
+    return isinstance(experts, nn.Module) and any(isinstance(c, GroupedLinear) for c in experts.children())
+
+
 def _grouped_expert_styles(fqn: str, module: nn.Module, layouts: dict[str, str]) -> dict[str, ParallelStyle]:
     """The experts' projections: all replicated, or inputs colwise and the output rowwise."""
     placements = {name: _placement(layouts, f"{fqn}.{name}") for name, _ in module.named_children()}
@@ -315,7 +321,7 @@ def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[st
                 fqn = f"{unit}.{name}"
                 if isinstance(child, NORM_TYPES):
                     styles.update(_norm_styles(fqn, layouts, stream))
-                elif any(isinstance(c, GroupedLinear) for c in getattr(child, "experts", nn.Module()).children()):
+                elif _is_moe(child):
                     styles.update(_moe_styles(fqn, child, layouts, stream, tp, expert_parallel))
                 elif any(isinstance(c, nn.Linear) for c in child.children()):
                     styles.update(_container_styles(fqn, child, layouts, stream, tp))
