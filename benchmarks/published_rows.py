@@ -20,7 +20,12 @@ GOAL_GROUPS = ("megatron2021_weak", "megatron2021_zero3_vs_ptd", "megatron_core_
                "torchtitan_2024_08", "llmfoundry_mpt")
 
 FILL_RULES = {
-    "micro_batch": "1 when the source gives none (Megatron's default for its large-model runs)",
+    "micro_batch": "1 when the source gives none (Megatron's default for its large-model runs); for Megatron-LM "
+                   "2020 each replica's whole batch (global / dp: no gradient accumulation before the 2021 "
+                   "pipeline schedules)",
+    "seq_len, vocab, recompute (Megatron-LM 2020)": "1024, 51200 and full: the table states none of them, and "
+                                                    "with these every row's TFLOP/s follows from its iteration "
+                                                    "time by the 96-formula to 0.1 TFLOP/s",
     "recompute, zero_stage": "when the source gives none: the least memory-saving choice under which the run fits "
                              "(ZeRO 0..3, then recompute none, selective, full), since the run did fit; "
                              "'FSDP ...' means ZeRO-3",
@@ -37,6 +42,12 @@ FILL_RULES = {
     "loss": "fused for llm-foundry's MPT runs (ComposerMPTCausalLM's default loss_fn is 'fused_crossentropy', "
             "flash-attn's xentropy kernel); torch (fp32 logits, F.cross_entropy) otherwise",
 }
+
+# Fields a group's source leaves out that its own figures pin down (FILL_RULES).
+GROUP_MODEL_FILLS = {"megatron2020_tp_scaling": {"seq_len": 1024, "vocab": 51200}}
+GROUP_PLAN_FILLS = {"megatron2020_tp_scaling": {"recompute": "full"}}
+# Groups trained without gradient accumulation: a replica's batch is one micro-batch.
+NO_ACCUMULATION_GROUPS = ("megatron2020_tp_scaling",)
 
 # Groups whose software predates fused (flash) attention: the score tensor is materialised.
 # Groups whose training code computes the cross-entropy with a fused kernel over half-precision logits.
@@ -142,7 +153,9 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
     for run in data["runs"]:
         if groups and run["group"] not in groups:
             continue
-        plan, hw, model = run["plan"], run["hardware"], run["model"]
+        model = {**run["model"], **GROUP_MODEL_FILLS.get(run["group"], {})}
+        plan = {**run["plan"], **GROUP_PLAN_FILLS.get(run["group"], {})}
+        hw = run["hardware"]
         device = _device(hw["gpu"])
         seq = model.get("seq_len")
         gb = plan.get("global_batch")
@@ -152,7 +165,7 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
         gpus, per_node = hw["num_gpus"], hw.get("gpus_per_node") or 8
         per_node = per_node if isinstance(per_node, int) else 8
         cluster = f"{device}:{gpus // per_node}x{per_node}" if gpus >= per_node else f"{device}:1x{gpus}"
-        step = _published_step_s(run, gb, seq, gpus)
+        step = _published_step_s({**run, "model": model}, gb, seq, gpus)
         if step is None:
             skipped.append((run["id"], "no step time, tokens/s or TFLOP/s"))
             continue
@@ -160,8 +173,9 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
         zero_stage = plan.get("zero_stage")
         if zero_stage is None and "--overlap-param-gather" in flags:
             zero_stage = 1
-        config = {"tp": plan["tp"], "pp": plan["pp"], "dp": plan.get("dp") or gpus // (plan["tp"] * plan["pp"]),
-                  "cp": plan.get("cp") or 1, "micro_batch": plan.get("micro_batch") or 1,
+        dp = plan.get("dp") or gpus // (plan["tp"] * plan["pp"])
+        micro_batch = plan.get("micro_batch") or (gb // dp if run["group"] in NO_ACCUMULATION_GROUPS else 1)
+        config = {"tp": plan["tp"], "pp": plan["pp"], "dp": dp, "cp": plan.get("cp") or 1, "micro_batch": micro_batch,
                   "zero": _zero(zero_stage), "recompute": _recompute(plan.get("recompute"))}
         open_choices = tuple(key for key, value in (("zero", zero_stage), ("recompute", plan.get("recompute"))) if value is None)
         if plan.get("vpp") and plan["vpp"] > 1:
