@@ -106,13 +106,19 @@ class OpWork:
         kind: how the op uses the device.
         flops: FLOPs of the op.
         bytes: bytes read plus written from device memory.
-        key: optional identity for a measured-table lookup, e.g. "matmul:4096x4096x4096:bf16".
+        key: optional identity for a measured-table lookup: an exact work ("matmul:4096x4096x4096:bf16",
+            `OpTable.times_s_by_key`) or an elementwise op's name ("gelu_tanh"; "gelu_tanh:bwd" for its
+            backward, `OpTable.elementwise_bytes_per_s`).
+        unit_flops: FLOPs of one independent unit of the op whose size sets its kernel's efficiency
+            (attention: one head of one sequence, whatever the batch and head count); 0 means the
+            whole op.
     """
 
     kind: WorkKind
     flops: float
     bytes: float
     key: str = ""
+    unit_flops: float = 0.0
 
     def __post_init__(self) -> None:
         if self.flops < 0 or self.bytes < 0:
@@ -202,10 +208,16 @@ class OpTable:
         matmul_times_s: (FLOPs, measured time) of GEMMs, strictly ascending in FLOPs; a matmul
             without a key match is priced at the achieved FLOP/s interpolated in log10(FLOPs)
             between its nearest measured sizes (clamped outside them).
-        attention_times_s: (forward FLOPs, forward time, backward time) of causal fused attention,
-            strictly ascending in FLOPs; FLOPs are counted as the trace counts them (the full score
-            matrix, no causal halving). Attention works are priced at the achieved FLOP/s
-            interpolated the same way (the backward's FLOPs are twice the forward's).
+        attention_times_s: (forward FLOPs, forward time, backward time) of causal fused attention
+            over one head of one sequence (4·s²·d, the full score matrix as the trace counts it, no
+            causal halving), strictly ascending in FLOPs. An attention work is priced at the achieved
+            FLOP/s interpolated at its `unit_flops` the same way: the kernel's efficiency follows the
+            size of one head's problem (sequence length and head size), not the batch times heads
+            it loops over (the backward's FLOPs are twice the forward's).
+        elementwise_bytes_per_s: bytes per second of an elementwise op by its name ("gelu_tanh"),
+            and of its backward ("gelu_tanh:bwd"), with bytes counted as the cost model counts them
+            (forward: inputs plus output; backward: MEMORY_BWD_TRAFFIC_RATIO times that). On CPUs
+            transcendental ops (tanh-GELU, SiLU, softmax) run far below the copy bandwidth.
         loss_bytes_per_s: bytes of loss works (`WorkKind.LOSS`) per second, measured on
             cross-entropy's forward and backward over fp32 logits; 0 when not measured.
     """
@@ -216,11 +228,13 @@ class OpTable:
     matmul_times_s: tuple[tuple[float, float], ...] = ()
     attention_times_s: tuple[tuple[float, float, float], ...] = ()
     loss_bytes_per_s: float = 0.0
+    elementwise_bytes_per_s: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
-        times = (list(self.times_s_by_key.values()) + [t for _, t in self.matmul_times_s]
-                 + [t for point in self.attention_times_s for t in point[1:]])
-        if any(t <= 0 for t in times) or self.loss_bytes_per_s < 0:
+        measured = (list(self.times_s_by_key.values()) + [t for _, t in self.matmul_times_s]
+                    + [t for point in self.attention_times_s for t in point[1:]]
+                    + list(self.elementwise_bytes_per_s.values()))
+        if any(t <= 0 for t in measured) or self.loss_bytes_per_s < 0:
             raise ProfileError(f"op table for {self.device}: every measured time and rate must be > 0")
         for kind, rates in self._curves.items():
             _log_curve(rates, f"op table for {self.device} {kind}")
@@ -241,11 +255,14 @@ class OpTable:
         """Measured time of `work` in seconds, or None when the table does not cover it."""
         if work.key in self.times_s_by_key:
             return self.times_s_by_key[work.key]
+        if work.kind is WorkKind.MEMORY and work.key in self.elementwise_bytes_per_s:
+            return work.bytes / self.elementwise_bytes_per_s[work.key]
         if work.kind is WorkKind.LOSS and self.loss_bytes_per_s > 0:
             return work.bytes / self.loss_bytes_per_s
         rates = self._curves.get(work.kind)
         if rates and work.flops > 0:
-            return work.flops / _interp_log10(work.flops, rates, f"op table for {self.device} {work.kind}")
+            size = work.unit_flops or work.flops
+            return work.flops / _interp_log10(size, rates, f"op table for {self.device} {work.kind}")
         return None
 
     def to_dict(self) -> dict:
@@ -258,6 +275,7 @@ class OpTable:
             "attention_times_s": [{"flops": flops, "fwd_s": fwd_s, "bwd_s": bwd_s}
                                   for flops, fwd_s, bwd_s in self.attention_times_s],
             "loss_bytes_per_s": self.loss_bytes_per_s,
+            "elementwise_bytes_per_s": dict(self.elementwise_bytes_per_s),
         }
 
     @classmethod
@@ -277,11 +295,13 @@ class OpTable:
                 attention_times_s=tuple((float(p["flops"]), float(p["fwd_s"]), float(p["bwd_s"]))
                                         for p in data.get("attention_times_s", ())),
                 loss_bytes_per_s=float(data.get("loss_bytes_per_s", 0.0)),
+                elementwise_bytes_per_s={str(k): float(v) for k, v in data.get("elementwise_bytes_per_s", {}).items()},
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProfileError(f"op table: bad or missing field ({exc!r}); expected keys device, dtype, "
                                f"times_s_by_key {{key: seconds}}, matmul_times_s [{{flops, time_s}}], "
-                               f"attention_times_s [{{flops, fwd_s, bwd_s}}], loss_bytes_per_s") from None
+                               f"attention_times_s [{{flops, fwd_s, bwd_s}}], loss_bytes_per_s, "
+                               f"elementwise_bytes_per_s {{op: bytes per second}}") from None
 
 
 def _check_table(table: OpTable, device: DeviceSpec, dtype: str) -> None:

@@ -8,10 +8,13 @@ NCCL on GPUs). Measured:
 - training GEMMs (a Linear's forward, input- and weight-gradient GEMMs) across sizes per dtype ->
   the device's efficiency curve and peak, and the op table's `matmul_times_s` (the compute model
   interpolates a GEMM's time from its nearest measured sizes);
-- streaming copy bandwidth -> `mem_bw_bytes_per_s`; elementwise ops (add, GELU, LayerNorm) ->
-  their achieved bandwidth relative to the copy, `mem_bw_efficiency`;
+- streaming copy bandwidth -> `mem_bw_bytes_per_s`; the elementwise and norm ops of the zoo's
+  models (`ELEMENTWISE_OPS`), forward and backward -> the op table's `elementwise_bytes_per_s`, by
+  which the compute model prices those ops, and the median forward bandwidth of add, GELU and
+  LayerNorm relative to the copy, `mem_bw_efficiency` (for the ops not measured);
 - causal scaled-dot-product attention forward and forward+backward at two shapes -> the op table's
-  `attention_times_s` (the compute model interpolates an attention op's time from them as for GEMMs);
+  `attention_times_s` per head of one sequence (the compute model interpolates an attention op's
+  time from them at its per-head size, as for GEMMs at theirs);
 - cross-entropy forward and backward over fp32 logits -> the op table's `loss_bytes_per_s`;
 - all-reduce, all-gather, reduce-scatter and p2p across sizes -> the intra-node link's bandwidth
   and latency, fitted to the cost model's ring formulas (`costmodel.profile_collectives`).
@@ -58,6 +61,19 @@ QUICK_STREAM_BYTES = {"cpu": 4 * 2**20, "cuda": 64 * 2**20}
 # (`torch.add(a, b, out=c)`), while at 1-16 MiB the two agree. Training tensors of a CPU-sized model
 # (a few MiB) come from the reused heap, so the CPU size stays below that threshold.
 ELEMENTWISE_BYTES = {"cpu": 8 * 2**20, "cuda": 1 * 2**30}
+# Elementwise and norm ops timed, by the name the trace gives them (`planner.op_kinds`): the
+# statement, how many activation-sized tensors it reads (its weights, one row, are not counted, as
+# the cost model does not count them) and the tensors its backward differentiates, as in training.
+ELEMENTWISE_OPS = {
+    "add": ("a + b", 2, "(a, b)"), "mul": ("a * b", 2, "(a, b)"), "gelu": ("F.gelu(a)", 1, "(a,)"),
+    "gelu_tanh": ("F.gelu(a, approximate='tanh')", 1, "(a,)"), "silu": ("F.silu(a)", 1, "(a,)"),
+    "softmax": ("F.softmax(a, -1)", 1, "(a,)"), "layer_norm": ("F.layer_norm(a, (ROW,), w, c)", 1, "(a, w, c)"),
+    "rms_norm": ("F.rms_norm(a, (ROW,), w)", 1, "(a, w)"),
+}
+# The ops whose median forward bandwidth over the copy's is `mem_bw_efficiency`.
+EFFICIENCY_OPS = ("add", "gelu", "layer_norm")
+# Row length of the elementwise tensors (the last dimension norms and softmax run over).
+ELEMENTWISE_ROW = 1024
 # (tokens, vocabulary) of the cross-entropy measurement: fp32 logits of ELEMENTWISE_BYTES.
 LOSS_SHAPES = {"cpu": (512, 4096), "cuda": (8192, 32768)}
 QUICK_LOSS_SHAPES = {"cpu": (64, 1024), "cuda": (1024, 32768)}
@@ -95,8 +111,7 @@ class Measurements:
     mem_bytes: float
     matmul_times_s: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     stream_bytes_per_s: float = 0.0
-    elementwise_bytes_per_s: dict[str, float] = field(default_factory=dict)
-    op_times_s: dict[str, dict[str, float]] = field(default_factory=dict)
+    elementwise_bytes_per_s: dict[str, dict[str, float]] = field(default_factory=dict)  # dtype -> op -> bytes/s
     attention_times_s: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
     loss_bytes_per_s: float = 0.0
     link: tuple[float, float] | None = None  # (bytes/s, latency s)
@@ -139,35 +154,48 @@ def measure_matmuls(device, dtypes, sizes, min_run_time_s, advance) -> dict[str,
     return out
 
 
-def measure_memory(device, dtypes, stream_bytes, min_run_time_s, advance) -> tuple[float, dict[str, float], dict[str, dict[str, float]]]:
-    """Copy bandwidth, elementwise bandwidth by op and dtype, and elementwise times by dtype and key."""
+def measure_memory(device, dtypes, stream_bytes, min_run_time_s, advance) -> tuple[float, dict[str, dict[str, float]]]:
+    """Copy bandwidth, and by dtype the bytes per second of each of ELEMENTWISE_OPS forward ("gelu")
+    and backward ("gelu:bwd"), bytes counted as the cost model counts them (forward: inputs plus
+    output; backward: MEMORY_BWD_TRAFFIC_RATIO times that). A backward is never priced faster than
+    its forward: it reads at least what the forward wrote and writes a gradient of the same size
+    (the floor also keeps a pass-through backward such as add's from pricing at zero)."""
     x = torch.randn(stream_bytes // 4, device=device)
     # Quick runs shrink `stream_bytes` below ELEMENTWISE_BYTES; the elementwise tensors shrink with it.
-    elementwise = torch.randn(min(stream_bytes, ELEMENTWISE_BYTES[device.type]) // 4, device=device)
+    elements = min(stream_bytes, ELEMENTWISE_BYTES[device.type]) // 4
     (copy_s,) = rank_max([_time_s("y.copy_(x)", {"x": x, "y": torch.empty_like(x)}, min_run_time_s)])
     advance()
-    rates, times = {}, {}
+    rates = {}
     for dtype in dtypes:
-        t = elementwise.to(getattr(torch, _TORCH_DTYPES[dtype])).view(-1, 1024)
-        size = t.numel() * t.element_size()
-        ops = {"add": ("a + b", 3 * size), "gelu": ("gelu(a)", 2 * size), "layer_norm": ("norm(a, (1024,))", 2 * size)}
-        measured = []
-        for name, (stmt, moved_bytes) in ops.items():
-            seconds = _time_s(stmt, {"a": t, "b": t.clone(), "gelu": torch.nn.functional.gelu,
-                                     "norm": torch.nn.functional.layer_norm}, min_run_time_s)
-            measured.append((f"{name}:{size}B", moved_bytes, seconds))
+        torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
+        a, b = (torch.randn(elements // ELEMENTWISE_ROW, ELEMENTWISE_ROW, device=device, dtype=torch_dtype,
+                            requires_grad=True) for _ in range(2))
+        w, c = (torch.randn(ELEMENTWISE_ROW, device=device, dtype=torch_dtype, requires_grad=True) for _ in range(2))
+        grad = torch.randn_like(a)
+        size = a.numel() * a.element_size()
+        values = {"a": a, "b": b, "w": w, "c": c, "g": grad, "F": torch.nn.functional, "ROW": ELEMENTWISE_ROW,
+                  "backward": torch.autograd.grad}
+        seconds, moved = [], []
+        for stmt, reads, inputs in ELEMENTWISE_OPS.values():
+            seconds.append(_time_s(stmt, values, min_run_time_s))
+            seconds.append(_time_s(f"backward({stmt}, {inputs}, g)", values, min_run_time_s))
+            moved.append((reads + 1) * size)
             advance()
-        maxima = rank_max([s for _, _, s in measured])
-        times[dtype] = {key: s for (key, _, _), s in zip(measured, maxima)}
-        rates.update({f"{key}:{dtype}": moved_bytes / s for (key, moved_bytes, _), s in zip(measured, maxima)})
-    return 2 * stream_bytes / copy_s, rates, times
+        seconds = rank_max(seconds)
+        rates[dtype] = {}
+        for name, fwd_s, fwd_bwd_s, fwd_bytes in zip(ELEMENTWISE_OPS, seconds[::2], seconds[1::2], moved):
+            rates[dtype][name] = fwd_bytes / fwd_s
+            rates[dtype][f"{name}:bwd"] = MEMORY_BWD_TRAFFIC_RATIO * fwd_bytes / max(fwd_bwd_s - fwd_s, fwd_s)
+    return 2 * stream_bytes / copy_s, rates
 
 
 def measure_attention(device, dtypes, shapes, min_run_time_s, advance) -> dict[str, list[tuple[float, float, float]]]:
-    """(forward FLOPs, forward s, backward s) of causal SDPA at each shape, by dtype, ascending in FLOPs.
+    """(forward FLOPs, forward s, backward s) of causal SDPA per head of one sequence at each shape,
+    by dtype, ascending in FLOPs.
 
-    FLOPs are 4·b·h·s²·d, the two batched GEMMs over the full score matrix, as `FlopCounterMode`
-    counts attention in the trace; the backward is the forward+backward time less the forward.
+    FLOPs are 4·s²·d, the two GEMMs over one head's full score matrix, as `FlopCounterMode` counts
+    attention in the trace; times are the whole call's over batch x heads; the backward is the
+    forward+backward time less the forward.
     """
     sdpa = torch.nn.functional.scaled_dot_product_attention
     out = {}
@@ -177,9 +205,10 @@ def measure_attention(device, dtypes, shapes, min_run_time_s, advance) -> dict[s
             q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=getattr(torch, _TORCH_DTYPES[dtype]),
                             requires_grad=True)
             values = {"q": q, "sdpa": sdpa}
-            flops.append(4.0 * batch * heads * seq * seq * head_dim)
-            seconds.append(_time_s("sdpa(q, q, q, is_causal=True)", values, min_run_time_s))
-            seconds.append(_time_s("sdpa(q, q, q, is_causal=True).sum().backward()", values, min_run_time_s))
+            flops.append(4.0 * seq * seq * head_dim)
+            seconds.append(_time_s("sdpa(q, q, q, is_causal=True)", values, min_run_time_s) / (batch * heads))
+            seconds.append(_time_s("sdpa(q, q, q, is_causal=True).sum().backward()", values, min_run_time_s)
+                           / (batch * heads))
             advance()
         seconds = rank_max(seconds)
         # A backward (twice the forward's FLOPs) never beats its forward; the floor keeps timing noise
@@ -231,7 +260,7 @@ def measure(*, quick: bool = False, progress=None) -> Measurements:
     collective_sizes = (QUICK_COLLECTIVE_BYTES if quick else COLLECTIVE_BYTES)[kind]
     run_time_s = QUICK_MIN_RUN_TIME_S if quick else MIN_RUN_TIME_S
     world = dist.get_world_size() if distributed else 1
-    steps = len(dtypes) * (len(sizes) + 3 + len(shapes)) + 2 + (4 * len(collective_sizes) if world > 1 else 0)
+    steps = len(dtypes) * (len(sizes) + len(ELEMENTWISE_OPS) + len(shapes)) + 2 + (4 * len(collective_sizes) if world > 1 else 0)
     task = progress.add_task(f"profiling {kind} x{world}", total=steps) if progress is not None else None
 
     def advance() -> None:
@@ -241,12 +270,11 @@ def measure(*, quick: bool = False, progress=None) -> Measurements:
     name = torch.cuda.get_device_name(device) if kind == "cuda" else platform.processor() or platform.machine()
     result = Measurements(kind, name, world, _mem_bytes(device, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     result.matmul_times_s = measure_matmuls(device, dtypes, sizes, run_time_s, advance)
-    result.stream_bytes_per_s, result.elementwise_bytes_per_s, elementwise = measure_memory(
+    result.stream_bytes_per_s, result.elementwise_bytes_per_s = measure_memory(
         device, dtypes, (QUICK_STREAM_BYTES if quick else STREAM_BYTES)[kind], run_time_s, advance)
     result.attention_times_s = measure_attention(device, dtypes, shapes, run_time_s, advance)
     loss_shape = (QUICK_LOSS_SHAPES if quick else LOSS_SHAPES)[kind]
     result.loss_bytes_per_s = measure_loss(device, loss_shape, run_time_s, advance)
-    result.op_times_s = elementwise
     if world > 1:
         iterations = QUICK_COLLECTIVE_ITERATIONS if quick else COLLECTIVE_ITERATIONS
         result.collective_samples = measure_collectives(device, collective_sizes, iterations, advance)
@@ -284,13 +312,12 @@ def write_profile(out: str | Path, measured: Measurements, base: DeviceSpec) -> 
     peaks = {**base.peak_flops_per_s, **best}
     reference = max(best, key=best.get)  # the curve is anchored at the fastest dtype, the one to train in
     curve = [[f, f / t / peaks[reference]] for f, t in measured.matmul_times_s[reference]]
-    elementwise_bw = float(np.median([rate for key, rate in measured.elementwise_bytes_per_s.items()
-                                      if key.endswith(f":{reference}")]))
+    elementwise_bw = float(np.median([measured.elementwise_bytes_per_s[reference][op] for op in EFFICIENCY_OPS]))
     tables = {}
     for dtype, points in measured.matmul_times_s.items():
         path = out.with_name(f"{stem}-ops-{dtype}.json")
-        table = OpTable(name, dtype, measured.op_times_s.get(dtype, {}), tuple(points),
-                        tuple(measured.attention_times_s.get(dtype, ())), measured.loss_bytes_per_s)
+        table = OpTable(name, dtype, {}, tuple(points), tuple(measured.attention_times_s.get(dtype, ())),
+                        measured.loss_bytes_per_s, measured.elementwise_bytes_per_s.get(dtype, {}))
         path.write_text(json.dumps(table.to_dict(), indent=1))
         tables[dtype] = path.name
     if measured.link is not None:

@@ -20,7 +20,7 @@ from planner import measure
 from planner.graph import Layer, LayerKind, Op, OpKind
 from planner.layering import (Grouping, digest, layer_keys, layer_runs, make_layer, module_signature, new_params,
                               unused_params_notes)
-from planner.op_kinds import KIND_BY_TARGET, module_target, op_attrs
+from planner.op_kinds import KIND_BY_TARGET, gelu_target, module_target, op_attrs
 
 _CALL_OPS = ("call_function", "call_method", "call_module")
 
@@ -171,6 +171,9 @@ def _graph_op(root: nn.Module, node: fx.Node, values: dict, flops: dict) -> Op |
         target = _function_target(node)
         param_shapes = tuple(tuple(p.shape) for a in node.all_input_nodes if a.op == "get_attr"
                              and isinstance(p := _fetch_attr(root, a.target), nn.Parameter))
+    if target == "gelu":
+        approximate = module.approximate if node.op == "call_module" else node.kwargs.get("approximate", "none")
+        target = gelu_target(approximate)
     kind = KIND_BY_TARGET.get(target, OpKind.OTHER)
     attrs = op_attrs(kind, param_shapes, [values[a] for a in node.all_input_nodes
                                           if a.op != "get_attr"])

@@ -131,20 +131,24 @@ def _op_works(op: Op, ctx: LayerContext, split: int, input_bytes: float | None =
         fwd = [OpWork(WorkKind.MATMUL, flops, 0.0), OpWork(WorkKind.MEMORY, 0.0, UNFUSED_FWD_BYTES_PER_SCORE * scores)]
         bwd = [OpWork(WorkKind.MATMUL, 2 * flops, 0.0), OpWork(WorkKind.MEMORY, 0.0, UNFUSED_BWD_BYTES_PER_SCORE * scores)]
         return fwd, bwd
-    return _works(op, share, input_bytes)
+    return _works(op, share, input_bytes, ctx.cp)
 
 
-def _works(op: Op, share: float, input_bytes: float | None = None) -> tuple[list[OpWork], list[OpWork]]:
+def _works(op: Op, share: float, input_bytes: float | None = None, cp: int = 1) -> tuple[list[OpWork], list[OpWork]]:
     """Forward and backward work of `share` of one op of the traced micro-batch.
 
     `input_bytes` is what the op reads (its producers' outputs); when unknown each input is taken
     to be the size of the output. Reductions such as the loss read far more than they write.
+    Attention's unit is one head of one sequence, whose queries context parallelism divides by `cp`;
+    an elementwise op's work is keyed by its name for a measured rate (`OpTable`).
     """
     if op.target in VIEW_TARGETS and op.fwd_flops == 0:
         return [], []
     flops = op.fwd_flops * share
     if op.kind == OpKind.ATTENTION:
-        return [OpWork(WorkKind.ATTENTION, flops, 0.0)], [OpWork(WorkKind.ATTENTION_BWD, 2 * flops, 0.0)]
+        head_flops = op.fwd_flops / (op.out_shape[0] * op.out_shape[1] * cp)
+        return ([OpWork(WorkKind.ATTENTION, flops, 0.0, unit_flops=head_flops)],
+                [OpWork(WorkKind.ATTENTION_BWD, 2 * flops, 0.0, unit_flops=2 * head_flops)])
     if op.kind == OpKind.MATMUL or (flops > 0 and op.kind == OpKind.OTHER):
         io_bytes = op.out_bytes * share
         gemm = OpWork(WorkKind.MATMUL, flops, io_bytes)
@@ -152,7 +156,8 @@ def _works(op: Op, share: float, input_bytes: float | None = None) -> tuple[list
     read = op.out_bytes * len(op.inputs) if input_bytes is None else input_bytes
     traffic = (op.out_bytes + read) * share
     kind = WorkKind.LOSS if op.kind == OpKind.LOSS else WorkKind.MEMORY
-    return [OpWork(kind, 0.0, traffic)], [OpWork(kind, 0.0, MEMORY_BWD_TRAFFIC_RATIO * traffic)]
+    return ([OpWork(kind, 0.0, traffic, op.target)],
+            [OpWork(kind, 0.0, MEMORY_BWD_TRAFFIC_RATIO * traffic, f"{op.target}:bwd")])
 
 
 def op_time_s(op: Op, device: DeviceSpec, dtype: str, shards: int, table: OpTable | None = None) -> float:

@@ -24,7 +24,7 @@ KIND_BY_TARGET = {
     **dict.fromkeys(("cross_entropy", "nll", "nll_loss", "mse", "mse_loss", "l1", "l1_loss",
                      "binary_cross_entropy"), OpKind.LOSS),
     **dict.fromkeys(("add", "sub", "mul", "truediv", "div", "neg", "pow", "exp", "cos", "sin",
-                     "rsqrt", "gelu", "silu", "relu", "tanh", "sigmoid", "softmax",
+                     "rsqrt", "gelu", "gelu_tanh", "silu", "relu", "tanh", "sigmoid", "softmax",
                      "log_softmax", "dropout", "where", "float", "to"), OpKind.ELEMENTWISE),
 }
 
@@ -34,6 +34,13 @@ def module_target(module: nn.Module) -> str:
     name = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_",
                   type(module).__name__).lower()
     return name.removesuffix(_LOSS_SUFFIX)
+
+
+def gelu_target(approximate: str) -> str:
+    """GELU's target by its approximation. The tanh form (GPT-2's gelu_new) does several times the
+    erf form's arithmetic, which sets its time where elementwise math is compute-bound (CPUs), so
+    the two are priced from separate measurements."""
+    return "gelu_tanh" if approximate == "tanh" else "gelu"
 
 
 def op_attrs(kind: OpKind, param_shapes: tuple, input_values: list) -> dict:

@@ -38,8 +38,9 @@ def _measurements(matmul_scale: float = 1.0, link=None, world: int = 1) -> Measu
         matmul_times_s={"fp32": [(f, matmul_scale * f / 50e9) for f in sizes],
                         "bf16": [(f, matmul_scale * f / 25e9) for f in sizes]},
         stream_bytes_per_s=20e9,
-        elementwise_bytes_per_s={"add:1B:fp32": 10e9, "gelu:1B:fp32": 5e9, "add:1B:bf16": 1e9},
-        op_times_s={"fp32": {"add:1048576B": 1e-4}, "bf16": {}},
+        elementwise_bytes_per_s={"fp32": {"add": 10e9, "gelu": 5e9, "layer_norm": 4e9, "gelu_tanh": 1e9,
+                                          "gelu_tanh:bwd": 2e9},
+                                 "bf16": {"add": 1e9, "gelu": 1e9, "layer_norm": 1e9}},
         attention_times_s={"fp32": [(1e8, 2e-3, 5e-3), (1e9, 1e-2, 3e-2)]},
         loss_bytes_per_s=2e9,
         link=link,
@@ -92,15 +93,16 @@ def test_written_profile_loads_with_measured_fields(tmp_path):
     # Peaks are the best measured throughput; fp32 is the faster dtype, so it anchors the curve at 1.0.
     assert device.peak_flops_per_s == {"fp32": pytest.approx(50e9), "bf16": pytest.approx(25e9)}
     assert [fraction for _, fraction in device.matmul_efficiency] == pytest.approx([1.0, 1.0, 1.0])
-    # Elementwise efficiency: median of the fp32 elementwise rates (10 and 5 GB/s) over the 20 GB/s copy.
-    assert device.mem_bw_bytes_per_s == 20e9 and device.mem_bw_efficiency == pytest.approx(7.5e9 / 20e9)
+    # Elementwise efficiency: median of the fp32 add, GELU and LayerNorm rates (10, 5 and 4 GB/s) over
+    # the 20 GB/s copy; the slower tanh GELU is priced by its own rate, not by the median.
+    assert device.mem_bw_bytes_per_s == 20e9 and device.mem_bw_efficiency == pytest.approx(5e9 / 20e9)
     assert (device.intra_link.bw_bytes_per_s, device.intra_link.latency_s) == (3e9, 40e-6)
     assert [device.intra_link.time_factor(op) for op in ("all_reduce", "all_gather", "p2p")] == [1.5, 3.0, 1.0]
     base_nic = load_device("cpu").nic
     assert (device.nic.kind, device.nic.bw_bytes_per_s, device.nic.latency_s) == (base_nic.kind, base_nic.bw_bytes_per_s,
                                                                                 base_nic.latency_s)
     table = OpTable.from_dict(json.loads(Path(device.op_tables["fp32"]).read_text()))
-    assert table.device == "box-device" and table.times_s_by_key == {"add:1048576B": 1e-4}
+    assert table.device == "box-device" and table.elementwise_bytes_per_s["gelu_tanh:bwd"] == 2e9
     assert table.attention_times_s == ((1e8, 2e-3, 5e-3), (1e9, 1e-2, 3e-2)) and table.loss_bytes_per_s == 2e9
 
 
@@ -121,6 +123,13 @@ def test_measured_op_table_overrides_the_roofline(tmp_path):
     assert op_time_s(OpWork(WorkKind.ATTENTION_BWD, 2e8, 0.0), device, "fp32", table) == pytest.approx(5e-3)
     middle = 10 ** 8.5
     assert op_time_s(OpWork(WorkKind.ATTENTION, middle, 0.0), device, "fp32", table) == pytest.approx(middle / 75e9)
+    # Eight heads of the smaller measured size run at that size's rate, not at the rate of their total.
+    heads = OpWork(WorkKind.ATTENTION, 8e8, 0.0, unit_flops=1e8)
+    assert op_time_s(heads, device, "fp32", table) == pytest.approx(8 * 2e-3)
+    # Elementwise ops with a measured rate are priced by it, forward and backward; others by the roofline.
+    assert op_time_s(OpWork(WorkKind.MEMORY, 0.0, 1e6, "gelu_tanh"), device, "fp32", table) == pytest.approx(1e6 / 1e9)
+    assert op_time_s(OpWork(WorkKind.MEMORY, 0.0, 1e6, "gelu_tanh:bwd"), device, "fp32", table) == pytest.approx(1e6 / 2e9)
+    assert op_time_s(OpWork(WorkKind.MEMORY, 0.0, 1e6, "neg"), device, "fp32", table) == op_time_s(memory, device, "fp32")
     # A loss at the measured 2 GB/s; without a table, at the roofline's memory bandwidth.
     loss = OpWork(WorkKind.LOSS, 0.0, 1e6)
     assert op_time_s(loss, device, "fp32", table) == pytest.approx(1e6 / 2e9)

@@ -178,6 +178,25 @@ def test_ops_carry_shapes_heads_and_features():
     assert all(set(op.inputs) <= names for op in block.ops)
 
 
+def test_gelu_ops_are_named_by_their_approximation():
+    # GPT-2's MLP uses the tanh approximation, BERT's the erf form: priced from separate measurements.
+    def gelus(name):
+        return {op.target for layer in trace(name, seq_len=64).layers for op in layer.ops if "gelu" in op.target}
+
+    assert gelus("gpt2") == {"gelu_tanh"}
+    assert gelus("bert-large") == {"gelu"}
+
+    class Functional(nn.Module):
+        def forward(self, x):
+            return nn.functional.gelu(x, approximate="tanh") + nn.functional.gelu(x)
+
+    source = ModelSource("functional-gelus", lambda seq_len=None: Functional(),
+                         lambda micro_batch, seq_len, device: (torch.zeros(micro_batch, 8, device=device),))
+    ops = [op for layer in trace(source).layers for op in layer.ops]
+    assert [op.target for op in ops if "gelu" in op.target] == ["gelu_tanh", "gelu"]
+    assert {op.kind for op in ops if "gelu" in op.target} == {OpKind.ELEMENTWISE}
+
+
 def test_moe_expert_parameters_are_separated():
     spec = zoo_specs()["mixtral-8x7b"]
     graph = trace("mixtral-8x7b", seq_len=256)
