@@ -7,7 +7,9 @@ causally at their true positions: the all-gather form of context parallelism tha
 used (Dubey et al. 2024, section 3.3.2). As there, the sequence is cut into 2·cp chunks and rank r
 holds chunks r and 2·cp-1-r, so that under the causal mask every rank computes the same share of
 the attention scores (with one contiguous chunk each, the last rank would compute 2·cp-1 times the
-first's), as the cost model prices it. The traffic is the ring's (every rank receives every other
+first's), as the cost model prices it. Each chunk's queries run against only the keys up to the
+chunk's end (in sequence order), so a rank computes (2·cp+1)/(2·cp) of its causal share of the
+scores (the masked half of the diagonal blocks) rather than twice it. The traffic is the ring's (every rank receives every other
 rank's keys and values), which the cost model prices as overlapped with attention; here the gather
 runs before attention rather than beside it. Each rank's loss is the mean over its tokens, so
 averaging gradients over the (dp, cp) ranks gives the whole sequence's.
@@ -24,8 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from planner.zoo.layers import Attention
 
-# Dimension of the sequence in the (b, heads, s, head_dim) keys and values attention reads.
-KV_SEQUENCE_DIM = 2
+# Dimension of the sequence in the (b, heads, s, head_dim) queries, keys and values attention reads.
+SEQUENCE_DIM = 2
 
 
 def token_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -40,20 +42,33 @@ def apply_context_parallel(module: nn.Module, cp_mesh: DeviceMesh, seq_len: int)
     cp = cp_mesh.size()
     positions = token_positions(seq_len, cp, cp_mesh.get_local_rank())
     gathered = torch.cat([token_positions(seq_len, cp, rank) for rank in range(cp)])
+    order = torch.argsort(gathered)
+    chunk = seq_len // (2 * cp)
+    # Per local chunk: its queries' slice, and the causal mask of those queries over the keys up to its end.
+    chunks = []
+    for first in range(0, 2 * chunk, chunk):
+        queries = positions[first:first + chunk]
+        end = int(queries[-1]) + 1
+        chunks.append((slice(first, first + chunk), end, torch.arange(end)[None, :] <= queries[:, None]))
     for child in module.modules():
         if hasattr(child, "positions"):
             child.positions = positions
         if isinstance(child, Attention):
-            child.attend = functools.partial(_attend_whole_sequence, child, cp_mesh, positions, gathered)
+            child.attend = functools.partial(_attend_whole_sequence, child, cp_mesh, order, chunks)
 
 
-def _attend_whole_sequence(attention: Attention, mesh: DeviceMesh, positions: torch.Tensor, gathered: torch.Tensor,
+def _attend_whole_sequence(attention: Attention, mesh: DeviceMesh, order: torch.Tensor, chunks: list,
                            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """This rank's queries against the keys and values of the whole sequence, gathered from the group
-    (in rank order, so the keys' positions are `gathered`)."""
-    k = all_gather_tensor_autograd(k.contiguous(), KV_SEQUENCE_DIM, mesh.get_group())
-    v = all_gather_tensor_autograd(v.contiguous(), KV_SEQUENCE_DIM, mesh.get_group())
-    mask = None
-    if attention.causal:
-        mask = (gathered[None, :] <= positions[:, None]).to(q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=attention.kv_heads != attention.heads)
+    (in rank order; `order` puts them in sequence order), each chunk of queries against the keys up
+    to its end."""
+    k = all_gather_tensor_autograd(k.contiguous(), SEQUENCE_DIM, mesh.get_group())
+    v = all_gather_tensor_autograd(v.contiguous(), SEQUENCE_DIM, mesh.get_group())
+    gqa = attention.kv_heads != attention.heads
+    if not attention.causal:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    order = order.to(k.device)
+    k, v = k.index_select(SEQUENCE_DIM, order), v.index_select(SEQUENCE_DIM, order)
+    return torch.cat([F.scaled_dot_product_attention(q[:, :, queries], k[:, :, :end], v[:, :, :end],
+                                                     attn_mask=mask.to(q.device), enable_gqa=gqa)
+                      for queries, end, mask in chunks], dim=SEQUENCE_DIM)
