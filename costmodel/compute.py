@@ -272,8 +272,8 @@ class OpTable:
             "dtype": self.dtype,
             "times_s_by_key": dict(self.times_s_by_key),
             "matmul_times_s": [{"flops": flops, "time_s": time_s} for flops, time_s in self.matmul_times_s],
-            "attention_times_s": [{"flops": flops, "fwd_s": fwd_s, "bwd_s": bwd_s}
-                                  for flops, fwd_s, bwd_s in self.attention_times_s],
+            "attention_head_times_s": [{"flops": flops, "fwd_s": fwd_s, "bwd_s": bwd_s}
+                                       for flops, fwd_s, bwd_s in self.attention_times_s],
             "loss_bytes_per_s": self.loss_bytes_per_s,
             "elementwise_bytes_per_s": dict(self.elementwise_bytes_per_s),
         }
@@ -285,6 +285,10 @@ class OpTable:
         Raises:
             ProfileError: a field is missing or of the wrong type.
         """
+        if "attention_times_s" in data:
+            raise ProfileError("op table: `attention_times_s` holds whole-call attention times, the format of an older "
+                               "`paraplan profile`; re-run `paraplan profile` (attention is now timed per head of one "
+                               "sequence, `attention_head_times_s`)")
         try:
             return cls(
                 device=str(data["device"]),
@@ -293,14 +297,14 @@ class OpTable:
                 matmul_times_s=tuple((float(p["flops"]), float(p["time_s"]))
                                      for p in data.get("matmul_times_s", ())),
                 attention_times_s=tuple((float(p["flops"]), float(p["fwd_s"]), float(p["bwd_s"]))
-                                        for p in data.get("attention_times_s", ())),
+                                        for p in data.get("attention_head_times_s", ())),
                 loss_bytes_per_s=float(data.get("loss_bytes_per_s", 0.0)),
                 elementwise_bytes_per_s={str(k): float(v) for k, v in data.get("elementwise_bytes_per_s", {}).items()},
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProfileError(f"op table: bad or missing field ({exc!r}); expected keys device, dtype, "
                                f"times_s_by_key {{key: seconds}}, matmul_times_s [{{flops, time_s}}], "
-                               f"attention_times_s [{{flops, fwd_s, bwd_s}}], loss_bytes_per_s, "
+                               f"attention_head_times_s [{{flops, fwd_s, bwd_s}}], loss_bytes_per_s, "
                                f"elementwise_bytes_per_s {{op: bytes per second}}") from None
 
 

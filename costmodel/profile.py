@@ -13,7 +13,7 @@ NCCL on GPUs). Measured:
   which the compute model prices those ops, and the median forward bandwidth of add, GELU and
   LayerNorm relative to the copy, `mem_bw_efficiency` (for the ops not measured);
 - causal scaled-dot-product attention forward and forward+backward at two shapes -> the op table's
-  `attention_times_s` per head of one sequence (the compute model interpolates an attention op's
+  `attention_head_times_s`, per head of one sequence (the compute model interpolates an attention op's
   time from them at its per-head size, as for GEMMs at theirs);
 - cross-entropy forward and backward over fp32 logits -> the op table's `loss_bytes_per_s`;
 - all-reduce, all-gather, reduce-scatter and p2p across sizes -> the intra-node link's bandwidth

@@ -164,6 +164,9 @@ def test_table_round_trip():
     {"device": "x", "dtype": "bf16", "matmul_times_s": [{"flops": 1e9}]},
     {"device": "x", "dtype": "bf16", "times_s_by_key": {"k": -1.0}},
     {"device": "x", "dtype": "bf16", "matmul_times_s": [{"flops": 1e10, "time_s": 1.0}, {"flops": 1e9, "time_s": 1.0}]},
+    {"device": "x", "dtype": "bf16", "elementwise_bytes_per_s": {"gelu": 0.0}},
+    # An older profile's whole-call attention times would price per-head attention batch x heads too slow.
+    {"device": "x", "dtype": "bf16", "attention_times_s": [{"flops": 1e9, "fwd_s": 1e-3, "bwd_s": 2e-3}]},
 ])
 def test_bad_table_is_rejected(data):
     with pytest.raises(ProfileError):
