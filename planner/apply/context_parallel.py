@@ -9,9 +9,9 @@ holds chunks r and 2·cp-1-r, so that under the causal mask every rank computes 
 the attention scores (with one contiguous chunk each, the last rank would compute 2·cp-1 times the
 first's), as the cost model prices it. Each chunk's queries run against only the keys up to the
 chunk's end (in sequence order), so a rank computes (2·cp+1)/(2·cp) of its causal share of the
-scores (the masked half of the diagonal blocks) rather than twice it. The traffic is the ring's (every rank receives every other
-rank's keys and values), which the cost model prices as overlapped with attention; here the gather
-runs before attention rather than beside it. Each rank's loss is the mean over its tokens, so
+scores (the masked half of the diagonal blocks) rather than twice it. The traffic is the ring's
+(every rank receives every other rank's keys and values), which the cost model prices as
+overlapped with attention; here the gather runs before attention rather than beside it. Each rank's loss is the mean over its tokens, so
 averaging gradients over the (dp, cp) ranks gives the whole sequence's.
 """
 from __future__ import annotations
