@@ -35,6 +35,7 @@ from planner.mesh import stage_devices
 from planner.models import resolve_model
 from planner.result import Plan
 from planner.tp_plan import solve_layer_layout
+from planner.zoo.layers import INIT_STD
 
 SEQ_LEN = 32
 GLOBAL_BATCH = 8
@@ -52,6 +53,7 @@ VOCAB = 256
 GPT_SPEC = f"arch: gpt\nlayers: 4\nhidden: 128\nheads: 4\nvocab: {VOCAB}\nmax_seq_len: {SEQ_LEN}\ntie_embeddings: false\n"
 SPECS = {
     "gpt": GPT_SPEC,
+    "gpt-tied": GPT_SPEC.replace("tie_embeddings: false", "tie_embeddings: true"),
     "gpt-mixed": GPT_SPEC.replace("hidden: 128", "hidden: 96"),
     "llama": f"arch: llama\nlayers: 2\nhidden: 128\nheads: 4\nkv_heads: 2\nffn_hidden: 256\nvocab: {VOCAB}\n"
              f"max_seq_len: {SEQ_LEN}\n",
@@ -70,7 +72,14 @@ def spec_dir(tmp_path_factory) -> Path:
 
 def _build(spec_path: str) -> torch.nn.Module:
     torch.manual_seed(SEED)
-    return resolve_model(spec_path).build(seq_len=SEQ_LEN)
+    model = resolve_model(spec_path).build(seq_len=SEQ_LEN)
+    if any(model.head.weight is p for p in model.embed.parameters()):
+        # Tied to the head, nn.Embedding's N(0, 1) rows make each token's own logit dominate, and the
+        # zoo's loss targets the input tokens: the loss starts near 0 and nothing trains. GPT-2's
+        # initialisation scale keeps the tied cases learning.
+        with torch.no_grad():
+            model.head.weight.mul_(INIT_STD)
+    return model
 
 
 def _batches() -> list[torch.Tensor]:
@@ -215,7 +224,7 @@ def _memory_pressure_plan(spec: Path, tmp: Path) -> Plan:
 
 @pytest.fixture(scope="module")
 def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
-    gpt, mixed, llama, moe = (spec_dir / f"{name}.yaml" for name in ("gpt", "gpt-mixed", "llama", "moe"))
+    gpt, mixed, llama, moe, tied = (spec_dir / f"{name}.yaml" for name in ("gpt", "gpt-mixed", "llama", "moe", "gpt-tied"))
     sp_plan = _plan(gpt, "cpu:1x2", tp=2, pp=1)
     all_blocks = [f"layers.{i}" for i in range(4)]
     two_rank = [
@@ -230,6 +239,7 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("tp_gathered", _time_only_layouts(_plan(mixed, "cpu:1x2", tp=2, pp=1), mixed), mixed),
         ("dp_zero3", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=3), gpt),
         ("llama_tp", _plan(llama, "cpu:1x2", tp=2, pp=1), llama),
+        ("tied_tp", _plan(tied, "cpu:1x2", tp=2, pp=1), tied),
         ("moe_tp", _plan(moe, "cpu:1x2", tp=2, pp=1), moe),
         ("cp", _plan(gpt, "cpu:1x2", cp=2, dp=1, tp=1, pp=1), gpt),
         ("llama_cp", _plan(llama, "cpu:1x2", cp=2, dp=1, tp=1, pp=1), llama),
@@ -242,6 +252,7 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
     ]
     four_rank = [
         ("dp_x_tp", _plan(gpt, "cpu:1x4", dp=2, tp=2, pp=1, zero=2), gpt),
+        ("tied_dp_x_tp", _plan(tied, "cpu:1x4", dp=2, tp=2, pp=1, zero=3), tied),
         ("pp_x_dp", _plan(gpt, "cpu:1x4", dp=2, pp=2, tp=1, zero=0, schedule="1f1b"), gpt),
         ("moe_dp_x_tp", _plan(moe, "cpu:1x4", dp=2, tp=2, pp=1, ep=1, zero=0), moe),
         ("moe_ep_x_tp", _plan(moe, "cpu:1x4", dp=2, tp=2, pp=1, ep=2, zero=0), moe),
@@ -337,6 +348,16 @@ def test_llama_grouped_query_attention_tp2(trained):
     _check(trained["llama_tp"])
 
 
+@pytest.mark.parametrize("case", ["tied_tp", "tied_dp_x_tp"])
+def test_tied_embedding_and_head_split_by_vocabulary(trained, case):
+    # The tied weight stays one parameter (one name in the result, as in the reference), split by
+    # vocabulary in both the embedding and the head, and trains as one process does.
+    plan, _, result = trained[case]
+    assert (plan.layouts["embed.tok"], plan.layouts["head"]) == ("rowwise", "colwise")
+    assert "head.weight" not in result["params"]
+    _check(trained[case])
+
+
 def test_mixture_of_experts_tp2(trained):
     # The layout ILP splits each expert like a Megatron MLP (gate/up colwise, down rowwise); applied,
     # every rank routes the same tokens and the experts' partial sums are all-reduced.
@@ -429,12 +450,22 @@ def test_other_model_fails_before_process_group(spec_dir, tmp_path, monkeypatch,
     assert not dist.is_initialized()
 
 
-def test_tied_embeddings_across_pipeline_stages_fail_before_process_group(tmp_path, monkeypatch):
-    (tmp_path / "tied.yaml").write_text(GPT_SPEC.replace("tie_embeddings: false", "tie_embeddings: true"))
-    plan = _plan(tmp_path / "tied.yaml", "cpu:1x2", pp=2, tp=1)
+def test_tied_embeddings_across_pipeline_stages_fail_before_process_group(spec_dir, monkeypatch):
+    plan = _plan(spec_dir / "gpt-tied.yaml", "cpu:1x2", pp=2, tp=1)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(PlannerError, match=r"share one parameter across pipeline stages; untie them"):
-        plan.apply(_build(str(tmp_path / "tied.yaml")))
+        plan.apply(_build(str(spec_dir / "gpt-tied.yaml")))
+    assert not dist.is_initialized()
+
+
+def test_tied_weight_split_two_ways_fails_before_process_group(spec_dir, monkeypatch):
+    # A vocabulary-split embedding and a hidden-split head cannot share one weight.
+    plan = _plan(spec_dir / "gpt-tied.yaml", "cpu:1x2", tp=2, pp=1)
+    plan = dataclasses.replace(plan, layouts={**plan.layouts, "head": "rowwise"})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(PlannerError, match=r"embed.tok.weight and head.weight share one parameter that the plan's "
+                                           r"layouts split differently"):
+        plan.apply(_build(str(spec_dir / "gpt-tied.yaml")))
     assert not dist.is_initialized()
 
 

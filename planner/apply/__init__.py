@@ -48,7 +48,7 @@ from planner.apply.data_parallel import apply_data_parallel, mixed_precision_pol
 from planner.apply.expert_parallel import apply_expert_parallel, expert_mesh
 from planner.apply.pipeline import StageModule, build_schedule, check_schedule, chunk_units
 from planner.apply.recompute import apply_recompute
-from planner.apply.tensor_parallel import tensor_parallel_plan
+from planner.apply.tensor_parallel import retie, shared_parameters, tensor_parallel_plan
 from planner.apply.validate import check_world_size, match_model, world_size
 from planner.errors import invalid
 from planner.graph import Recompute
@@ -235,7 +235,9 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
         if tp_plan is not None:
             styles = {fqn: style for fqn, style in tp_plan.styles.items()
                       if any(fqn == u or fqn.startswith(u + ".") for u in units)}
+            tied = shared_parameters(module)
             parallelize_module(module, mesh["tp"], styles)
+            retie(module, tied)
         experts = (apply_expert_parallel(module, experts_mesh["ep", "tp"], match.layouts)
                    if experts_mesh is not None else [])
         if config.cp > 1:

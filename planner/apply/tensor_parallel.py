@@ -17,7 +17,10 @@ output back, so any mix of placements the sharding ILP chooses composes:
 - embedding: `rowwise` -> vocab-parallel (RowwiseParallel), `replicate` -> plain.
 - head: colwise keeps the logits split over the vocabulary for a vocab-parallel cross entropy
   (`loss_parallel`, Megatron's parallel cross entropy; without pipelining) or gathers them;
-  rowwise gathers them; `replicate` -> plain.
+  rowwise gathers them; `replicate` -> plain. A head tied to the embedding (GPT) shares its weight
+  split by vocabulary in both (rowwise embedding, colwise head), as Megatron-LM shares it:
+  `parallelize_module` distributes each module's weight on its own, so `retie` points both at one
+  DTensor again (`validate` refuses a plan that splits a tied weight two ways).
 - mixture of experts (a container with `experts` of `GroupedLinear` projections): routing runs on
   the full, replicated input (the router as a Linear; colwise gathers its logits); the experts'
   gate and up projections are colwise and the down projection rowwise, each expert's weights split
@@ -336,3 +339,23 @@ def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[st
             styles.update(_head_styles(unit, module, layouts, stream, vocab_parallel_loss))
     loss_parallel = any(isinstance(style, ColwiseParallel) and not style.use_local_output for style in styles.values())
     return TensorParallelPlan(stream, styles, loss_parallel)
+
+
+def shared_parameters(module: nn.Module) -> list[list[tuple[str, str]]]:
+    """(module FQN, parameter name) of each user of every parameter `module` holds under more than one
+    name (tied weights, e.g. an input embedding and the output head)."""
+    users: dict[int, list[tuple[str, str]]] = {}
+    for fqn, child in module.named_modules():
+        for name, param in child.named_parameters(recurse=False):
+            users.setdefault(id(param), []).append((fqn, name))
+    return [names for names in users.values() if len(names) > 1]
+
+
+def retie(module: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
+    """Points every user of a tied parameter at the first user's again. `parallelize_module`
+    distributes each module's parameters on its own, which unties them; the plan splits a tied weight
+    the same way in every user (`validate`), so one DTensor serves them all."""
+    for (first_fqn, first_name), *others in tied:
+        param = module.get_submodule(first_fqn).get_parameter(first_name)
+        for fqn, name in others:
+            setattr(module.get_submodule(fqn), name, param)

@@ -22,6 +22,11 @@ from planner.zoo.moe import GroupedLinear
 
 # Placements `parallelize_module` applies to a module through a weight split.
 _SPLIT_PLACEMENTS = frozenset({Placement.COLWISE, Placement.ROWWISE})
+# The weight dimension each split shards, by module type (torch's ColwiseParallel / RowwiseParallel):
+# a Linear's (out, in) weight by rows when colwise, an Embedding's (vocab, dim) weight by rows when
+# rowwise. Modules sharing one weight must shard it the same way (or all replicate it).
+_WEIGHT_SPLIT_DIM = {(nn.Linear, Placement.COLWISE): 0, (nn.Linear, Placement.ROWWISE): 1,
+                     (nn.Embedding, Placement.ROWWISE): 0, (nn.Embedding, Placement.COLWISE): 1}
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,8 @@ def expand_layouts(plan: Plan, model: nn.Module, units: tuple[str, ...], blocks:
 
 
 def _check_ties(plan: Plan, model: nn.Module, units: tuple[str, ...], layouts: dict[str, str]) -> frozenset[str]:
-    """Shared parameters must stay in one pipeline stage and must not be split by tensor parallelism.
+    """Shared parameters must stay in one pipeline stage, and tensor parallelism must split them the
+    same way in every module that uses them (e.g. a tied embedding and output head both by vocabulary).
 
     Returns:
         The units that share a parameter with another unit.
@@ -171,10 +177,11 @@ def _check_ties(plan: Plan, model: nn.Module, units: tuple[str, ...], layouts: d
         if len(stages) > 1:
             raise invalid(f"model: {names[0]} and {names[1]} share one parameter across pipeline stages; untie them "
                           f"(spec: tie_embeddings: false) or re-plan with --pp 1")
-        split = [n for n in names if layouts.get(n.rsplit(".", 1)[0]) in _SPLIT_PLACEMENTS]
-        if split:
-            raise invalid(f"model: {split[0]} is shared with another module and split by tensor parallelism; untie it "
-                          f"(spec: tie_embeddings: false) or re-plan with --tp 1")
+        dims = {n: _weight_split_dim(model, n, layouts) for n in names}
+        differing = [n for n in names if dims[n] != dims[names[0]]]
+        if differing:
+            raise invalid(f"model: {names[0]} and {differing[0]} share one parameter that the plan's layouts split "
+                          f"differently; untie them (spec: tie_embeddings: false) or re-plan with --tp 1")
     return frozenset(tied)
 
 
@@ -189,3 +196,17 @@ def match_model(plan: Plan, model: nn.Module) -> ModelMatch:
     _check_params(plan, model, units)
     layouts = expand_layouts(plan, model, units, blocks)
     return ModelMatch(units, blocks, layouts, _check_ties(plan, model, units, layouts))
+
+
+def _weight_split_dim(model: nn.Module, name: str, layouts: dict[str, str]) -> int | None:
+    """The dimension tensor parallelism splits parameter `name` along, None when it is replicated."""
+    fqn, _, param = name.rpartition(".")
+    placement = layouts.get(fqn)
+    if placement not in _SPLIT_PLACEMENTS:
+        return None
+    module = model.get_submodule(fqn)
+    for (kind, split), dim in _WEIGHT_SPLIT_DIM.items():
+        if param == "weight" and isinstance(module, kind) and split == placement:
+            return dim
+    raise invalid(f"model: {name} is shared with another module and split by tensor parallelism, which cannot "
+                  f"split it the same way everywhere; untie it or re-plan with --tp 1")
