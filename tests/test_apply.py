@@ -450,21 +450,17 @@ def test_other_model_fails_before_process_group(spec_dir, tmp_path, monkeypatch,
     assert not dist.is_initialized()
 
 
-def test_tied_embeddings_across_pipeline_stages_fail_before_process_group(spec_dir, monkeypatch):
-    plan = _plan(spec_dir / "gpt-tied.yaml", "cpu:1x2", pp=2, tp=1)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(PlannerError, match=r"share one parameter across pipeline stages; untie them"):
-        plan.apply(_build(str(spec_dir / "gpt-tied.yaml")))
-    assert not dist.is_initialized()
-
-
-def test_tied_weight_split_two_ways_fails_before_process_group(spec_dir, monkeypatch):
+@pytest.mark.parametrize("degrees, layouts, message", [
+    ({"pp": 2, "tp": 1}, {}, r"share one parameter across pipeline stages; untie them"),
     # A vocabulary-split embedding and a hidden-split head cannot share one weight.
-    plan = _plan(spec_dir / "gpt-tied.yaml", "cpu:1x2", tp=2, pp=1)
-    plan = dataclasses.replace(plan, layouts={**plan.layouts, "head": "rowwise"})
+    ({"tp": 2, "pp": 1}, {"head": "rowwise"},
+     r"embed.tok.weight and head.weight share one parameter that the plan's layouts split differently"),
+])
+def test_tied_weight_the_plan_cannot_share_fails_before_process_group(spec_dir, monkeypatch, degrees, layouts, message):
+    plan = _plan(spec_dir / "gpt-tied.yaml", "cpu:1x2", **degrees)
+    plan = dataclasses.replace(plan, layouts={**plan.layouts, **layouts})
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(PlannerError, match=r"embed.tok.weight and head.weight share one parameter that the plan's "
-                                           r"layouts split differently"):
+    with pytest.raises(PlannerError, match=message):
         plan.apply(_build(str(spec_dir / "gpt-tied.yaml")))
     assert not dist.is_initialized()
 
