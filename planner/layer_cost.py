@@ -179,15 +179,30 @@ def _layer_level_works(layer: Layer, ctx: LayerContext, split: int) -> tuple[lis
     return [OpWork(WorkKind.MATMUL, layer.fwd_flops * share, 0.0)], [OpWork(WorkKind.MATMUL, layer.bwd_flops * share, 0.0)]
 
 
+def _gathered_kv_bytes(layer: Layer, ctx: LayerContext) -> float:
+    """Keys and values of the other cp ranks that attention keeps for backward (before tp divides them).
+
+    Context parallelism runs as Plan.apply and Llama 3 run it: attention all-gathers the keys and
+    values of the whole sequence and autograd keeps the gathered tensors, (cp-1)/cp of them beyond
+    the rank's own share. Recomputing the attention core (selective, full) keeps none of them.
+    """
+    if ctx.cp == 1 or ctx.recompute not in (Recompute.NONE, Recompute.SELECTIVE_OP):
+        return 0.0
+    reads = input_bytes_of(layer)
+    kv_bytes = sum(reads[op.name] - op.out_bytes for op in layer.ops if op.kind == OpKind.ATTENTION)
+    return kv_bytes * ctx.batch_scale * (ctx.cp - 1) / ctx.cp
+
+
 def _activation_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:
     saving = fused_loss_saving(layer, ctx.loss, ctx.recompute, input_bytes_of(layer),
                                bytes_per_element(base_dtype(ctx.dtype)))
     saved = (layer.saved_bytes[ctx.recompute] - saving) * ctx.batch_scale / ctx.cp
-    # Score tensors are split by heads, so tp divides them with or without sequence parallelism.
-    scores = 0.0
+    # Score tensors and gathered keys and values are split by heads, so tp divides them with or
+    # without sequence parallelism.
+    scores = _gathered_kv_bytes(layer, ctx)
     if ctx.attention == AttentionKernel.UNFUSED and ctx.recompute == Recompute.NONE:
-        scores = sum(UNFUSED_SAVED_BYTES_PER_SCORE * score_elements(op) for op in layer.ops
-                     if op.kind == OpKind.ATTENTION) * ctx.batch_scale / (ctx.cp * ctx.cp)
+        scores += sum(UNFUSED_SAVED_BYTES_PER_SCORE * score_elements(op) for op in layer.ops
+                      if op.kind == OpKind.ATTENTION) * ctx.batch_scale / (ctx.cp * ctx.cp)
     if tp == 1:
         return saved + scores
     if ctx.sequence_parallel or ctx.recompute == Recompute.FULL:

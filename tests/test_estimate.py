@@ -129,6 +129,21 @@ def test_block_activations_match_korthikanti_table2(gpt22b, case, tp, sp, recomp
     assert _block_act_bytes(evaluator, config, recompute) == pytest.approx(expected, rel=0.10)
 
 
+@pytest.mark.parametrize("tp,recompute,extra_kv_fraction", [
+    (1, Recompute.NONE, 1 / 2), (2, Recompute.NONE, 1 / 4), (1, Recompute.FULL, 0.0), (1, Recompute.SELECTIVE, 0.0)])
+def test_context_parallel_keeps_the_gathered_keys_and_values(gpt350m, tp, recompute, extra_kv_fraction):
+    # cp=2 as Plan.apply runs it: every saved tensor is halved (each rank holds half the tokens),
+    # and attention keeps the whole sequence's keys and values, the other rank's half beyond its
+    # own: (cp-1)/cp of 2 (K, V) x b x s x h bf16 bytes, split by heads under tp. Recomputing
+    # attention keeps none of them.
+    b, s, h = 2, 256, 1024
+    evaluator = Evaluator(gpt350m, load_cluster("a100-80g:1x8"))
+    base = dict(tp=tp, micro_batch=b, num_microbatches=1, recompute=recompute, sequence_parallel=tp > 1)
+    whole = _block_act_bytes(evaluator, ParallelConfig(dp=8 // tp, cp=1, **base), recompute)
+    split = _block_act_bytes(evaluator, ParallelConfig(dp=4 // tp, cp=2, **base), recompute)
+    assert split - whole / 2 == pytest.approx(extra_kv_fraction * 2 * b * s * h * 2, rel=1e-9)
+
+
 @pytest.mark.parametrize("schedule,vpp", [(Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED, 2)])
 def test_first_stage_activations_match_korthikanti_whole_model_formula(gpt22b, schedule, vpp):
     # Korthikanti §4.2.3: the first 1F1B stage holds p micro-batches of its L/p layers, i.e. the
