@@ -152,7 +152,7 @@ class Evaluator:
                 table=self.table_for(device, self.dtype_for(device)), attention=self.attention,
                 tp_overlap=self.tp_overlap, loss=self.loss,
             )
-            cost = price_layer(layer, tp_plan_for(layer, config.tp, device, node, ctx.dtype, self.layout_cache), ctx)
+            cost = price_layer(layer, tp_plan_for(layer, config.tp, device, node, ctx.dtype, self.layout_cache, self.graph), ctx)
             self._layer_cache[key] = cost
         return cost
 

@@ -125,7 +125,8 @@ class ModelGraph:
     """Everything the planner knows about a model, measured once and reusable across clusters.
 
     `trace_method` is how the graph was captured ("fx", "export" or "module"); `notes` says why
-    earlier methods failed and any other caveat of the measurement.
+    earlier methods failed and any other caveat of the measurement; `tied` lists the module FQNs
+    that share one parameter (a tied embedding and output head), one group per shared parameter.
     """
 
     name: str
@@ -136,6 +137,7 @@ class ModelGraph:
     layers: tuple[Layer, ...]
     dims: ModelDims = ModelDims()
     notes: tuple[str, ...] = ()
+    tied: tuple[tuple[str, ...], ...] = ()
 
     @property
     def params(self) -> int:

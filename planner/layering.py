@@ -138,6 +138,15 @@ def new_params(params: Sequence[nn.Parameter], owned: set[int]) -> list[nn.Param
     return fresh
 
 
+def tied_modules(model: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """FQNs of the modules holding each parameter that more than one module holds (tied weights)."""
+    users: dict[int, list[str]] = {}
+    for fqn, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            users.setdefault(id(param), []).append(fqn)
+    return tuple(tuple(fqns) for fqns in users.values() if len(fqns) > 1)
+
+
 def unused_params_notes(model: nn.Module, owned: set[int]) -> list[str]:
     """A note naming the modules whose parameters no layer owns; empty when every one is used."""
     unused = [name for name, p in model.named_parameters() if id(p) not in owned]

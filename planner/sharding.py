@@ -26,6 +26,8 @@ strategies of v, and edges (u, v, k) "input k of v comes from u".
                          sum_{s: out(s) = l} x[u, s], for every l -> t that costs a collective
                                                                              (_add_conversion_constraints)
     tie[fqn,u,p]         ops of one module pick the same placement           (_add_module_tie_constraints)
+    pin[fqn]             a module sharing its weight with an earlier layer's module takes one of
+                         the placements that split the weight the same way   (_add_pin_constraints)
     param_memory         sum x[v, s] * param_bytes(v) / param_shards(s) <= cap, when a budget is
                          given                                               (_add_param_memory_constraint)
     least_params         with shard_params: sum x[v, s] * params(v) / param_shards(s) <= its least
@@ -45,7 +47,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from ortools.math_opt.python import mathopt
 
@@ -161,6 +163,7 @@ def solve_layout(
     input_bytes: float | None = None,
     param_budget: ParamBudget | None = None,
     shard_params: bool = False,
+    pins: Mapping[str, frozenset[Placement]] | None = None,
     time_limit_s: float = 10.0,
     rel_gap: float = 1e-4,
 ) -> Layout:
@@ -181,6 +184,8 @@ def solve_layout(
         shard_params: first find the least parameters per device any layout reaches, then the
             fastest layout holding no more (what tensor parallelism is for: Megatron-LM shards every
             large weight, the embedding by vocabulary); otherwise time alone decides.
+        pins: module FQN -> the placements it may take (a head tied to an embedding must split the
+            shared weight as the embedding does).
         time_limit_s: solver wall-clock limit.
         rel_gap: relative gap at which the solver stops.
 
@@ -210,6 +215,7 @@ def solve_layout(
     _add_need_constraints(model, choose, need, graph)
     conversions = _add_conversion_constraints(model, choose, need, graph)
     _add_module_tie_constraints(model, choose, graph)
+    _add_pin_constraints(model, choose, graph, pins or {})
     if param_budget is not None:
         _add_param_memory_constraint(model, choose, graph, param_budget)
     if shard_params:
@@ -293,6 +299,18 @@ def _add_module_tie_constraints(model: mathopt.Model, choose: dict, graph: Strat
             for placement in placements:
                 same = _placement_indicator(choose, graph, first, placement) == _placement_indicator(choose, graph, other, placement)
                 model.add_linear_constraint(same, name=f"tie[{fqn},{other},{placement}]")
+
+
+def _add_pin_constraints(model: mathopt.Model, choose: dict, graph: StrategyGraph,
+                         pins: Mapping[str, frozenset[Placement]]) -> None:
+    """Ops of a pinned module take only its allowed placements."""
+    for name, op in graph.ops.items():
+        allowed = pins.get(op.fqn)
+        if allowed is None or not op.param_shapes:
+            continue
+        for s, strategy in enumerate(graph.strategies[name]):
+            if strategy.placement not in allowed:
+                model.add_linear_constraint(choose[name, s] == 0, name=f"pin[{name},{strategy.placement}]")
 
 
 def _add_param_memory_constraint(model: mathopt.Model, choose: dict, graph: StrategyGraph, budget: ParamBudget) -> None:

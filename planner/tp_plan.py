@@ -11,21 +11,24 @@ from __future__ import annotations
 
 from costmodel.comm import Collective, collective_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
-from planner.graph import Layer, Op
+from planner.graph import Layer, ModelGraph, Op
 from planner.layer_cost import TpPlan, op_time_s
 from planner.mesh import axis_group
 from planner.sharding import Layout, solve_layout
+from planner.tp_strategies import Placement, weight_split_dim
 
 # Solver limits for one layer's layout (a block has 20-60 ops; HiGHS solves it in well under 1 s).
 LAYOUT_TIME_LIMIT_S = 10.0
 LAYOUT_REL_GAP = 1e-4
 
-def solve_layer_layout(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str, shard_params: bool = True) -> Layout:
+def solve_layer_layout(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str, shard_params: bool = True,
+                       pins: dict[str, frozenset[Placement]] | None = None) -> Layout:
     """The sharding ILP's layout of `layer` at degree `tp`, priced on `device` in a tp group inside `node`.
 
     Args:
         shard_params: hold the fewest parameters per device first (the planner's layouts); False
             lets time alone decide.
+        pins: placements allowed to modules sharing a weight with an earlier layer (`tied_pins`).
     """
     group = axis_group(tp, 1, node.devices_per_node)
 
@@ -36,23 +39,51 @@ def solve_layer_layout(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec
         return collective_time_s(Collective(str(kind)), size_bytes, group, node)
 
     return solve_layout(layer.ops, tp, compute_time_s, comm_time_s, sequence_parallel=True, shard_params=shard_params,
-                        time_limit_s=LAYOUT_TIME_LIMIT_S, rel_gap=LAYOUT_REL_GAP)
+                        pins=pins, time_limit_s=LAYOUT_TIME_LIMIT_S, rel_gap=LAYOUT_REL_GAP)
 
 
-def layout_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str, cache: dict) -> Layout:
-    """`solve_layer_layout` of `layer`, kept in `cache` by layer signature (the caller's cache lives
-    as long as its device profiles, so a device name is a safe key)."""
-    key = (layer.signature or layer.name, tp, device.name, node.devices_per_node, dtype)
+def layout_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str, cache: dict,
+               graph: ModelGraph) -> Layout:
+    """`solve_layer_layout` of `layer` (a layer of `graph`), kept in `cache` by layer signature (the
+    caller's cache lives as long as its device profiles, so a device name is a safe key)."""
+    pins = tied_pins(graph, layer, tp, device, node, dtype, cache)
+    key = (layer.signature or layer.name, tp, device.name, node.devices_per_node, dtype, tuple(sorted(pins.items())))
     if key not in cache:
-        cache[key] = solve_layer_layout(layer, tp, device, node, dtype)
+        cache[key] = solve_layer_layout(layer, tp, device, node, dtype, pins=pins)
     return cache[key]
 
 
-def tp_plan_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str, cache: dict) -> TpPlan:
-    """The TpPlan of `layer` at degree `tp` (replicated at tp=1 or for layers without ops)."""
+def tied_pins(graph: ModelGraph, layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str,
+              cache: dict) -> dict[str, frozenset[Placement]]:
+    """Placements allowed to each module of `layer` that shares its weight with a module of an earlier
+    layer (a head tied to the embedding): those splitting the weight along the dimension the earlier
+    module's layout splits it (or keeping it whole when that one does), as one parameter must be."""
+    tied = {fqn for group in graph.tied for fqn in group}
+    if not any(op.fqn in tied for op in layer.ops):
+        return {}
+    index = graph.layers.index(layer)
+    where = {op.fqn: (i, op) for i, other in enumerate(graph.layers) for op in other.ops if op.fqn in tied and op.param_shapes}
+    pins = {}
+    for group in graph.tied:
+        users = sorted((where[fqn][0], fqn) for fqn in group if fqn in where)
+        if len(users) < 2 or users[0][0] >= index:
+            continue
+        owner_index, owner = users[0]
+        owner_op = where[owner][1]
+        placement = layout_for(graph.layers[owner_index], tp, device, node, dtype, cache, graph).per_fqn.get(owner, Placement.REPLICATE)
+        dim = weight_split_dim(owner_op.kind, placement)
+        for user_index, fqn in users[1:]:
+            if user_index == index:
+                pins[fqn] = frozenset(p for p in Placement if weight_split_dim(where[fqn][1].kind, p) == dim)
+    return pins
+
+
+def tp_plan_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str, cache: dict,
+                graph: ModelGraph) -> TpPlan:
+    """The TpPlan of `layer` (a layer of `graph`) at degree `tp` (replicated at tp=1 or for layers without ops)."""
     if tp == 1 or not layer.ops:
         return TpPlan(tp)
-    layout = layout_for(layer, tp, device, node, dtype, cache)
+    layout = layout_for(layer, tp, device, node, dtype, cache, graph)
     return TpPlan(
         tp=tp,
         split_ops=frozenset(choice.name for choice in layout.choices if choice.strategy.compute_shards > 1),
@@ -72,5 +103,6 @@ def layouts_for(evaluator, config) -> dict[str, str]:
         if not layer.ops or layer.signature in seen:
             continue
         seen.add(layer.signature)
-        out.update({fqn: str(p) for fqn, p in layout_for(layer, config.tp, device, node, dtype, evaluator.layout_cache).per_fqn.items()})
+        layout = layout_for(layer, config.tp, device, node, dtype, evaluator.layout_cache, evaluator.graph)
+        out.update({fqn: str(p) for fqn, p in layout.per_fqn.items()})
     return out

@@ -48,6 +48,19 @@ class Placement(StrEnum):
     LOSS_PARALLEL = "loss_parallel"  # cross-entropy on vocab-split logits
 
 
+# The weight dimension a placement shards (torch's ColwiseParallel / RowwiseParallel): a Linear's
+# (out, in) weight by rows when colwise, by columns when rowwise; an Embedding's (vocab, dim) weight
+# by rows (vocabulary) when rowwise, by columns when colwise. Modules sharing one weight must
+# shard it along the same dimension, or all replicate it.
+_WEIGHT_SPLIT_DIM = {(OpKind.MATMUL, Placement.COLWISE): 0, (OpKind.MATMUL, Placement.ROWWISE): 1,
+                     (OpKind.EMBEDDING, Placement.ROWWISE): 0, (OpKind.EMBEDDING, Placement.COLWISE): 1}
+
+
+def weight_split_dim(kind: OpKind, placement: Placement) -> int | None:
+    """The weight dimension `placement` splits on an op of `kind`; None when the weight stays whole."""
+    return _WEIGHT_SPLIT_DIM.get((kind, placement))
+
+
 class Collective(StrEnum):
     ALL_REDUCE = "all_reduce"
     ALL_GATHER = "all_gather"

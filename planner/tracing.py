@@ -40,7 +40,7 @@ from planner import eager_run, measure
 from planner.errors import PlannerError, PlannerErrorKind, invalid
 from planner.graph import Layer, LayerKind, ModelDims, ModelGraph, OpKind
 from planner.graph_layers import graph_layers
-from planner.layering import EXPERTS_MODULE, Grouping
+from planner.layering import EXPERTS_MODULE, Grouping, tied_modules
 from planner.models import resolve_model
 from planner.module_layers import module_layers
 from planner.source import ModelSource
@@ -117,7 +117,8 @@ def _trace_cached(key: ModelSource | str | nn.Module | ModelSpec, seq_len: int, 
                                               micro_batch, notes)
     dims = source.dims if source.dims != ModelDims() else _infer_dims(model, layers)
     return ModelGraph(name=source.name, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
-                      trace_method=method, layers=tuple(layers), dims=dims, notes=tuple(notes))
+                      trace_method=method, layers=tuple(layers), dims=dims, notes=tuple(notes),
+                      tied=tied_modules(model))
 
 
 def _example_inputs(source: ModelSource, micro_batch: int, seq_len: int,

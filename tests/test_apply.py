@@ -54,6 +54,9 @@ GPT_SPEC = f"arch: gpt\nlayers: 4\nhidden: 128\nheads: 4\nvocab: {VOCAB}\nmax_se
 SPECS = {
     "gpt": GPT_SPEC,
     "gpt-tied": GPT_SPEC.replace("tie_embeddings: false", "tie_embeddings: true"),
+    # A vocabulary tp does not divide (as GPT-2's 50,257): the embedding cannot split by vocabulary.
+    "gpt-tied-odd": GPT_SPEC.replace("tie_embeddings: false", "tie_embeddings: true").replace(
+        f"vocab: {VOCAB}", f"vocab: {VOCAB + 1}"),
     "gpt-mixed": GPT_SPEC.replace("hidden: 128", "hidden: 96"),
     "llama": f"arch: llama\nlayers: 2\nhidden: 128\nheads: 4\nkv_heads: 2\nffn_hidden: 256\nvocab: {VOCAB}\n"
              f"max_seq_len: {SEQ_LEN}\n",
@@ -224,7 +227,8 @@ def _memory_pressure_plan(spec: Path, tmp: Path) -> Plan:
 
 @pytest.fixture(scope="module")
 def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
-    gpt, mixed, llama, moe, tied = (spec_dir / f"{name}.yaml" for name in ("gpt", "gpt-mixed", "llama", "moe", "gpt-tied"))
+    gpt, mixed, llama, moe, tied, tied_odd = (spec_dir / f"{name}.yaml"
+                                              for name in ("gpt", "gpt-mixed", "llama", "moe", "gpt-tied", "gpt-tied-odd"))
     sp_plan = _plan(gpt, "cpu:1x2", tp=2, pp=1)
     all_blocks = [f"layers.{i}" for i in range(4)]
     two_rank = [
@@ -240,6 +244,7 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("dp_zero3", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=3), gpt),
         ("llama_tp", _plan(llama, "cpu:1x2", tp=2, pp=1), llama),
         ("tied_tp", _plan(tied, "cpu:1x2", tp=2, pp=1), tied),
+        ("tied_odd_vocab_tp", _plan(tied_odd, "cpu:1x2", tp=2, pp=1), tied_odd),
         ("moe_tp", _plan(moe, "cpu:1x2", tp=2, pp=1), moe),
         ("cp", _plan(gpt, "cpu:1x2", cp=2, dp=1, tp=1, pp=1), gpt),
         ("llama_cp", _plan(llama, "cpu:1x2", cp=2, dp=1, tp=1, pp=1), llama),
@@ -356,6 +361,15 @@ def test_tied_embedding_and_head_split_by_vocabulary(trained, case):
     assert (plan.layouts["embed.tok"], plan.layouts["head"]) == ("rowwise", "colwise")
     assert "head.weight" not in result["params"]
     _check(trained[case])
+
+
+def test_tied_weight_the_vocabulary_cannot_split_stays_whole(trained):
+    # With an odd vocabulary the embedding stays whole; the head tied to it is then planned whole
+    # too, so the plan applies and trains as one process.
+    plan, _, result = trained["tied_odd_vocab_tp"]
+    assert (plan.layouts["embed.tok"], plan.layouts["head"]) == ("replicate", "replicate")
+    assert "head.weight" not in result["params"]
+    _check(trained["tied_odd_vocab_tp"])
 
 
 def test_mixture_of_experts_tp2(trained):

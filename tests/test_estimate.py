@@ -317,7 +317,7 @@ def test_tensor_parallelism_splits_the_expert_projections(tiny_moe):
     block = tiny_moe.blocks[0]
     experts = [op for op in block.ops if op.fqn.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj"))]
     assert len(experts) == 3
-    plan = tp_plan_for(block, 2, device, node, "bf16", evaluator.layout_cache)
+    plan = tp_plan_for(block, 2, device, node, "bf16", evaluator.layout_cache, evaluator.graph)
     assert {op.name for op in experts} <= plan.split_ops
 
 
@@ -500,7 +500,7 @@ def test_op_level_checkpointing_reruns_the_all_gathers_of_recomputed_projections
     evaluator = Evaluator(llama_small, cluster)
     device, node = stage_devices(cluster, 1)[0]
     block = llama_small.blocks[0]
-    plan = tp_plan_for(block, 8, device, node, "bf16", evaluator.layout_cache)
+    plan = tp_plan_for(block, 8, device, node, "bf16", evaluator.layout_cache, evaluator.graph)
     reruns = dict(zip(((str(kind), producer) for kind, _, producer in plan.collectives), op_sac_reruns_collectives(block, plan)))
     assert {key: rerun for key, rerun in reruns.items()} == {
         ("all_gather", f"{block.name.replace('.', '_')}_attn_norm"): True,

@@ -344,3 +344,16 @@ def test_offloads_the_optimizer_only_when_nothing_fits_on_the_device():
 def test_does_not_offload_when_the_device_holds_everything():
     plan = planner.plan("gpt3-125m", "a100-80g:1x1", global_batch=8, seq_len=512)
     assert not plan.config.offload_optimizer
+
+
+def test_head_tied_to_a_whole_embedding_is_planned_whole(tmp_path):
+    # GPT-2's 50,257-token vocabulary does not divide by tp=2, so its embedding stays whole. Its head
+    # shares that weight and is planned whole too, where the same head untied splits by its input:
+    # one parameter cannot be split one way in one module and kept whole in the other.
+    untied = tmp_path / "gpt2-untied.yaml"
+    untied.write_text("arch: gpt\nlayers: 12\nhidden: 768\nheads: 12\nvocab: 50257\nmax_seq_len: 1024\n"
+                      "tie_embeddings: false\n")
+    layouts = {name: planner.plan(name, "a100-80g:1x8", global_batch=64, seq_len=1024, tp=2, pp=1).layouts
+               for name in ("gpt2", str(untied))}
+    assert (layouts["gpt2"]["embed.tok"], layouts["gpt2"]["head"]) == ("replicate", "replicate")
+    assert (layouts[str(untied)]["embed.tok"], layouts[str(untied)]["head"]) == ("replicate", "rowwise")

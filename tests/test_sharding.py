@@ -330,6 +330,16 @@ def test_ops_of_one_module_share_a_placement():
     assert (free.per_op["first"], free.per_op["second"]) == (Placement.COLWISE, Placement.ROWWISE)
 
 
+def test_pinned_module_takes_only_its_allowed_placements():
+    # The chain alone goes colwise then rowwise; pinning fc1 to replicate (a head tied to an
+    # embedding that stays whole) keeps it whole and leaves fc0 free.
+    ops = mlp_chain(widths=(1024, 4096, 1024))
+    layout = solve_layout(ops, 4, roofline_compute_s, ring_comm_s(4), sequence_parallel=False,
+                          pins={"net.2": frozenset({Placement.REPLICATE})})
+    assert layout.per_op["fc1"] == Placement.REPLICATE
+    assert layout.per_fqn.get("net.2", Placement.REPLICATE) == Placement.REPLICATE
+
+
 def test_param_budget_forces_sharding():
     # With 1 GB/s links any collective costs more than the compute it saves, so the free choice is
     # all-replicated. fc1 and fc2 hold 1024 x 4096 weights each: 2 x 8 MiB at 2 bytes per parameter,

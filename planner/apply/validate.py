@@ -17,16 +17,14 @@ from torch import nn
 
 from planner.errors import invalid
 from planner.result import Plan
-from planner.tp_strategies import Placement
+from planner.graph import OpKind
+from planner.tp_strategies import Placement, weight_split_dim
 from planner.zoo.moe import GroupedLinear
 
 # Placements `parallelize_module` applies to a module through a weight split.
 _SPLIT_PLACEMENTS = frozenset({Placement.COLWISE, Placement.ROWWISE})
-# The weight dimension each split shards, by module type (torch's ColwiseParallel / RowwiseParallel):
-# a Linear's (out, in) weight by rows when colwise, an Embedding's (vocab, dim) weight by rows when
-# rowwise. Modules sharing one weight must shard it the same way (or all replicate it).
-_WEIGHT_SPLIT_DIM = {(nn.Linear, Placement.COLWISE): 0, (nn.Linear, Placement.ROWWISE): 1,
-                     (nn.Embedding, Placement.ROWWISE): 0, (nn.Embedding, Placement.COLWISE): 1}
+# The op kind whose weight split (`weight_split_dim`) a module type follows.
+_WEIGHT_KINDS = ((nn.Embedding, OpKind.EMBEDDING), (nn.Linear, OpKind.MATMUL))
 
 
 @dataclass(frozen=True)
@@ -205,8 +203,8 @@ def _weight_split_dim(model: nn.Module, name: str, layouts: dict[str, str]) -> i
     if placement not in _SPLIT_PLACEMENTS:
         return None
     module = model.get_submodule(fqn)
-    for (kind, split), dim in _WEIGHT_SPLIT_DIM.items():
-        if param == "weight" and isinstance(module, kind) and split == placement:
-            return dim
+    kind = next((kind for module_type, kind in _WEIGHT_KINDS if isinstance(module, module_type)), None)
+    if param == "weight" and kind is not None:
+        return weight_split_dim(kind, Placement(placement))
     raise invalid(f"model: {name} is shared with another module and split by tensor parallelism, which cannot "
                   f"split it the same way everywhere; untie it or re-plan with --tp 1")
