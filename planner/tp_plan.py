@@ -21,6 +21,7 @@ from planner.tp_strategies import Placement, weight_split_dim
 LAYOUT_TIME_LIMIT_S = 10.0
 LAYOUT_REL_GAP = 1e-4
 
+
 def solve_layer_layout(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str, shard_params: bool = True,
                        pins: dict[str, frozenset[Placement]] | None = None) -> Layout:
     """The sharding ILP's layout of `layer` at degree `tp`, priced on `device` in a tp group inside `node`.
@@ -62,7 +63,8 @@ def tied_pins(graph: ModelGraph, layer: Layer, tp: int, device: DeviceSpec, node
     if not any(op.fqn in tied for op in layer.ops):
         return {}
     index = graph.layers.index(layer)
-    where = {op.fqn: (i, op) for i, other in enumerate(graph.layers) for op in other.ops if op.fqn in tied and op.param_shapes}
+    where = {op.fqn: (i, op) for i, other in enumerate(graph.layers) for op in other.ops
+             if op.fqn in tied and op.param_shapes}
     pins = {}
     for group in graph.tied:
         users = sorted((where[fqn][0], fqn) for fqn in group if fqn in where)
@@ -70,7 +72,8 @@ def tied_pins(graph: ModelGraph, layer: Layer, tp: int, device: DeviceSpec, node
             continue
         owner_index, owner = users[0]
         owner_op = where[owner][1]
-        placement = layout_for(graph.layers[owner_index], tp, device, node, dtype, cache, graph).per_fqn.get(owner, Placement.REPLICATE)
+        owner_layout = layout_for(graph.layers[owner_index], tp, device, node, dtype, cache, graph)
+        placement = owner_layout.per_fqn.get(owner, Placement.REPLICATE)
         dim = weight_split_dim(owner_op.kind, placement)
         for user_index, fqn in users[1:]:
             if user_index == index:
