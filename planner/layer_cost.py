@@ -180,17 +180,21 @@ def _layer_level_works(layer: Layer, ctx: LayerContext, split: int) -> tuple[lis
 
 
 def _gathered_kv_bytes(layer: Layer, ctx: LayerContext) -> float:
-    """Keys and values of the other cp ranks that attention keeps for backward (before tp divides them).
+    """Gathered keys and values attention keeps for backward under context parallelism (before tp
+    divides them by heads).
 
     Context parallelism runs as Plan.apply and Llama 3 run it: attention all-gathers the keys and
-    values of the whole sequence and autograd keeps the gathered tensors, (cp-1)/cp of them beyond
-    the rank's own share. Recomputing the attention core (selective, full) keeps none of them.
+    values of the whole sequence. Without recompute autograd keeps them as attention's inputs in
+    place of the rank's own share, (cp-1)/cp of them more. Selective recompute keeps collective
+    outputs (`planner.apply.recompute.SAVED_OPS`), so the gathered tensors stay beside the kept
+    projections: all of them more. Full and op-level recompute run the gather again in backward.
     """
-    if ctx.cp == 1 or ctx.recompute not in (Recompute.NONE, Recompute.SELECTIVE_OP):
+    if ctx.cp == 1 or ctx.recompute not in (Recompute.NONE, Recompute.SELECTIVE):
         return 0.0
+    kept = (ctx.cp - 1) / ctx.cp if ctx.recompute == Recompute.NONE else 1.0
     reads = input_bytes_of(layer)
     kv_bytes = sum(reads[op.name] - op.out_bytes for op in layer.ops if op.kind == OpKind.ATTENTION)
-    return kv_bytes * ctx.batch_scale * (ctx.cp - 1) / ctx.cp
+    return kv_bytes * ctx.batch_scale * kept
 
 
 def _activation_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:

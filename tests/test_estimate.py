@@ -130,12 +130,14 @@ def test_block_activations_match_korthikanti_table2(gpt22b, case, tp, sp, recomp
 
 
 @pytest.mark.parametrize("tp,recompute,extra_kv_fraction", [
-    (1, Recompute.NONE, 1 / 2), (2, Recompute.NONE, 1 / 4), (1, Recompute.FULL, 0.0), (1, Recompute.SELECTIVE, 0.0)])
+    (1, Recompute.NONE, 1 / 2), (2, Recompute.NONE, 1 / 4), (1, Recompute.SELECTIVE, 1.0),
+    (1, Recompute.SELECTIVE_OP, 0.0), (1, Recompute.FULL, 0.0)])
 def test_context_parallel_keeps_the_gathered_keys_and_values(gpt350m, tp, recompute, extra_kv_fraction):
     # cp=2 as Plan.apply runs it: every saved tensor is halved (each rank holds half the tokens),
-    # and attention keeps the whole sequence's keys and values, the other rank's half beyond its
-    # own: (cp-1)/cp of 2 (K, V) x b x s x h bf16 bytes, split by heads under tp. Recomputing
-    # attention keeps none of them.
+    # and attention keeps the whole sequence's 2 (K, V) x b x s x h bf16 bytes, split by heads under
+    # tp: without recompute in place of its own half (1/2 more); under selective recompute, which
+    # keeps collective outputs, beside the kept projections (all of it more). Op-level and full
+    # recompute gather again in backward.
     b, s, h = 2, 256, 1024
     evaluator = Evaluator(gpt350m, load_cluster("a100-80g:1x8"))
     base = dict(tp=tp, micro_batch=b, num_microbatches=1, recompute=recompute, sequence_parallel=tp > 1)
