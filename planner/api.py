@@ -131,10 +131,10 @@ def tied_across_stages_notes(graph: ModelGraph, stages) -> tuple[str, ...]:
     """A note per weight the plan's pipeline stages split between modules that share it. Plan.apply
     refuses such a plan: Megatron-LM keeps a copy on the later stage and sums the two gradients every
     step; Plan.apply does not, and the cost model counts the weight once, on the earlier stage."""
-    def stage_of(fqn: str) -> int:
-        return next(stage.index for stage in stages
-                    if any(fqn == unit or fqn.startswith(unit + ".") for unit in stage.fqns))
+    def stages_of(group: tuple[str, ...]) -> set[int]:
+        return {stage.index for stage in stages for fqn in group
+                if any(fqn == unit or fqn.startswith(unit + ".") for unit in stage.fqns)}
 
     return tuple(f"{group[0]} and {group[1]} share one weight across pipeline stages, which Plan.apply cannot run: "
                  f"untie them (spec: tie_embeddings: false) or re-plan with --pp 1"
-                 for group in graph.tied if len({stage_of(fqn) for fqn in group}) > 1)
+                 for group in graph.tied if len(stages_of(group)) > 1)

@@ -203,16 +203,16 @@ def _activation_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:
     saved = (layer.saved_bytes[ctx.recompute] - saving) * ctx.batch_scale / ctx.cp
     # Score tensors and gathered keys and values are split by heads, so tp divides them with or
     # without sequence parallelism.
-    scores = _gathered_kv_bytes(layer, ctx)
+    by_heads = _gathered_kv_bytes(layer, ctx)
     if ctx.attention == AttentionKernel.UNFUSED and ctx.recompute == Recompute.NONE:
-        scores += sum(UNFUSED_SAVED_BYTES_PER_SCORE * score_elements(op) for op in layer.ops
-                      if op.kind == OpKind.ATTENTION) * ctx.batch_scale / (ctx.cp * ctx.cp)
+        by_heads += sum(UNFUSED_SAVED_BYTES_PER_SCORE * score_elements(op) for op in layer.ops
+                        if op.kind == OpKind.ATTENTION) * ctx.batch_scale / (ctx.cp * ctx.cp)
     if tp == 1:
-        return saved + scores
+        return saved + by_heads
     if ctx.sequence_parallel or ctx.recompute == Recompute.FULL:
-        return (saved + scores) / tp
+        return (saved + by_heads) / tp
     unsplit = UNSPLIT_ACTIVATION_FRACTION_WITHOUT_SP
-    return saved * (unsplit + (1 - unsplit) / tp) + scores / tp
+    return saved * (unsplit + (1 - unsplit) / tp) + by_heads / tp
 
 
 def _loss_temp_bytes(layer: Layer, plan: TpPlan, ctx: LayerContext) -> float:
