@@ -123,18 +123,4 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
     graph = model_graph(model, seq_len, dtype=dtype)
     hardware = _cluster(cluster)
     result = search(graph, hardware, global_batch=global_batch, dtype=dtype, attention=attention, tp_overlap=tp_overlap, loss=loss, cluster_name=str(cluster if isinstance(cluster, str) else hardware.name), **constraints)
-    return dataclasses.replace(result, layer_params=tuple(layer.params for layer in graph.layers),
-                               notes=tied_across_stages_notes(graph, result.stages))
-
-
-def tied_across_stages_notes(graph: ModelGraph, stages) -> tuple[str, ...]:
-    """A note per weight the plan's pipeline stages split between modules that share it. Plan.apply
-    refuses such a plan: Megatron-LM keeps a copy on the later stage and sums the two gradients every
-    step; Plan.apply does not, and the cost model counts the weight once, on the earlier stage."""
-    def stages_of(group: tuple[str, ...]) -> set[int]:
-        return {stage.index for stage in stages for fqn in group
-                if any(fqn == unit or fqn.startswith(unit + ".") for unit in stage.fqns)}
-
-    return tuple(f"{group[0]} and {group[1]} share one weight across pipeline stages, which Plan.apply cannot run: "
-                 f"untie them (spec: tie_embeddings: false) or re-plan with --pp 1"
-                 for group in graph.tied if len(stages_of(group)) > 1)
+    return dataclasses.replace(result, layer_params=tuple(layer.params for layer in graph.layers))

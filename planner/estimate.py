@@ -169,7 +169,7 @@ class Evaluator:
     def layer_table(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, policies: tuple[Recompute, ...]) -> np.ndarray:
         """[L, len(COLUMNS)] per-layer seconds and bytes of one micro-batch on `device` (cached)."""
         key = (device.name, node.devices_per_node, config.tp, config.cp, config.ep, config.dp, config.micro_batch,
-               config.zero, config.sequence_parallel, config.offload_optimizer, policies)
+               config.zero, config.sequence_parallel, config.offload_optimizer, policies, config.pp > 1)
         table = self._table_cache.get(key)
         if table is not None:
             return table
@@ -184,10 +184,11 @@ class Evaluator:
 
     def time_table(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, policies: tuple[Recompute, ...]) -> np.ndarray:
         """`layer_table` for reading only its time, parameter-count and output-size columns, which depend on
-        dp and the ZeRO stage only through ZeRO-3's parameter gathers: configs that differ only there
-        share one table (its memory columns are those of the first such config)."""
+        dp and the ZeRO stage only through ZeRO-3's parameter gathers, and on pp only through the stage
+        copies of tied weights: configs that differ only there share one table (its memory columns are
+        those of the first such config)."""
         key = (device.name, node.devices_per_node, config.tp, config.cp, config.ep, config.micro_batch,
-               config.sequence_parallel, policies, config.dp if config.zero == 3 else None)
+               config.sequence_parallel, policies, config.dp if config.zero == 3 else None, config.pp > 1)
         table = self._time_cache.get(key)
         if table is None:
             table = self._time_cache[key] = self.layer_table(config, device, node, policies)
@@ -210,7 +211,8 @@ class Evaluator:
         """One row of `layer_table` (see COLUMNS)."""
         layer = self.graph.layers[index]
         cost = self.layer_cost(index, config, device, node, policy)
-        dense = (layer.params - layer.expert_params) / config.tp
+        copies = self.graph.stage_copy_params[index] if config.pp > 1 else 0
+        dense = (layer.params - layer.expert_params + copies) / config.tp
         expert = layer.expert_params / (config.ep * config.tp)
         states = (memory_model.model_state_bytes(dense, config.zero, config.dp * config.cp, **state),
                   memory_model.model_state_bytes(expert, config.zero, expert_group.size, **state))

@@ -7,6 +7,7 @@ activation bytes linearly with the micro-batch it prices.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -154,6 +155,20 @@ class ModelGraph:
     @property
     def blocks(self) -> tuple[Layer, ...]:
         return tuple(layer for layer in self.layers if layer.kind == LayerKind.BLOCK)
+
+    @functools.cached_property
+    def stage_copy_params(self) -> tuple[int, ...]:
+        """Per layer, the parameters of the weights it shares with an earlier layer (a head tied to the
+        embedding). Split over pipeline stages, the later layer's stage holds its own copy (Megatron-LM
+        and Plan.apply tie them so; `layers[i].params` counts a shared weight once, where first used)."""
+        where = {op.fqn: (index, op) for index, layer in enumerate(self.layers) for op in layer.ops if op.param_shapes}
+        copies = [0] * len(self.layers)
+        for group in self.tied:
+            users = sorted(where[fqn] for fqn in group if fqn in where)
+            for index, op in users[1:]:
+                shared = set(users[0][1].param_shapes) & set(op.param_shapes)
+                copies[index] += sum(math.prod(shape) for shape in shared)
+        return tuple(copies)
 
     @functools.cached_property
     def recompute_policies(self) -> tuple[Recompute, ...]:

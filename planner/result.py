@@ -143,7 +143,6 @@ class Plan:
     rejected: tuple[dict, ...] = ()
     layer_names: tuple[str, ...] = ()
     layer_params: tuple[int, ...] = ()  # parameters per layer, aligned with layer_names (apply checks the model)
-    notes: tuple[str, ...] = ()  # caveats about running the plan, e.g. what Plan.apply cannot apply
 
     @property
     def stages(self) -> tuple[StagePlan, ...]:
@@ -169,7 +168,6 @@ class Plan:
         out["rejected"] = list(self.rejected)
         out["layer_names"] = list(self.layer_names)
         out["layer_params"] = list(self.layer_params)
-        out["notes"] = list(self.notes)
         return out
 
     def to_json(self) -> str:
@@ -199,7 +197,6 @@ class Plan:
             rejected=tuple(data.get("rejected", [])),
             layer_names=tuple(data.get("layer_names", [])),
             layer_params=tuple(data.get("layer_params", [])),
-            notes=tuple(data.get("notes", [])),
         )
 
     def apply(self, model, **options):

@@ -120,17 +120,3 @@ def test_plan_says_what_would_fit_when_nothing_does():
     assert error.value.kind == PlannerErrorKind.INSUFFICIENT_MEMORY
     assert error.value.exit_code == 3
     assert "devices" in error.value.message
-
-
-@pytest.mark.parametrize("tie", [True, False])
-def test_plan_notes_a_weight_tied_across_pipeline_stages(tmp_path, tie):
-    # Plan.apply refuses a plan whose stages split a tied embedding from its head; the plan says so.
-    spec = tmp_path / "gpt.yaml"
-    spec.write_text(f"arch: gpt\nlayers: 4\nhidden: 128\nheads: 4\nvocab: 256\nmax_seq_len: 64\n"
-                    f"tie_embeddings: {str(tie).lower()}\n")
-    staged = planner.plan(str(spec), "cpu:1x2", global_batch=8, seq_len=64, dtype="fp32", pp=2, tp=1)
-    single = planner.plan(str(spec), "cpu:1x2", global_batch=8, seq_len=64, dtype="fp32", pp=1)
-    assert len(staged.notes) == (1 if tie else 0) and single.notes == ()
-    if tie:
-        assert staged.notes[0].startswith("embed.tok and head share one weight across pipeline stages")
-    assert planner.Plan.from_json(staged.to_json()).notes == staged.notes

@@ -245,6 +245,7 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("llama_tp", _plan(llama, "cpu:1x2", tp=2, pp=1), llama),
         ("tied_tp", _plan(tied, "cpu:1x2", tp=2, pp=1), tied),
         ("tied_odd_vocab_tp", _plan(tied_odd, "cpu:1x2", tp=2, pp=1), tied_odd),
+        ("tied_pp", _plan(tied, "cpu:1x2", pp=2, tp=1, schedule="1f1b", micro_batch=2), tied),
         ("moe_tp", _plan(moe, "cpu:1x2", tp=2, pp=1), moe),
         ("cp", _plan(gpt, "cpu:1x2", cp=2, dp=1, tp=1, pp=1), gpt),
         ("llama_cp", _plan(llama, "cpu:1x2", cp=2, dp=1, tp=1, pp=1), llama),
@@ -258,6 +259,8 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
     four_rank = [
         ("dp_x_tp", _plan(gpt, "cpu:1x4", dp=2, tp=2, pp=1, zero=2), gpt),
         ("tied_dp_x_tp", _plan(tied, "cpu:1x4", dp=2, tp=2, pp=1, zero=3), tied),
+        ("tied_pp_x_dp", _plan(tied, "cpu:1x4", pp=2, dp=2, tp=1, zero=3, schedule="1f1b"), tied),
+        ("tied_pp_x_tp", _plan(tied, "cpu:1x4", pp=2, tp=2, dp=1, schedule="1f1b"), tied),
         ("pp_x_dp", _plan(gpt, "cpu:1x4", dp=2, pp=2, tp=1, zero=0, schedule="1f1b"), gpt),
         ("moe_dp_x_tp", _plan(moe, "cpu:1x4", dp=2, tp=2, pp=1, ep=1, zero=0), moe),
         ("moe_ep_x_tp", _plan(moe, "cpu:1x4", dp=2, tp=2, pp=1, ep=2, zero=0), moe),
@@ -363,6 +366,18 @@ def test_tied_embedding_and_head_split_by_vocabulary(trained, case):
     _check(trained[case])
 
 
+@pytest.mark.parametrize("case", ["tied_pp", "tied_pp_x_dp", "tied_pp_x_tp"])
+def test_weight_tied_across_pipeline_stages(trained, case):
+    # The first stage's embedding and the last stage's head each hold a copy of the tied weight; the
+    # copies train as the one weight of a single process (the head's copy checked against it).
+    plan, spec, result = trained[case]
+    assert plan.config.pp == 2
+    params = dict(result["params"])
+    head = params.pop("head.weight")
+    torch.testing.assert_close(head, params["embed.tok.weight"], atol=TOLERANCE, rtol=0)
+    _check((plan, spec, {**result, "params": params}))
+
+
 def test_tied_weight_the_vocabulary_cannot_split_stays_whole(trained):
     # With an odd vocabulary the embedding stays whole; the head tied to it is then planned whole
     # too, so the plan applies and trains as one process.
@@ -464,17 +479,13 @@ def test_other_model_fails_before_process_group(spec_dir, tmp_path, monkeypatch,
     assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize("degrees, layouts, message", [
-    ({"pp": 2, "tp": 1}, {}, r"share one parameter across pipeline stages; untie them"),
+def test_tied_weight_split_two_ways_fails_before_process_group(spec_dir, monkeypatch):
     # A vocabulary-split embedding and a hidden-split head cannot share one weight.
-    ({"tp": 2, "pp": 1}, {"head": "rowwise"},
-     r"embed.tok.weight and head.weight share one parameter that the plan's layouts split differently"),
-])
-def test_tied_weight_the_plan_cannot_share_fails_before_process_group(spec_dir, monkeypatch, degrees, layouts, message):
-    plan = _plan(spec_dir / "gpt-tied.yaml", "cpu:1x2", **degrees)
-    plan = dataclasses.replace(plan, layouts={**plan.layouts, **layouts})
+    plan = _plan(spec_dir / "gpt-tied.yaml", "cpu:1x2", tp=2, pp=1)
+    plan = dataclasses.replace(plan, layouts={**plan.layouts, "head": "rowwise"})
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(PlannerError, match=message):
+    with pytest.raises(PlannerError, match=r"embed.tok.weight and head.weight share one parameter that the plan's "
+                                           r"layouts split differently"):
         plan.apply(_build(str(spec_dir / "gpt-tied.yaml")))
     assert not dist.is_initialized()
 

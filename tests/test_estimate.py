@@ -206,6 +206,22 @@ def test_zero_divides_model_states_by_the_data_parallel_group(gpt350m, zero):
     assert row["optimizer_bytes"] == pytest.approx(12 * per_device / (dp if zero >= 1 else 1))
 
 
+def test_pipeline_stages_each_hold_a_copy_of_a_tied_weight(spec_dir):
+    # A GPT whose head shares the embedding's V x h weight: on one stage the weight counts once
+    # (V x h fewer parameters than the same GPT untied); split over two stages, the head's stage
+    # holds its own copy (Megatron-LM, Plan.apply), so each stage holds what the untied GPT's does.
+    dims = dict(layers=4, hidden=256, heads=4)
+    graphs = {tie: trace(_spec_file(spec_dir, f"tie-{tie}", tie_embeddings=str(tie).lower(), **dims), seq_len=128)
+              for tie in (True, False)}
+    vocab_by_hidden = KORTHIKANTI_VOCAB * 256
+    assert graphs[False].params - graphs[True].params == vocab_by_hidden
+    cluster = load_cluster("a100-80g:1x2")
+    weights = {(tie, pp): [row["weights_bytes"] for row in Evaluator(graph, cluster).estimate(
+        ParallelConfig(dp=2 // pp, pp=pp, num_microbatches=2 * pp), 4).memory] for tie, graph in graphs.items() for pp in (1, 2)}
+    assert weights[(False, 1)][0] - weights[(True, 1)][0] == pytest.approx(2 * vocab_by_hidden)
+    assert weights[(True, 2)] == pytest.approx(weights[(False, 2)])
+
+
 @pytest.mark.parametrize("dp, zero", [(1, 0), (4, 0), (4, 3)])
 def test_fp32_training_states(spec_dir, dp, zero):
     # Plain fp32 Adam on one data-parallel rank: weights 4P, gradients 4P, moments 8P. With data

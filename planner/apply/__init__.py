@@ -18,7 +18,9 @@ job and returns an `AppliedPlan` holding what a training loop needs. Order of ap
 6. data parallelism on the `dp` axis (the flattened dp x cp axes with context parallelism) by ZeRO
    stage (`data_parallel`), per block then the root; the experts of an expert-parallel plan first,
    over the `dp / ep` ranks holding the same experts (times cp);
-7. the pipeline schedule over this rank's stages with the plan's micro-batch count.
+7. weights tied across pipeline stages (a GPT's embedding and head): each holding stage keeps a
+   copy, made equal at once and summed in gradient after every step (`tied`, as Megatron-LM ties them);
+8. the pipeline schedule over this rank's stages with the plan's micro-batch count.
 
 Example (one process per device, e.g. `torchrun --nproc-per-node 4 train.py`)::
 
@@ -49,6 +51,7 @@ from planner.apply.expert_parallel import apply_expert_parallel, expert_mesh
 from planner.apply.pipeline import StageModule, build_schedule, check_schedule, chunk_units
 from planner.apply.recompute import apply_recompute
 from planner.apply.tensor_parallel import retie, shared_parameters, tensor_parallel_plan
+from planner.apply.tied import TiedCopy, sum_tied_gradients, tie_across_stages
 from planner.apply.validate import check_world_size, match_model, world_size
 from planner.errors import invalid
 from planner.graph import Recompute
@@ -73,6 +76,8 @@ class AppliedPlan:
         recomputed: unit FQN -> recompute policy applied on this rank.
         loss_parallel: the loss is vocab-parallel: run forward and backward inside
             `torch.distributed.tensor.parallel.loss_parallel()` (forward_backward does).
+        tied: this rank's copies of weights tied across pipeline stages (forward_backward sums
+            their gradients over the stages holding them).
     """
 
     plan: Plan
@@ -83,6 +88,7 @@ class AppliedPlan:
     loss_fn: Callable | None
     recomputed: dict[str, Recompute]
     loss_parallel: bool = False
+    tied: tuple[TiedCopy, ...] = ()
 
     @property
     def dp_rank(self) -> int:
@@ -135,6 +141,7 @@ class AppliedPlan:
             # return_outputs=False: the last stage would otherwise keep every micro-batch's output (the
             # logits) until the step ends, to merge them; a training step needs only the losses.
             self.schedule.step(*args, target=tokens if self.has_loss else None, losses=losses, return_outputs=False)
+            sum_tied_gradients(self.tied)
             return torch.stack(losses).mean().detach() if self.has_loss else None
         (model,) = self.modules
         chunks = tokens.chunk(config.num_microbatches)
@@ -249,6 +256,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
                                 experts, edp_mesh)
     if config.pp == 1:
         return AppliedPlan(plan, mesh, (model,), (), None, None, recomputed, tp_plan is not None and tp_plan.loss_parallel)
+    tied = tie_across_stages(plan, mesh, match.tied_params, match.units, chunks)
     loss_fn = loss_fn or language_model_loss(loss_module)
     stages, schedule = build_schedule([(index, module) for index, module, _ in chunks], plan, mesh["pp"], device, loss_fn)
-    return AppliedPlan(plan, mesh, tuple(m for _, m, _ in chunks), tuple(stages), schedule, loss_fn, recomputed)
+    return AppliedPlan(plan, mesh, tuple(m for _, m, _ in chunks), tuple(stages), schedule, loss_fn, recomputed, tied=tied)

@@ -36,12 +36,14 @@ class ModelMatch:
         blocks: the units that are repeated blocks (children of a ModuleList or ModuleDict).
         layouts: placement of every module FQN of the model that the plan shards (all blocks).
         tied: units that share a parameter with another unit (tied embeddings).
+        tied_params: for each shared parameter, its names in the model (one per module using it).
     """
 
     units: tuple[str, ...]
     blocks: tuple[str, ...]
     layouts: dict[str, str]
     tied: frozenset[str] = frozenset()
+    tied_params: tuple[tuple[str, ...], ...] = ()
 
 
 def world_size() -> int:
@@ -115,7 +117,7 @@ def _check_params(plan: Plan, model: nn.Module, units: tuple[str, ...]) -> None:
                           f"apply the plan to the model it was made for, or re-plan")
 
 
-def _owner(fqn: str, units: tuple[str, ...]) -> str | None:
+def owner_unit(fqn: str, units: tuple[str, ...]) -> str | None:
     matches = [u for u in units if fqn == u or fqn.startswith(u + ".")]
     return max(matches, key=len) if matches else None
 
@@ -129,7 +131,7 @@ def expand_layouts(plan: Plan, model: nn.Module, units: tuple[str, ...], blocks:
     """
     by_unit: dict[str, dict[str, str]] = {}
     for fqn, placement in plan.layouts.items():
-        unit = _owner(fqn, units)
+        unit = owner_unit(fqn, units)
         if unit is None:
             raise invalid(f"model: lacks module {fqn!r} named by the plan's layouts; apply the plan to the model it was made for")
         by_unit.setdefault(unit, {})[fqn[len(unit):]] = placement
@@ -154,33 +156,25 @@ def expand_layouts(plan: Plan, model: nn.Module, units: tuple[str, ...], blocks:
     return out
 
 
-def _check_ties(plan: Plan, model: nn.Module, units: tuple[str, ...], layouts: dict[str, str]) -> frozenset[str]:
-    """Shared parameters must stay in one pipeline stage, and tensor parallelism must split them the
-    same way in every module that uses them (e.g. a tied embedding and output head both by vocabulary).
+def _check_ties(model: nn.Module, units: tuple[str, ...], layouts: dict[str, str]) -> tuple[tuple[str, ...], ...]:
+    """Tensor parallelism must split a shared parameter the same way in every module that uses it
+    (e.g. a tied embedding and output head both by vocabulary).
 
     Returns:
-        The units that share a parameter with another unit.
+        For each shared parameter, its names in the model.
     """
     owners: dict[int, list[str]] = {}
     for unit in units:
         for name, param in model.get_submodule(unit).named_parameters(remove_duplicate=False):
             owners.setdefault(id(param), []).append(f"{unit}.{name}")
-    stage_of = {fqn: stage.index for stage in plan.stages for fqn in stage.fqns}
-    tied: set[str] = set()
-    for names in owners.values():
-        if len(names) < 2:
-            continue
-        tied.update(_owner(n, units) for n in names)
-        stages = {stage_of[_owner(n, units)] for n in names}
-        if len(stages) > 1:
-            raise invalid(f"model: {names[0]} and {names[1]} share one parameter across pipeline stages; untie them "
-                          f"(spec: tie_embeddings: false) or re-plan with --pp 1")
+    shared = tuple(tuple(names) for names in owners.values() if len(names) > 1)
+    for names in shared:
         dims = {n: _weight_split_dim(model, n, layouts) for n in names}
         differing = [n for n in names if dims[n] != dims[names[0]]]
         if differing:
             raise invalid(f"model: {names[0]} and {differing[0]} share one parameter that the plan's layouts split "
                           f"differently; untie them (spec: tie_embeddings: false) or re-plan with --tp 1")
-    return frozenset(tied)
+    return shared
 
 
 def match_model(plan: Plan, model: nn.Module) -> ModelMatch:
@@ -193,7 +187,8 @@ def match_model(plan: Plan, model: nn.Module) -> ModelMatch:
     _check_units(plan, units, blocks)
     _check_params(plan, model, units)
     layouts = expand_layouts(plan, model, units, blocks)
-    return ModelMatch(units, blocks, layouts, _check_ties(plan, model, units, layouts))
+    shared = _check_ties(model, units, layouts)
+    return ModelMatch(units, blocks, layouts, frozenset(owner_unit(n, units) for names in shared for n in names), shared)
 
 
 def _weight_split_dim(model: nn.Module, name: str, layouts: dict[str, str]) -> int | None:

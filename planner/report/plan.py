@@ -5,7 +5,6 @@ from collections import Counter
 
 from rich.console import Group
 from rich.table import Table
-from rich.text import Text
 
 from planner.result import Plan
 from planner.report.estimate import memory_table, summary_table, time_table
@@ -102,5 +101,4 @@ def render_plan(plan: Plan, explain: bool = False) -> Group:
         parts.append(alternatives_table(plan))
     if explain:
         parts.append(rejected_table(plan))
-    parts += [Text(f"note: {note}", style="yellow") for note in plan.notes]
     return Group(*parts)
