@@ -13,7 +13,9 @@ compute, recompute, exposed tensor/context/expert-parallel communication, expose
 - TP/SP collectives are exposed (they sit between dependent matmuls), unless the training code
   pipelines them with the GEMMs (`tp_overlap`, `layer_cost.overlapped_tp_comm_s`);
 - the CP ring overlaps with attention (`layer_cost`); EP all-to-all is exposed;
-- pipeline p2p sits on the critical path of the schedule (`costmodel.pipeline`).
+- pipeline p2p sits on the critical path of the schedule (`costmodel.pipeline`);
+- the sum of a tied weight's gradients between the first and last stages is exposed after the
+  schedule (counted with the data-parallel traffic, `tied_gradient_sum_s`).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from planner.errors import PlannerError, invalid
 from planner.graph import LayerKind, ModelGraph, Recompute
 from planner.layer_cost import AttentionKernel, LayerContext, LayerCost, bytes_per_element, price_layer
 from planner.loss_cost import LossKernel
-from planner.mesh import expert_data_group, mesh_groups, stage_devices
+from planner.mesh import axis_group, expert_data_group, mesh_groups, stage_devices
 from planner.result import Estimate, StagePlan
 from planner.space import check_config
 from planner.stage_problem import StageProblem
@@ -337,6 +339,7 @@ class Evaluator:
             pipe_s = pipeline.step_time_s(str(config.schedule), fwd_s, bwd_s, m, config.vpp, p2p_s)
         else:
             pipe_s = m * (fwd_s[0] + bwd_s[0])
+        exposed_dp_s += self.tied_gradient_sum_s(config, *stage_devices(self.cluster, config.pp)[0])
         step_s = pipe_s + exposed_dp_s + optimizer_s
         slowest = max(sums, key=lambda t: t[COL["fwd_s"]] + t[COL["bwd_s"]])
         busy_s = m * float(slowest[COL["fwd_s"]] + slowest[COL["bwd_s"]])
@@ -352,6 +355,18 @@ class Evaluator:
             "optimizer_s": optimizer_s,
         }
         return self._assemble(config, global_batch, step_s, pipe_s, time_breakdown, breakdowns, tuple(stage_plans), headroom)
+
+    def tied_gradient_sum_s(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec) -> float:
+        """The step's sum of tied-weight gradients between the first and last pipeline stages, which
+        hold copies (`planner.apply.tied`): an all-reduce of their fp32 gradients (split by tp, and
+        by dp x cp under ZeRO-2/3) over two ranks (pp-1) stages apart, exposed after the schedule."""
+        copies = sum(self.graph.stage_copy_params)
+        if config.pp == 1 or not copies:
+            return 0.0
+        shards = config.tp * (config.dp * config.cp if config.zero >= 2 else 1)
+        group = axis_group(2, (config.pp - 1) * config.tp * config.cp * config.dp, node.devices_per_node)
+        return collective_time_s(Collective.ALL_REDUCE, copies * GRAD_REDUCE_BYTES_PER_PARAM / shards, group, node,
+                                 self.cluster.oversubscription)
 
     def _stage_costs(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, total: tuple, last_out_bytes: float,
                      largest_params: float, in_flight: float) -> tuple:
