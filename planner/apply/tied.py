@@ -51,22 +51,20 @@ def tie_across_stages(plan: Plan, mesh: DeviceMesh, shared: tuple[tuple[str, ...
     """
     pp_rank_of = {fqn: stage.index for stage in plan.stages for fqn in stage.fqns}
     grid = mesh.mesh
-    me = dist.get_rank()
-    coordinate = tuple(int(i) for i in (grid == me).nonzero()[0][1:])
+    coordinate = tuple(int(i) for i in (grid == dist.get_rank()).nonzero()[0][1:])
+    pp_rank = mesh["pp"].get_local_rank()
     copies = []
     for names in shared:
         holders = sorted({pp_rank_of[owner_unit(name, units)] for name in names})
         if len(holders) < 2:
             continue
-        group = None
+        groups = {}
         for other in itertools.product(*(range(size) for size in grid.shape[1:])):
             ranks = [int(grid[(pp, *other)]) for pp in holders]
-            created = dist.new_group(ranks)
-            if other == coordinate:
-                group, source = created, ranks[0]
-        pp_rank = mesh["pp"].get_local_rank()
+            groups[other] = (dist.new_group(ranks), ranks[0])
         if pp_rank not in holders:
             continue
+        group, source = groups[coordinate]
         name = next(n for n in names if pp_rank_of[owner_unit(n, units)] == pp_rank)
         module = next(m for _, m, chunk_units in chunks if owner_unit(name, units) in chunk_units)
         copy = TiedCopy(module.get_parameter(name), group, source)
