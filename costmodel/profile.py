@@ -38,13 +38,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
-from torch.utils.benchmark import Timer
 
-from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO, OpTable
+from costmodel.compute import OpTable
 from costmodel.hardware import DeviceSpec, LinkTier
 from costmodel.profile_collectives import (COLLECTIVE_BYTES, COLLECTIVE_ITERATIONS, QUICK_COLLECTIVE_BYTES,
                                           QUICK_COLLECTIVE_ITERATIONS, collective_factors, fit_link,
-                                          measure_collectives, rank_max)
+                                          measure_collectives)
+from costmodel.profile_ops import ELEMENTWISE_OPS, measure_attention, measure_loss, measure_matmuls, measure_memory
 
 # Matrix sizes n of the n x n x n GEMMs timed, per device type and mode: from launch-bound to the
 # plateau of one CPU core (about 1 GFLOP/s-scale ops) or one GPU (about 1 TFLOP ops).
@@ -54,32 +54,11 @@ DTYPES = {"cpu": ("fp32", "bf16"), "cuda": ("bf16", "fp16", "fp32")}
 # Bytes of each tensor of the streaming copy: well past the last-level cache.
 STREAM_BYTES = {"cpu": 64 * 2**20, "cuda": 1 * 2**30}
 QUICK_STREAM_BYTES = {"cpu": 4 * 2**20, "cuda": 64 * 2**20}
-# Bytes of each tensor of the elementwise measurements (their outputs are allocated, as in training).
-# On a CPU a tensor above glibc's largest mmap threshold (32 MiB) is mapped fresh on every call and
-# its page faults, not memory bandwidth, set its time: measured on this project's 2-core host, a
-# one-thread `a + b` over 64 MiB tensors moved 4.2 GB/s against 20.9 GB/s with a preallocated output
-# (`torch.add(a, b, out=c)`), while at 1-16 MiB the two agree. Training tensors of a CPU-sized model
-# (a few MiB) come from the reused heap, so the CPU size stays below that threshold.
-ELEMENTWISE_BYTES = {"cpu": 8 * 2**20, "cuda": 1 * 2**30}
-# Elementwise and norm ops timed, by the name the trace gives them (`planner.op_kinds`): the
-# statement, how many activation-sized tensors it reads (its weights, one row, are not counted, as
-# the cost model does not count them) and the tensors its backward differentiates, as in training.
-ELEMENTWISE_OPS = {
-    "add": ("a + b", 2, "(a, b)"), "mul": ("a * b", 2, "(a, b)"), "gelu": ("F.gelu(a)", 1, "(a,)"),
-    "gelu_tanh": ("F.gelu(a, approximate='tanh')", 1, "(a,)"), "silu": ("F.silu(a)", 1, "(a,)"),
-    "softmax": ("F.softmax(a, -1)", 1, "(a,)"), "layer_norm": ("F.layer_norm(a, (ROW,), w, c)", 1, "(a, w, c)"),
-    "rms_norm": ("F.rms_norm(a, (ROW,), w)", 1, "(a, w)"),
-}
 # The ops whose median forward bandwidth over the copy's is `mem_bw_efficiency`.
 EFFICIENCY_OPS = ("add", "gelu", "layer_norm")
-# Row length of the elementwise tensors (the last dimension norms and softmax run over).
-ELEMENTWISE_ROW = 1024
-# (tokens, vocabulary) of the cross-entropy measurement: fp32 logits of ELEMENTWISE_BYTES.
+# (tokens, vocabulary) of the cross-entropy measurement: fp32 logits of `profile_ops.ELEMENTWISE_BYTES`.
 LOSS_SHAPES = {"cpu": (512, 4096), "cuda": (8192, 32768)}
 QUICK_LOSS_SHAPES = {"cpu": (64, 1024), "cuda": (1024, 32768)}
-# Bytes the cost model counts for a loss per fp32 logit: its forward reads the logits (4 B), its
-# backward moves MEMORY_BWD_TRAFFIC_RATIO times that (`planner.layer_cost`).
-LOSS_BYTES_PER_LOGIT = 4 * (1 + MEMORY_BWD_TRAFFIC_RATIO)
 # (batch, heads, seq, head_dim) of the attention measurements: a small and a GPT-2-sized layer.
 ATTENTION_SHAPES = {"cpu": ((1, 8, 256, 64), (1, 12, 1024, 64)), "cuda": ((4, 16, 2048, 128), (1, 32, 8192, 128))}
 QUICK_ATTENTION_SHAPES = {"cpu": ((1, 4, 128, 32),), "cuda": ((1, 16, 2048, 128),)}
@@ -94,12 +73,6 @@ DEFAULT_BASE = {"cpu": "cpu", "cuda": "h100-sxm"}
 # Link kind written for a measured intra-node link (the kind is not measurable; it only decides
 # whether the link may serve inside a node).
 MEASURED_LINK_KIND = {"cpu": "loopback", "cuda": "pcie"}
-
-# GEMMs of one Linear layer in a training step: forward, input gradient, weight gradient.
-GEMMS_PER_LINEAR = 3
-
-_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
 
 @dataclass
 class Measurements:
@@ -117,119 +90,6 @@ class Measurements:
     link: tuple[float, float] | None = None  # (bytes/s, latency s)
     link_factors: dict[str, float] = field(default_factory=dict)  # collective -> measured / ring formula
     collective_samples: list[dict] = field(default_factory=list)
-
-
-def _time_s(stmt: str, values: dict, min_run_time_s: float) -> float:
-    """Median seconds of `stmt` (torch.utils.benchmark: warm-up, device sync, blocked autorange).
-
-    Under torchrun every rank starts each measurement together (a barrier first), so each op is
-    timed while all ranks run it, as in training; without it the ranks drift apart and an op timed
-    while the other ranks wait runs faster than it ever will in a step (on a 2-core machine, 2-3x).
-    """
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-    return Timer(stmt, globals=values, num_threads=torch.get_num_threads()).blocked_autorange(
-        min_run_time=min_run_time_s).median
-
-
-def measure_matmuls(device, dtypes, sizes, min_run_time_s, advance) -> dict[str, list[tuple[float, float]]]:
-    """(FLOPs, seconds) of one training GEMM per size and dtype, ascending in FLOPs.
-
-    Each size n times the three GEMMs of an n x n Linear layer on n tokens in training, in the
-    layouts autograd runs them (forward `linear(x, w)`, input gradient `dy @ w`, weight gradient
-    `dy.t() @ x`) and takes their mean: the cost model prices a Linear as one forward and two
-    backward GEMMs of equal FLOPs, and transposed layouts run at different speeds on some devices.
-    """
-    out = {}
-    linear = torch.nn.functional.linear
-    for dtype in dtypes:
-        points = []
-        for n in sizes:
-            x, w, dy = (torch.randn(n, n, device=device, dtype=getattr(torch, _TORCH_DTYPES[dtype])) for _ in range(3))
-            triplet_s = _time_s("linear(x, w); dy @ w; dy.t() @ x", {"x": x, "w": w, "dy": dy, "linear": linear},
-                                min_run_time_s)
-            points.append((2.0 * n ** 3, triplet_s / GEMMS_PER_LINEAR))
-            advance()
-        out[dtype] = list(zip([f for f, _ in points], rank_max([t for _, t in points])))
-    return out
-
-
-def measure_memory(device, dtypes, stream_bytes, min_run_time_s, advance) -> tuple[float, dict[str, dict[str, float]]]:
-    """Copy bandwidth, and by dtype the bytes per second of each of ELEMENTWISE_OPS forward ("gelu")
-    and backward ("gelu:bwd"), bytes counted as the cost model counts them (forward: inputs plus
-    output; backward: MEMORY_BWD_TRAFFIC_RATIO times that). A backward is never priced faster than
-    its forward: it reads at least what the forward wrote and writes a gradient of the same size
-    (the floor also keeps a pass-through backward such as add's from pricing at zero)."""
-    x = torch.randn(stream_bytes // 4, device=device)
-    # Quick runs shrink `stream_bytes` below ELEMENTWISE_BYTES; the elementwise tensors shrink with it.
-    elements = min(stream_bytes, ELEMENTWISE_BYTES[device.type]) // 4
-    (copy_s,) = rank_max([_time_s("y.copy_(x)", {"x": x, "y": torch.empty_like(x)}, min_run_time_s)])
-    advance()
-    rates = {}
-    for dtype in dtypes:
-        torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
-        a, b = (torch.randn(elements // ELEMENTWISE_ROW, ELEMENTWISE_ROW, device=device, dtype=torch_dtype,
-                            requires_grad=True) for _ in range(2))
-        w, c = (torch.randn(ELEMENTWISE_ROW, device=device, dtype=torch_dtype, requires_grad=True) for _ in range(2))
-        grad = torch.randn_like(a)
-        size = a.numel() * a.element_size()
-        values = {"a": a, "b": b, "w": w, "c": c, "g": grad, "F": torch.nn.functional, "ROW": ELEMENTWISE_ROW,
-                  "backward": torch.autograd.grad}
-        seconds, moved = [], []
-        for stmt, reads, inputs in ELEMENTWISE_OPS.values():
-            seconds.append(_time_s(stmt, values, min_run_time_s))
-            seconds.append(_time_s(f"backward({stmt}, {inputs}, g)", values, min_run_time_s))
-            moved.append((reads + 1) * size)
-            advance()
-        seconds = rank_max(seconds)
-        rates[dtype] = {}
-        for name, fwd_s, fwd_bwd_s, fwd_bytes in zip(ELEMENTWISE_OPS, seconds[::2], seconds[1::2], moved):
-            rates[dtype][name] = fwd_bytes / fwd_s
-            rates[dtype][f"{name}:bwd"] = MEMORY_BWD_TRAFFIC_RATIO * fwd_bytes / max(fwd_bwd_s - fwd_s, fwd_s)
-    return 2 * stream_bytes / copy_s, rates
-
-
-def measure_attention(device, dtypes, shapes, min_run_time_s, advance) -> dict[str, list[tuple[float, float, float]]]:
-    """(forward FLOPs, forward s, backward s) of causal SDPA per head of one sequence at each shape,
-    by dtype, ascending in FLOPs.
-
-    FLOPs are 4·s²·d, the two GEMMs over one head's full score matrix, as `FlopCounterMode` counts
-    attention in the trace; times are the whole call's over batch x heads; the backward is the
-    forward+backward time less the forward.
-    """
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    out = {}
-    for dtype in dtypes:
-        flops, seconds = [], []
-        for batch, heads, seq, head_dim in shapes:
-            q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=getattr(torch, _TORCH_DTYPES[dtype]),
-                            requires_grad=True)
-            values = {"q": q, "sdpa": sdpa}
-            flops.append(4.0 * seq * seq * head_dim)
-            seconds.append(_time_s("sdpa(q, q, q, is_causal=True)", values, min_run_time_s) / (batch * heads))
-            seconds.append(_time_s("sdpa(q, q, q, is_causal=True).sum().backward()", values, min_run_time_s)
-                           / (batch * heads))
-            advance()
-        seconds = rank_max(seconds)
-        # A backward (twice the forward's FLOPs) never beats its forward; the floor keeps timing noise
-        # from pricing it below that.
-        points = [(f, fwd_s, max(fwd_bwd_s - fwd_s, fwd_s))
-                  for f, fwd_s, fwd_bwd_s in zip(flops, seconds[::2], seconds[1::2])]
-        out[dtype] = sorted(points)
-    return out
-
-
-def measure_loss(device, shape: tuple[int, int], min_run_time_s: float, advance) -> float:
-    """Cross-entropy forward and backward over fp32 logits of `shape`, as bytes per second in the cost
-    model's accounting (LOSS_BYTES_PER_LOGIT)."""
-    tokens, vocab = shape
-    logits = torch.randn(tokens, vocab, device=device, requires_grad=True)
-    targets = torch.randint(0, vocab, (tokens,), device=device)
-    (seconds,) = rank_max([_time_s("cross_entropy(x, t).backward()",
-                                   {"x": logits, "t": targets, "cross_entropy": torch.nn.functional.cross_entropy},
-                                   min_run_time_s)])
-    advance()
-    return LOSS_BYTES_PER_LOGIT * tokens * vocab / seconds
 
 
 def _mem_bytes(device, world_on_host: int) -> float:

@@ -6,11 +6,13 @@ Files are found and read by `costmodel.profile_files` and checked field by field
 from __future__ import annotations
 
 import functools
+import json
 import re
 from pathlib import Path
 
 from costmodel import profile_fields as fields
 from costmodel.comm import Collective
+from costmodel.compute import OpTable
 from costmodel.errors import ProfileError
 from costmodel.hardware import (INTER_NODE_KINDS, INTRA_NODE_KINDS, Cluster, DeviceSpec, Dtype, LinkKind, LinkTier,
                                 NodeGroup, NodeSpec)
@@ -115,6 +117,13 @@ def load_cluster(spec: str | Path | dict | Cluster) -> Cluster:
                            " (or DEVICE:N for N devices)")
     path = resolve("clusters", "cluster", spec if isinstance(spec, Path) else text, dirs)
     return _load_cluster_file(str(path), path.stat().st_mtime_ns, dirs)
+
+
+@functools.lru_cache(maxsize=64)
+def load_op_table(path: str) -> OpTable:
+    """A measured op table a device profile names in `op_tables` (JSON of `OpTable.to_dict`, written by
+    `paraplan profile`)."""
+    return OpTable.from_dict(json.loads(Path(path).read_text()))
 
 
 @functools.lru_cache(maxsize=256)

@@ -15,15 +15,12 @@ compute, recompute, exposed tensor/context/expert-parallel communication, expose
 - the CP ring overlaps with attention (`layer_cost`); EP all-to-all is exposed;
 - pipeline p2p sits on the critical path of the schedule (`costmodel.pipeline`);
 - the sum of a tied weight's gradients between the first and last stages is exposed after the
-  schedule (counted with the data-parallel traffic, `tied_gradient_sum_s`).
+  schedule (counted with the data-parallel traffic, `state_cost.tied_gradient_sum_s`).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 from enum import StrEnum
-from pathlib import Path
 
 import numpy as np
 
@@ -32,17 +29,18 @@ from costmodel import pipeline
 from costmodel.comm import Collective, CommGroup, collective_time_s
 from costmodel.compute import OpTable, base_dtype, peak_flops_per_s
 from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
+from costmodel.profile_loader import load_op_table
 from planner.config import ParallelConfig
 from planner.errors import PlannerError, invalid
 from planner.graph import LayerKind, ModelGraph, Recompute
 from planner.layer_cost import AttentionKernel, LayerContext, LayerCost, bytes_per_element, price_layer
 from planner.loss_cost import LossKernel
-from planner.mesh import axis_group, expert_data_group, mesh_groups, stage_devices
+from planner.mesh import expert_data_group, mesh_groups, stage_devices
 from planner.result import Estimate, StagePlan
 from planner.space import check_config
 from planner.stage_problem import StageProblem
 from planner.state_cost import (GRAD_REDUCE_BYTES_PER_PARAM, dp_exposed_s, optimizer_step_s, precision_of,
-                                 state_collective_s, state_options)
+                                 state_collective_s, state_options, tied_gradient_sum_s)
 from planner.stages import split_dp
 from planner.tp_plan import tp_plan_for
 
@@ -59,12 +57,6 @@ COLUMNS = ("fwd_s", "bwd_s", "compute_s", "recompute_s", "tp_comm_s", "cp_comm_s
            "fsdp_exposed_s", "dense_params", "expert_params", "static_bytes", "grad_bytes", "act_bytes", "temp_bytes",
            "out_bytes")
 COL = {name: i for i, name in enumerate(COLUMNS)}
-
-
-@functools.lru_cache(maxsize=64)
-def _load_op_table(path: str) -> OpTable:
-    """A measured op table written by `paraplan profile` (JSON of OpTable.to_dict)."""
-    return OpTable.from_dict(json.loads(Path(path).read_text()))
 
 
 def _kernel(kind: type[StrEnum], value, field: str):
@@ -129,7 +121,7 @@ class Evaluator:
         if self.table is not None:
             return self.table
         path = device.op_tables.get(dtype)
-        return _load_op_table(path) if path else None
+        return load_op_table(path) if path else None
 
     def dtype_for(self, device: DeviceSpec) -> str:
         """The compute dtype on `device`: the requested one, or fp16 where a device lacks bf16 (V100)."""
@@ -339,7 +331,8 @@ class Evaluator:
             pipe_s = pipeline.step_time_s(str(config.schedule), fwd_s, bwd_s, m, config.vpp, p2p_s)
         else:
             pipe_s = m * (fwd_s[0] + bwd_s[0])
-        exposed_dp_s += self.tied_gradient_sum_s(config, *stage_devices(self.cluster, config.pp)[0])
+        exposed_dp_s += tied_gradient_sum_s(config, sum(self.graph.stage_copy_params),
+                                            stage_devices(self.cluster, config.pp)[0][1], self.cluster.oversubscription)
         step_s = pipe_s + exposed_dp_s + optimizer_s
         slowest = max(sums, key=lambda t: t[COL["fwd_s"]] + t[COL["bwd_s"]])
         busy_s = m * float(slowest[COL["fwd_s"]] + slowest[COL["bwd_s"]])
@@ -355,18 +348,6 @@ class Evaluator:
             "optimizer_s": optimizer_s,
         }
         return self._assemble(config, global_batch, step_s, pipe_s, time_breakdown, breakdowns, tuple(stage_plans), headroom)
-
-    def tied_gradient_sum_s(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec) -> float:
-        """The step's sum of tied-weight gradients between the first and last pipeline stages, which
-        hold copies (`planner.apply.tied`): an all-reduce of their fp32 gradients (split by tp, and
-        by dp x cp under ZeRO-2/3) over two ranks (pp-1) stages apart, exposed after the schedule."""
-        copies = sum(self.graph.stage_copy_params)
-        if config.pp == 1 or not copies:
-            return 0.0
-        shards = config.tp * (config.dp * config.cp if config.zero >= 2 else 1)
-        group = axis_group(2, (config.pp - 1) * config.tp * config.cp * config.dp, node.devices_per_node)
-        return collective_time_s(Collective.ALL_REDUCE, copies * GRAD_REDUCE_BYTES_PER_PARAM / shards, group, node,
-                                 self.cluster.oversubscription)
 
     def _stage_costs(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, total: tuple, last_out_bytes: float,
                      largest_params: float, in_flight: float) -> tuple:

@@ -10,7 +10,7 @@ from costmodel.comm import Collective, CommGroup, collective_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
 from costmodel.offload import offload_step_s
 from planner.config import ParallelConfig
-from planner.mesh import expert_data_group
+from planner.mesh import axis_group, expert_data_group
 
 # Mixed-precision Adam touches, per parameter and step, fp32 master weight, two fp32 moments and
 # the fp32 gradient (read 16 B) and writes master + moments + the bf16 weight copy (14 B).
@@ -77,6 +77,19 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
         gather_s = state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, dense, expert, groups.dp_cp,
                                       expert_group, node, oversubscription)
     return max(0.0, reduce_s - bwd_s) + max(0.0, gather_s - fwd_s)
+
+
+def tied_gradient_sum_s(config: ParallelConfig, copied_params: float, node: NodeSpec, oversubscription: float) -> float:
+    """The step's sum of tied-weight gradients between the first and last pipeline stages, which hold
+    copies of `copied_params` parameters (`planner.apply.tied`): an all-reduce of their fp32 gradients
+    (split by tp, and by dp x cp under ZeRO-2/3) over two ranks (pp-1) stages apart, exposed after
+    the schedule."""
+    if config.pp == 1 or not copied_params:
+        return 0.0
+    shards = config.tp * (config.dp * config.cp if config.zero >= 2 else 1)
+    group = axis_group(2, (config.pp - 1) * config.tp * config.cp * config.dp, node.devices_per_node)
+    return collective_time_s(Collective.ALL_REDUCE, copied_params * GRAD_REDUCE_BYTES_PER_PARAM / shards, group, node,
+                             oversubscription)
 
 
 def optimizer_step_s(config: ParallelConfig, precision: Precision, device: DeviceSpec, owned_params: float) -> float:
