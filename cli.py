@@ -81,6 +81,9 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool) -> None:
                                  "fused: one kernel over the half-precision logits, e.g. flash-attn's xentropy)")
         parser.add_argument("--tp-comm-overlap", action="store_true",
                             help="the training code overlaps tensor-parallel collectives with GEMMs (Megatron-Core --tp-comm-overlap, async TP)")
+        parser.add_argument("--zero3-fetch", default="prefetch", choices=["prefetch", "blocking"],
+                            help="how the training code fetches ZeRO-3 parameters (prefetch: FSDP, overlapped with compute; "
+                                 "blocking: DeepSpeed ZeRO-3 of spring 2021, each fetch stalls compute)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -174,7 +177,7 @@ def _run(args) -> int:
         from planner.report.estimate import estimate_json, render_estimate
 
         result = planner.evaluate(args.model, args.cluster, _constraints(args), global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype,
-                                  attention=args.attention, tp_overlap=args.tp_comm_overlap, loss=args.loss)
+                                  attention=args.attention, tp_overlap=args.tp_comm_overlap, loss=args.loss, zero3_fetch=args.zero3_fetch)
         if args.json:
             _print_json(estimate_json(result))
         else:
@@ -188,7 +191,7 @@ def _run(args) -> int:
         check_plan_chart_paths(args.timeline, args.memory_chart)
         result = planner.plan(
             args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, attention=args.attention, tp_overlap=args.tp_comm_overlap, loss=args.loss,
-            mem_headroom=args.mem_headroom, top=args.top, allow_offload=args.allow_offload, **_constraints(args),
+            zero3_fetch=args.zero3_fetch, mem_headroom=args.mem_headroom, top=args.top, allow_offload=args.allow_offload, **_constraints(args),
         )
         if args.out:
             result.save(args.out)

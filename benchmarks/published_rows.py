@@ -39,6 +39,8 @@ FILL_RULES = {
                                   "optimizer (ZeRO-1)",
     "attention": "unfused for runs published before FlashAttention (May 2022) and the frameworks of that era "
                  "(Megatron-LM 2020-2022, Megatron-DeepSpeed/BLOOM, metaseq/OPT, Alpa); flash otherwise",
+    "zero3_fetch": "blocking for Megatron-LM 2021 Table 2 (its ZeRO-3 rows ran DeepSpeed's ZeRO-3, published April "
+                   "2021, before DeepSpeed PR #1188 of June 2021 made fetches overlap); prefetch otherwise",
     "loss": "fused for llm-foundry's MPT runs (ComposerMPTCausalLM's default loss_fn is 'fused_crossentropy', "
             "flash-attn's xentropy kernel); torch (fp32 logits, F.cross_entropy) otherwise",
 }
@@ -49,10 +51,13 @@ GROUP_PLAN_FILLS = {"megatron2020_tp_scaling": {"recompute": "full"}}
 # Groups trained without gradient accumulation: a replica's batch is one micro-batch.
 NO_ACCUMULATION_GROUPS = ("megatron2020_tp_scaling",)
 
-# Groups whose software predates fused (flash) attention: the score tensor is materialised.
+# Groups whose ZeRO-3 fetched parameters blocking (`planner.state_cost.Zero3Fetch`).
+BLOCKING_ZERO3_GROUPS = ("megatron2021_zero3_vs_ptd",)
+
 # Groups whose training code computes the cross-entropy with a fused kernel over half-precision logits.
 FUSED_LOSS_GROUPS = ("llmfoundry_mpt",)
 
+# Groups whose software predates fused (flash) attention: the score tensor is materialised.
 UNFUSED_ATTENTION_GROUPS = ("megatron2020_tp_scaling", "megatron2021_weak", "megatron2021_zero3_vs_ptd",
                             "korthikanti2022_table5", "korthikanti2022_abstract", "bloom", "opt", "alpa_osdi22")
 
@@ -79,6 +84,7 @@ class Row:
     tp_overlap: bool = False
     dtype: str = "bf16"
     loss: str = "torch"
+    zero3_fetch: str = "prefetch"
 
 
 def _device(gpu: str) -> str | None:
@@ -184,8 +190,9 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
         tp_overlap = "--tp-comm-overlap" in flags or "asynctp" in run["id"].lower()
         dtype = "fp8" if "fp8" in str(run.get("precision", "")).lower() else "bf16"
         loss = "fused" if run["group"] in FUSED_LOSS_GROUPS else "torch"
+        zero3_fetch = "blocking" if run["group"] in BLOCKING_ZERO3_GROUPS else "prefetch"
         rows.append(Row(run["id"], run["group"], _spec(model), seq, cluster, config, gb, step[0], step[1],
-                        bool(run.get("unverified")), attention, open_choices, tp_overlap, dtype, loss))
+                        bool(run.get("unverified")), attention, open_choices, tp_overlap, dtype, loss, zero3_fetch))
     return rows, skipped
 
 

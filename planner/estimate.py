@@ -9,7 +9,8 @@ compute, recompute, exposed tensor/context/expert-parallel communication, expose
 
 - DP gradient reduction (ZeRO 0-2) overlaps with the backward of the last micro-batch
   (`planner.state_cost`, with the optimizer step);
-- FSDP (ZeRO-3) gathers of the next layer overlap with the current layer's compute, per micro-batch;
+- FSDP (ZeRO-3) gathers of the next layer overlap with the current layer's compute, per micro-batch
+  (unless the training code fetches them blocking, `state_cost.Zero3Fetch`);
 - TP/SP collectives are exposed (they sit between dependent matmuls), unless the training code
   pipelines them with the GEMMs (`tp_overlap`, `layer_cost.overlapped_tp_comm_s`);
 - the CP ring overlaps with attention (`layer_cost`); EP all-to-all is exposed;
@@ -39,8 +40,8 @@ from planner.mesh import expert_data_group, mesh_groups, stage_devices
 from planner.result import Estimate, StagePlan
 from planner.space import check_config
 from planner.stage_problem import StageProblem
-from planner.state_cost import (GRAD_REDUCE_BYTES_PER_PARAM, dp_exposed_s, optimizer_step_s, precision_of,
-                                 state_collective_s, state_options, tied_gradient_sum_s)
+from planner.state_cost import (dp_exposed_s, optimizer_step_s, precision_of,
+                                 state_options, tied_gradient_sum_s, Zero3Fetch, zero3_exposed_s)
 from planner.stages import split_dp
 from planner.tp_plan import tp_plan_for
 
@@ -79,16 +80,18 @@ class Evaluator:
         tp_overlap: the training code overlaps tensor-parallel collectives with GEMMs (Megatron-Core
             `--tp-comm-overlap`, PyTorch async TP); otherwise they are exposed.
         loss: the cross-entropy kernel the training code uses (`LossKernel`; torch by default).
+        zero3_fetch: how the training code fetches ZeRO-3 parameters (`Zero3Fetch`; prefetch by default).
     """
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, dtype: str = "bf16", table: OpTable | None = None,
                  attention: AttentionKernel | str = AttentionKernel.FLASH, tp_overlap: bool = False,
-                 loss: LossKernel | str = LossKernel.TORCH):
+                 loss: LossKernel | str = LossKernel.TORCH, zero3_fetch: Zero3Fetch | str = Zero3Fetch.PREFETCH):
         if bytes_per_element(base_dtype(graph.dtype)) != bytes_per_element(base_dtype(dtype)):
             raise invalid(f"dtype={dtype!r}: {graph.name} was traced in {graph.dtype}, whose activations differ in size; "
                           f"fix: trace it with dtype={dtype!r}")
         self.attention = _kernel(AttentionKernel, attention, "attention")
         self.loss = _kernel(LossKernel, loss, "loss")
+        self.zero3_fetch = _kernel(Zero3Fetch, zero3_fetch, "zero3_fetch")
         self.tp_overlap = tp_overlap
         self.graph = graph
         self.cluster = cluster
@@ -211,15 +214,14 @@ class Evaluator:
         states = (memory_model.model_state_bytes(dense, config.zero, config.dp * config.cp, **state),
                   memory_model.model_state_bytes(expert, config.zero, expert_group.size, **state))
         static, grads = sum(sum(part) for part in states), sum(part.grads_bytes for part in states)
-        exposed = 0.0
+        exposed_fwd_s = exposed_bwd_s = 0.0
         if config.zero == 3:
-            over = self.cluster.oversubscription
-            gather_s = state_collective_s(Collective.ALL_GATHER, self.precision.weight_bytes, dense, expert, groups.dp_cp, expert_group, node, over)
-            scatter_s = state_collective_s(Collective.REDUCE_SCATTER, GRAD_REDUCE_BYTES_PER_PARAM, dense, expert, groups.dp_cp,
-                                            expert_group, node, over)
-            fwd_window_s, bwd_window_s = (cost.fwd_s, cost.bwd_s + cost.recompute_s) if device.comm_overlaps_compute else (0.0, 0.0)
-            exposed = max(0.0, gather_s - fwd_window_s) + max(0.0, gather_s + scatter_s - bwd_window_s)
-        fwd = cost.fwd_s + cost.tp_comm_s / 2 + cost.cp_comm_s / 3 + cost.ep_comm_s / 2
+            windows = (cost.fwd_s, cost.bwd_s + cost.recompute_s) if device.comm_overlaps_compute else (0.0, 0.0)
+            exposed_fwd_s, exposed_bwd_s = zero3_exposed_s(self.zero3_fetch, self.precision, dense, expert, groups, expert_group,
+                                                           node, self.cluster.oversubscription, *windows,
+                                                           refetch=policy is Recompute.FULL)
+        fwd = cost.fwd_s + cost.tp_comm_s / 2 + cost.cp_comm_s / 3 + cost.ep_comm_s / 2 + exposed_fwd_s
+        exposed = exposed_fwd_s + exposed_bwd_s
         return (
             fwd, cost.total_s + exposed - fwd, cost.fwd_s + cost.bwd_s, cost.recompute_s, cost.tp_comm_s,
             cost.cp_comm_s, cost.ep_comm_s, exposed, dense, expert, static, grads, cost.act_bytes, cost.temp_bytes,

@@ -4,6 +4,7 @@ the optimizer step, and how the states are stored (the storage options `costmode
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from costmodel import memory as memory_model
 from costmodel.comm import Collective, CommGroup, collective_time_s
@@ -28,6 +29,28 @@ GRAD_REDUCE_BYTES_PER_PARAM = 4
 # sharded parameters): 2 + 4 + 12 = 18 bytes per parameter with mixed-precision Adam, the figure
 # behind Korthikanti et al. 2022, Figure 1.
 GRAD_BYTES_PER_PARAM = memory_model.FP32_GRAD_BYTES_PER_PARAM
+
+# Parameter bytes per second one device fetched under DeepSpeed ZeRO-3 v0.3 (PyTorch 1.8): on one
+# 8 x A100 NVSwitch node (p4d.24xlarge) a 5.1B-parameter BERT's forward took 470-480 ms under ZeRO-3
+# against 60 ms under ZeRO-2 (DeepSpeed issue #1174 and PR #1188, June 2021), i.e. 10.2 GB of fp16
+# parameters in about 415 ms. NCCL all-gathers on that node run about ten times faster: the bound was
+# the implementation (every all_gather synchronised the device; gathered parameters were copied out
+# from Python), so it holds whatever the links.
+BLOCKING_FETCH_BYTES_PER_S = 2 * 5.12e9 / 0.415
+
+
+class Zero3Fetch(StrEnum):
+    """How the training code fetches ZeRO-3 (FSDP) parameters.
+
+    PREFETCH: FSDP, FSDP2 and later DeepSpeed: the next layer's all-gather runs beside the current
+    layer's compute, and one gather serves a layer's recomputed forward and its backward.
+    BLOCKING: DeepSpeed ZeRO-3 before PR #1188 (spring 2021): every fetch stalls compute and moves
+    at most `BLOCKING_FETCH_BYTES_PER_S`; a fully recomputed layer is fetched again for its
+    recomputed forward. Gradient reduce-scatters overlap the backward in both.
+    """
+
+    PREFETCH = "prefetch"
+    BLOCKING = "blocking"
 
 
 @dataclass(frozen=True)
@@ -77,6 +100,23 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
         gather_s = state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, dense, expert, groups.dp_cp,
                                       expert_group, node, oversubscription)
     return max(0.0, reduce_s - bwd_s) + max(0.0, gather_s - fwd_s)
+
+
+def zero3_exposed_s(fetch: Zero3Fetch, precision: Precision, dense: float, expert: float, groups, expert_group: CommGroup,
+                    node: NodeSpec, oversubscription: float, fwd_window_s: float, bwd_window_s: float,
+                    refetch: bool) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's ZeRO-3 traffic per micro-batch that its compute does
+    not hide: the all-gather of its `dense` and `expert` parameters and the reduce-scatter of their
+    gradients, against its forward and backward (with recompute) compute windows. `refetch`: the
+    layer is recomputed whole, which a blocking fetch gathers again (`Zero3Fetch`)."""
+    gather_s = state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, dense, expert, groups.dp_cp, expert_group,
+                                  node, oversubscription)
+    scatter_s = state_collective_s(Collective.REDUCE_SCATTER, GRAD_REDUCE_BYTES_PER_PARAM, dense, expert, groups.dp_cp,
+                                   expert_group, node, oversubscription)
+    if fetch is Zero3Fetch.BLOCKING:
+        fetch_s = max(gather_s, (dense + expert) * precision.weight_bytes / BLOCKING_FETCH_BYTES_PER_S)
+        return fetch_s, fetch_s * (2 if refetch else 1) + max(0.0, scatter_s - bwd_window_s)
+    return max(0.0, gather_s - fwd_window_s), max(0.0, gather_s + scatter_s - bwd_window_s)
 
 
 def tied_gradient_sum_s(config: ParallelConfig, copied_params: float, node: NodeSpec, oversubscription: float) -> float:

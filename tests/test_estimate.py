@@ -24,6 +24,7 @@ from planner.mesh import axis_group, stage_devices
 from planner.graph import LayerKind, Recompute
 from planner.layer_cost import AttentionKernel, op_sac_reruns_collectives, overlapped_tp_comm_s
 from planner.loss_cost import LOSS_TEMP_INPUT_COPIES
+from planner.state_cost import BLOCKING_FETCH_BYTES_PER_S
 from planner.tracing import trace
 from planner.tp_plan import tp_plan_for
 
@@ -298,6 +299,31 @@ def test_fused_loss_keeps_half_precision_logits_and_one_gradient(gpt350m, recomp
 def test_unknown_loss_kernel_is_one_line(gpt350m):
     with pytest.raises(PlannerError, match=r"loss='chunked': use one of 'torch', 'fused'"):
         Evaluator(gpt350m, load_cluster("a100-80g:1x8"), loss="chunked")
+
+
+def test_blocking_zero3_fetches_stall_compute_at_the_implementation_rate(gpt350m):
+    # Blocking fetches (DeepSpeed ZeRO-3 of spring 2021) expose every block's fetch of its fp16
+    # weights, 2 bytes per parameter at BLOCKING_FETCH_BYTES_PER_S (NVSwitch all-gathers are faster,
+    # so the rate binds): in the forward, in the backward and for the recomputed forward; a block
+    # not recomputed is fetched twice. The blocks' gradient reduce-scatters stay hidden behind their
+    # backward, as under prefetch, which hides all of a block's traffic here.
+    cluster = load_cluster("a100-80g:1x8")
+    device, node = stage_devices(cluster, 1)[0]
+    blocks = [i for i, layer in enumerate(gpt350m.layers) if layer.kind == LayerKind.BLOCK]
+    for recompute, fetches in ((Recompute.FULL, 3), (Recompute.NONE, 2)):
+        config = ParallelConfig(dp=8, zero=3, micro_batch=4, num_microbatches=2, recompute=recompute)
+        exposed = {}
+        for fetch in ("prefetch", "blocking"):
+            evaluator = Evaluator(gpt350m, cluster, zero3_fetch=fetch)
+            exposed[fetch] = evaluator.layer_table(config, device, node, evaluator.policies(config))[blocks, COL["fsdp_exposed_s"]]
+        assert not exposed["prefetch"].any()
+        expected_s = [fetches * gpt350m.layers[i].params * 2 / BLOCKING_FETCH_BYTES_PER_S for i in blocks]
+        assert exposed["blocking"] == pytest.approx(expected_s, rel=1e-9)
+
+
+def test_unknown_zero3_fetch_is_one_line(gpt350m):
+    with pytest.raises(PlannerError, match=r"zero3_fetch='async': use one of 'prefetch', 'blocking'"):
+        Evaluator(gpt350m, load_cluster("a100-80g:1x8"), zero3_fetch="async")
 
 
 # MosaicML's llm-foundry benchmark table (published-runs.json, group llmfoundry_mpt): configurations
