@@ -56,6 +56,8 @@ def _add_sweep_args(sub) -> None:
     sweep.add_argument("--loss", choices=["torch", "fused"])
     sweep.add_argument("--tp-comm-overlap", dest="tp_overlap", action="store_const", const=True,
                        help="TP collectives overlapped with GEMMs (Megatron-Core --tp-comm-overlap, async TP)")
+    sweep.add_argument("--zero3-fetch", dest="zero3_fetch", choices=["prefetch", "blocking"],
+                       help="how the training code fetches ZeRO-3 parameters (as for plan)")
     sweep.add_argument("--out", required=True, help="results file, .csv or .jsonl; re-running resumes it")
     sweep.add_argument("--workers", type=_positive("workers"), help="local worker processes (default: one per CPU)")
     sweep.add_argument("--executor", choices=["local", "ray"], default="local", help="ray: run points as Ray tasks")
@@ -224,7 +226,8 @@ def _sweep(args, console) -> int:
     from planner.sweeps.runner import SweepInterrupted, sweep
     from planner.sweeps.spec import load_sweep_spec
 
-    keys = ("models", "devices", "cluster_sizes", "clusters", "global_batches", "seq_lens", "dtype", "attention", "loss", "tp_overlap")
+    keys = ("models", "devices", "cluster_sizes", "clusters", "global_batches", "seq_lens", "dtype", "attention", "loss", "tp_overlap",
+            "zero3_fetch")
     spec = load_sweep_spec(args.file, {key: getattr(args, key) for key in keys})
     try:
         summary = sweep(spec, args.out, workers=args.workers, executor=args.executor, address=args.address,

@@ -110,6 +110,25 @@ def test_loss_kernel_is_a_sweep_setting(tmp_path):
     assert fused_row["peak_memory_bytes"] < torch_row["peak_memory_bytes"]
 
 
+def test_zero3_fetch_is_a_sweep_setting(tmp_path):
+    path = write(tmp_path, "models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\n"
+                           "zero3_fetch: blocking\n")
+    spec = load_sweep_spec(path)
+    assert spec.settings == "dtype=bf16 attention=flash zero3_fetch=blocking"
+    assert load_sweep_spec(path, {"zero3_fetch": None}).zero3_fetch == "blocking"  # an absent flag keeps the file's value
+    graph = planner.trace("gpt3-125m", seq_len=512)
+    point, cluster = spec.points[0], spec.clusters["a100-80g:1x8"]
+    # The same ZeRO-3 configuration is slower when every fetch stalls compute.
+    fixed = {"tp": 1, "pp": 1, "micro_batch": 8, "zero": 3, "recompute": "none"}
+    prefetch_row, blocking_row = (plan_point(point, graph, cluster, PlanSettings("bf16", "flash", fixed, "", zero3_fetch=fetch))
+                                  for fetch in ("prefetch", "blocking"))
+    assert blocking_row["step_time_s"] > prefetch_row["step_time_s"]
+    bad = write(tmp_path, "models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\n"
+                          "zero3_fetch: async\n")
+    with pytest.raises(PlannerError, match=r"zero3_fetch: 'async': use one of prefetch, blocking"):
+        load_sweep_spec(bad)
+
+
 @pytest.mark.parametrize("text, message", [
     ("models: [gpt3-125m]\ndevices: [a100-80g, h100-sxn]\ncluster_sizes: [8]\nglobal_batches: [64]\nseq_lens: [512]\n",
      "sweep.yaml:2: devices[1]: device 'h100-sxn': unknown; did you mean h100-sxm"),

@@ -50,6 +50,7 @@ class PlanSettings:
     plan_dir: str | None = None
     tp_overlap: bool = False
     loss: str = "torch"
+    zero3_fetch: str = "prefetch"
 
 
 GraphKey = tuple[str, int]  # (model, seq_len)
@@ -66,6 +67,7 @@ def plan_point(point: SweepPoint, graph: ModelGraph, cluster: Cluster, settings:
     try:
         result = plan(graph, cluster, global_batch=point.global_batch, dtype=settings.dtype,
                       attention=settings.attention, tp_overlap=settings.tp_overlap, loss=settings.loss,
+                      zero3_fetch=settings.zero3_fetch,
                       **settings.constraints)
     except Exception as error:  # noqa: BLE001 - a failed point is a row, never the end of a sweep
         row.update(failure(error))
