@@ -11,6 +11,7 @@ run in one spawned job (process start-up dominates their cost).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import planner
 from costmodel.profile_files import PROFILES_DIR
@@ -44,6 +46,8 @@ LEARNING_RATE = 0.5
 TOLERANCE = 1e-5
 SEED = 0
 VOCAB = 256
+# Collectives `_CollectiveCounter` counts (torch's functional collectives, as DTensor issues them).
+COUNTED_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 
 # Small enough for a CPU step in milliseconds. The planner's layouts shard every weight
 # (Megatron-SP: sequence-parallel norms, colwise q/k/v/fc1, rowwise o/fc2); at hidden 96 the layout
@@ -109,14 +113,30 @@ def _reference(spec_path: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+class _CollectiveCounter(TorchDispatchMode):
+    """Counts the functional collectives a step issues, by op and by the number of elements moved."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[tuple[str, int], int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] in COUNTED_COLLECTIVES:
+            key = (func.__name__.split(".")[0], args[0].numel())
+            self.calls[key] = self.calls.get(key, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
 def _train(plan: Plan, spec_path: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     applied = plan.apply(_build(spec_path), device="cpu")
     optimizer = torch.optim.SGD(list(applied.parameters()), lr=LEARNING_RATE)
     losses, kept_outputs = [], 0
-    for tokens in _batches():
-        loss = applied.forward_backward(applied.local_batch(tokens))
+    counter = _CollectiveCounter()
+    for step, tokens in enumerate(_batches()):
+        with counter if step == 0 else contextlib.nullcontext():
+            loss = applied.forward_backward(applied.local_batch(tokens))
         kept_outputs = max(kept_outputs, sum(len(stage.output_chunks) for stage in applied.stages))
         optimizer.step()
         optimizer.zero_grad()
@@ -127,7 +147,7 @@ def _train(plan: Plan, spec_path: str) -> dict:
             local_numel += (p.to_local() if isinstance(p, DTensor) else p).numel()
             params[_clean(name)] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
     return {"losses": losses, "params": params, "local_numel": local_numel, "kept_outputs": kept_outputs,
-            "recomputed": {k: str(v) for k, v in applied.recomputed.items()}}
+            "recomputed": {k: str(v) for k, v in applied.recomputed.items()}, "collectives": counter.calls}
 
 
 def _worker(rank: int, world: int, port: int, cases: list[tuple[str, str, str]], out_dir: str) -> None:
@@ -169,6 +189,7 @@ def _run(world: int, cases: list[tuple[str, Plan, Path]]) -> dict[str, dict]:
             params.update(r["params"])
             recomputed.update(r["recomputed"])
         merged[name] = {"losses": losses, "params": params, "recomputed": recomputed,
+                        "collectives": [r["collectives"] for r in results],
                         "local_numel": [r["local_numel"] for r in results],
                         "kept_outputs": max(r["kept_outputs"] for r in results)}
     return merged
@@ -321,6 +342,21 @@ def test_tensor_parallel_sequence_parallel(trained):
     layouts = trained["tp_sequence_parallel"][0].layouts
     assert (layouts["layers.0.attn_norm"], layouts["layers.0.mlp.fc2"]) == ("sequence", "rowwise")
     _check(trained["tp_sequence_parallel"])
+
+
+def test_sequence_parallel_blocks_reduce_each_input_gradient_once(trained):
+    # Megatron-SP (Korthikanti et al. 2022, Fig. 5): each block all-gathers its input before attention
+    # and before the MLP and reduce-scatters after o_proj and down_proj; backward runs the conjugates
+    # (reduce-scatter, all-gather): 4 + 4 per block. q, k, v (and gate, up) read one gathered input,
+    # so their partial input gradients add up before a single reduce-scatter, with no all-reduce.
+    # Outside the blocks: the vocab-parallel embedding reduce-scatters forward (all-gather backward);
+    # the replicated final norm gathers its input and slices its output back to the split stream
+    # (all-gather backward); the colwise head gathers its input (reduce-scatter backward).
+    layers = 2
+    for calls in trained["llama_tp"][2]["collectives"]:
+        counts = {kind: sum(n for (k, _), n in calls.items() if k == kind) for kind in COUNTED_COLLECTIVES}
+        assert counts == {"all_reduce": 0, "all_gather_into_tensor": 4 * layers + 4,
+                          "reduce_scatter_tensor": 4 * layers + 2}
 
 
 def test_tensor_parallel_selective_recompute(trained):
@@ -507,3 +543,4 @@ def test_heads_that_do_not_split_over_tp_are_rejected(spec_dir):
     assert tensor_parallel_plan(model, list(units), list(blocks), layouts, tp=2).styles
     with pytest.raises(PlannerError, match=r"layout layers.0.attn.k_proj: its 2 heads do not split over tp=4"):
         tensor_parallel_plan(model, list(units), list(blocks), layouts, tp=4)
+

@@ -10,7 +10,8 @@ output back, so any mix of placements the sharding ILP chooses composes:
 - norm: `sequence` -> SequenceParallel; `replicate` -> plain (gathered around when the stream is
   split). A sequence-parallel final norm on a replicated stream runs replicated (same numbers).
 - container (attention, MLP): its input linears (every Linear child but the output projection)
-  read the full input. When they are all colwise (and, for attention, the core runs on `heads`),
+  read the full input, as one replicated DTensor when they are all colwise (one gradient reduction
+  for all of them, `_shared_input`). When they are all colwise (and, for attention, the core runs on `heads`),
   the middle (attention core, activation) runs on local heads / feature slices; otherwise colwise
   input linears gather their outputs. The output projection is rowwise (reduces straight into the
   stream layout), colwise, or replicate (gathers a feature-split input first).
@@ -233,10 +234,23 @@ def _container_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stre
     style = _linear_style(out_placement, f"{fqn}.{out_name}", middle, produced)
     if style is not None:
         styles[f"{fqn}.{out_name}"] = style
-    style = _convert(stream, R, produced, stream)
+    style = _shared_input(stream, produced) if all_colwise else _convert(stream, R, produced, stream)
     if style is not None:
         styles[fqn] = style
     return styles
+
+
+def _shared_input(stream: TensorLayout, produced: TensorLayout) -> ParallelStyle:
+    """A container whose input linears are all colwise reads its input as one replicated DTensor, so
+    their partial input gradients add up before a single all-reduce (reduce-scatter on a
+    sequence-split stream), Megatron's f operator; converted to local tensors, each would be reduced
+    on its own (three all-reduces for q, k and v). Its output goes back to the stream layout."""
+    p = _DTENSOR_PLACEMENT
+    if produced == stream:
+        return PrepareModuleInput(input_layouts=(p[stream],), desired_input_layouts=(Replicate(),), use_local_output=False)
+    return PrepareModuleInputOutput(input_layouts=(p[stream],), desired_input_layouts=(Replicate(),),
+                                    output_layouts=(p[produced],), desired_output_layouts=(p[stream],),
+                                    use_local_input=False, use_local_output=True)
 
 
 def _norm_styles(fqn: str, layouts: dict[str, str], stream: TensorLayout) -> dict[str, ParallelStyle]:
