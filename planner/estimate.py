@@ -40,8 +40,8 @@ from planner.mesh import expert_data_group, mesh_groups, stage_devices
 from planner.result import Estimate, StagePlan
 from planner.space import check_config
 from planner.stage_problem import StageProblem
-from planner.state_cost import (dp_exposed_s, optimizer_step_s, precision_of,
-                                 state_options, tied_gradient_sum_s, Zero3Fetch, zero3_exposed_s)
+from planner.state_cost import (Zero3Fetch, dp_exposed_s, optimizer_step_s, precision_of, state_options,
+                                 tied_gradient_sum_s, zero3_exposed_s)
 from planner.stages import split_dp
 from planner.tp_plan import tp_plan_for
 

@@ -11,10 +11,10 @@ output back, so any mix of placements the sharding ILP chooses composes:
   split). A sequence-parallel final norm on a replicated stream runs replicated (same numbers).
 - container (attention, MLP): its input linears (every Linear child but the output projection)
   read the full input, as one replicated DTensor when they are all colwise (one gradient reduction
-  for all of them, `_shared_input`). When they are all colwise (and, for attention, the core runs on `heads`),
-  the middle (attention core, activation) runs on local heads / feature slices; otherwise colwise
-  input linears gather their outputs. The output projection is rowwise (reduces straight into the
-  stream layout), colwise, or replicate (gathers a feature-split input first).
+  for all of them, `_shared_input`). When they are all colwise (and, for attention, the core runs
+  on `heads`), the middle (attention core, activation) runs on local heads / feature slices;
+  otherwise colwise input linears gather their outputs. The output projection is rowwise (reduces
+  straight into the stream layout), colwise, or replicate (gathers a feature-split input first).
 - embedding: `rowwise` -> vocab-parallel (RowwiseParallel), `replicate` -> plain.
 - head: colwise keeps the logits split over the vocabulary for a vocab-parallel cross entropy
   (`loss_parallel`, Megatron's parallel cross entropy; without pipelining) or gathers them;
