@@ -147,6 +147,22 @@ def test_evaluate_fused_loss_holds_less_on_the_loss_stage(capsys):
     assert last == pytest.approx(8 * 4 * 128 * 51200 * fragmentation, rel=1e-3)
 
 
+def test_evaluate_blocking_zero3_fetch_adds_the_fetches_to_the_step(capsys):
+    """--zero3-fetch blocking: the same ZeRO-3 configuration takes longer by its exposed fetches, and
+    the memory plan does not change."""
+    base = ["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--zero", "3", "--json"]
+    results = {}
+    for fetch in ("prefetch", "blocking"):
+        code, out, _ = run([*base, "--zero3-fetch", fetch], capsys)
+        assert code == 0
+        results[fetch] = json.loads(out)
+    slower_s = results["blocking"]["step_time_s"] - results["prefetch"]["step_time_s"]
+    exposed_s = (results["blocking"]["time_breakdown"]["fsdp_comm_exposed_s"]
+                 - results["prefetch"]["time_breakdown"]["fsdp_comm_exposed_s"])
+    assert slower_s > 0 and slower_s == pytest.approx(exposed_s, rel=1e-6)
+    assert results["blocking"]["memory"] == results["prefetch"]["memory"]
+
+
 def test_plan_json_contract(capsys):
     code, out, _ = run(["plan", *RUN_ARGS, "--json"], capsys)
     assert code == 0
