@@ -84,9 +84,12 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
     """Data-parallel traffic not hidden behind compute, per step.
 
     The gradient reduction (all-reduce, or reduce-scatter under ZeRO-1/2) runs bucket by bucket
-    during the backward of the last micro-batch; the ZeRO-1/2 parameter all-gather runs bucket
-    by bucket ahead of the next step's first forward (Megatron-Core's overlapped
-    param gather, FSDP's prefetch). Each is exposed by what exceeds its one-micro-batch window.
+    during the backward of the last micro-batch; ZeRO-2 keeps only its shard of the gradients, so
+    without pipelining it reduces during every micro-batch's backward (DeepSpeed's ZeRO-2, FSDP
+    with gradient sync on; `planner.apply`), while pipeline stages reduce once after the schedule.
+    The ZeRO-1/2 parameter all-gather runs bucket by bucket ahead of the next step's first forward
+    (Megatron-Core's overlapped param gather, FSDP's prefetch). Each is exposed by what exceeds its
+    one-micro-batch window.
     """
     if config.zero == 3 or config.dp * config.cp == 1:
         return 0.0
@@ -99,7 +102,8 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
     if config.zero in (1, 2):
         gather_s = state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, dense, expert, groups.dp_cp,
                                       expert_group, node, oversubscription)
-    return max(0.0, reduce_s - bwd_s) + max(0.0, gather_s - fwd_s)
+    reductions = config.num_microbatches if config.zero == 2 and config.pp == 1 else 1
+    return reductions * max(0.0, reduce_s - bwd_s) + max(0.0, gather_s - fwd_s)
 
 
 def zero3_exposed_s(fetch: Zero3Fetch, precision: Precision, dense: float, expert: float, groups, expert_group: CommGroup,

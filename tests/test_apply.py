@@ -263,6 +263,8 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("tp_selective", dataclasses.replace(sp_plan, memory_plan={"recompute": {"selective": all_blocks}}), gpt),
         ("tp_gathered", _time_only_layouts(_plan(mixed, "cpu:1x2", tp=2, pp=1), mixed), mixed),
         ("dp_zero3", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=3), gpt),
+        ("dp_zero1_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=1, micro_batch=2), gpt),
+        ("dp_zero2_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=2, micro_batch=2), gpt),
         ("llama_tp", _plan(llama, "cpu:1x2", tp=2, pp=1), llama),
         ("tied_tp", _plan(tied, "cpu:1x2", tp=2, pp=1), tied),
         ("tied_odd_vocab_tp", _plan(tied_odd, "cpu:1x2", tp=2, pp=1), tied_odd),
@@ -372,6 +374,14 @@ def test_tensor_parallel_gathered_outputs(trained):
 
 def test_fsdp_zero3(trained):
     _check(trained["dp_zero3"])
+
+
+@pytest.mark.parametrize("case", ["dp_zero1_accumulate", "dp_zero2_accumulate"])
+def test_sharded_optimizer_over_micro_batches(trained, case):
+    # ZeRO-1 accumulates the whole gradients over the micro-batches and reduces once; ZeRO-2
+    # reduce-scatters after each micro-batch. Both train like one process.
+    assert trained[case][0].config.num_microbatches == 2
+    _check(trained[case])
 
 
 def test_op_level_selective_recompute(trained):

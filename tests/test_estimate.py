@@ -580,6 +580,24 @@ def test_cpu_ranks_hide_no_communication(gpt350m):
     assert estimate.time_breakdown["dp_comm_exposed_s"] == pytest.approx(reduce_s)
 
 
+def test_zero2_reduces_gradients_every_micro_batch(gpt350m):
+    # On CPU ranks nothing hides the traffic, so the exposed data-parallel time is the reduce-scatter
+    # of the fp32 gradients (4 B per parameter) per reduction, plus the bf16 parameter all-gather
+    # (2 B) after the optimizer. ZeRO-2 keeps only its gradient shard, so it reduces after each of
+    # the 4 micro-batches; ZeRO-1 keeps the whole gradients and reduces once.
+    cluster = load_cluster("cpu:1x2")
+    node = stage_devices(cluster, 1)[0][1]
+    group = axis_group(2, 1, node.devices_per_node)
+    exposed = {}
+    for zero in (1, 2):
+        config = ParallelConfig(dp=2, zero=zero, micro_batch=1, num_microbatches=4)
+        exposed[zero] = Evaluator(gpt350m, cluster).estimate(config, 8).time_breakdown["dp_comm_exposed_s"]
+    reduce_s = collective_time_s(Collective.REDUCE_SCATTER, 4 * gpt350m.params, group, node)
+    gather_s = collective_time_s(Collective.ALL_GATHER, 2 * gpt350m.params, group, node)
+    assert exposed[1] == pytest.approx(reduce_s + gather_s, rel=1e-6)
+    assert exposed[2] == pytest.approx(4 * reduce_s + gather_s, rel=1e-6)
+
+
 def test_heterogeneous_cluster_v100_stage_is_slower(gpt350m):
     # hetero-a100-v100-8n: 4 A100 nodes then 4 V100 nodes; pp = 2 puts stage 0 on the A100s and
     # stage 1 on the V100s (fp16: V100 has no bf16). A block takes longer on a V100 (125 vs 312

@@ -127,8 +127,9 @@ class AppliedPlan:
         """One step's forward and backward over `tokens` (this rank's slice) in the plan's micro-batches.
 
         Gradients are averaged over micro-batches, so they equal those of the mean loss of the slice.
-        Under ZeRO 1-3 gradients are reduce-scattered after every micro-batch, so they stay sharded
-        as the plan's memory assumes; under ZeRO-0 they are all-reduced once, after the last.
+        Under ZeRO-2/3 gradients are reduce-scattered after every micro-batch, so they stay sharded
+        as the plan's memory assumes; under ZeRO-0/1 the whole gradients accumulate (as ZeRO-1 and
+        Megatron's distributed optimizer keep them) and are reduced once, after the last.
 
         Returns:
             The mean loss of this rank's slice where `has_loss`, else None.
@@ -148,7 +149,7 @@ class AppliedPlan:
         total = torch.zeros((), device=tokens.device)
         for index, chunk in enumerate(chunks):
             if isinstance(model, FSDPModule):
-                model.set_requires_gradient_sync(config.zero > 0 or index == len(chunks) - 1)
+                model.set_requires_gradient_sync(config.zero >= 2 or index == len(chunks) - 1)
             with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
                 loss = model(chunk) / len(chunks)
                 loss.backward()

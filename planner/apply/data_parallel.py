@@ -11,13 +11,14 @@ With offload, ZeRO-0 runs as ZeRO-2 (FSDP2 offloads sharded state only), which h
 device than the plan budgets. FSDP2 offloads the fp32 parameter shards too, where ZeRO-Offload keeps
 the bf16 weights on the device: the device holds at most what the plan budgets.
 
-FSDP2 has no optimizer-states-only mode, so ZeRO-1 runs as ZeRO-2: gradients are reduce-scattered
-too, which needs less memory than the plan budgets for ZeRO-1, never more. Every layer of the plan
+FSDP2 has no optimizer-states-only mode, so ZeRO-1 runs as ZeRO-2 with gradient sync on the last
+micro-batch only: the whole gradients accumulate, as ZeRO-1 budgets them, and are reduce-scattered
+once per step; the optimizer then updates its shard. Every layer of the plan
 (embedding, each block, final norm, head) is its own communication unit, as the cost model prices
 gathers and reductions per layer; units sharing a parameter (tied embeddings) stay with the root.
 
-Gradient reduction with micro-batches: without pipelining, ZeRO 1-3 reduce-scatter after every
-micro-batch so gradients stay sharded (`AppliedPlan.forward_backward`); ZeRO-0 all-reduces once.
+Gradient reduction with micro-batches: without pipelining, ZeRO-2/3 reduce-scatter after every
+micro-batch so gradients stay sharded (`AppliedPlan.forward_backward`); ZeRO-0/1 reduce once.
 With pipelining, torch's `PipelineStage` defers the reduction to the last micro-batch, so the
 unsharded gradients of the stage accumulate in between: more gradient memory than ZeRO-2/3 budgets.
 """
