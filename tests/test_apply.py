@@ -265,6 +265,8 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("dp_zero3", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=3), gpt),
         ("dp_zero1_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=1, micro_batch=2), gpt),
         ("dp_zero2_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=2, micro_batch=2), gpt),
+        ("dp_zero1_offload_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=1, micro_batch=2,
+                                              offload_optimizer=True), gpt),
         ("llama_tp", _plan(llama, "cpu:1x2", tp=2, pp=1), llama),
         ("tied_tp", _plan(tied, "cpu:1x2", tp=2, pp=1), tied),
         ("tied_odd_vocab_tp", _plan(tied_odd, "cpu:1x2", tp=2, pp=1), tied_odd),
@@ -376,10 +378,10 @@ def test_fsdp_zero3(trained):
     _check(trained["dp_zero3"])
 
 
-@pytest.mark.parametrize("case", ["dp_zero1_accumulate", "dp_zero2_accumulate"])
+@pytest.mark.parametrize("case", ["dp_zero1_accumulate", "dp_zero2_accumulate", "dp_zero1_offload_accumulate"])
 def test_sharded_optimizer_over_micro_batches(trained, case):
-    # ZeRO-1 accumulates the whole gradients over the micro-batches and reduces once; ZeRO-2
-    # reduce-scatters after each micro-batch. Both train like one process.
+    # ZeRO-1 accumulates the whole gradients over the micro-batches and reduces once (also with the
+    # optimizer offloaded); ZeRO-2 reduce-scatters after each micro-batch. All train like one process.
     assert trained[case][0].config.num_microbatches == 2
     _check(trained[case])
 
