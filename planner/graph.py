@@ -157,14 +157,20 @@ class ModelGraph:
         return tuple(layer for layer in self.layers if layer.kind == LayerKind.BLOCK)
 
     @functools.cached_property
+    def tied_users(self) -> tuple[tuple[tuple[int, Op], ...], ...]:
+        """Per group of `tied`, the (layer index, op) of each module using the shared weight, in layer
+        order: the first owns it, the later ones reuse it."""
+        where = {op.fqn: (index, op) for index, layer in enumerate(self.layers) for op in layer.ops if op.param_shapes}
+        return tuple(tuple(sorted((where[fqn] for fqn in group if fqn in where), key=lambda user: user[0]))
+                     for group in self.tied)
+
+    @functools.cached_property
     def stage_copy_params(self) -> tuple[int, ...]:
         """Per layer, the parameters of the weights it shares with an earlier layer (a head tied to the
         embedding). Split over pipeline stages, the later layer's stage holds its own copy (Megatron-LM
         and Plan.apply tie them so; `layers[i].params` counts a shared weight once, where first used)."""
-        where = {op.fqn: (index, op) for index, layer in enumerate(self.layers) for op in layer.ops if op.param_shapes}
         copies = [0] * len(self.layers)
-        for group in self.tied:
-            users = sorted(where[fqn] for fqn in group if fqn in where)
+        for users in self.tied_users:
             for index, op in users[1:]:
                 shared = set(users[0][1].param_shapes) & set(op.param_shapes)
                 copies[index] += sum(math.prod(shape) for shape in shared)

@@ -59,25 +59,17 @@ def tied_pins(graph: ModelGraph, layer: Layer, tp: int, device: DeviceSpec, node
     """Placements allowed to each module of `layer` that shares its weight with a module of an earlier
     layer (a head tied to the embedding): those splitting the weight along the dimension the earlier
     module's layout splits it (or keeping it whole when that one does), as one parameter must be."""
-    tied = {fqn for group in graph.tied for fqn in group}
-    if not any(op.fqn in tied for op in layer.ops):
-        return {}
-    index = graph.layers.index(layer)
-    where = {op.fqn: (i, op) for i, other in enumerate(graph.layers) for op in other.ops
-             if op.fqn in tied and op.param_shapes}
+    fqns = {op.fqn for op in layer.ops}
     pins = {}
-    for group in graph.tied:
-        users = sorted((where[fqn][0], fqn) for fqn in group if fqn in where)
-        if len(users) < 2 or users[0][0] >= index:
+    for users in graph.tied_users:
+        reusing = [op for index, op in users[1:] if index > users[0][0] and op.fqn in fqns]
+        if not reusing:
             continue
         owner_index, owner = users[0]
-        owner_op = where[owner][1]
         owner_layout = layout_for(graph.layers[owner_index], tp, device, node, dtype, cache, graph)
-        placement = owner_layout.per_fqn.get(owner, Placement.REPLICATE)
-        dim = weight_split_dim(owner_op.kind, placement)
-        for user_index, fqn in users[1:]:
-            if user_index == index:
-                pins[fqn] = frozenset(p for p in Placement if weight_split_dim(where[fqn][1].kind, p) == dim)
+        dim = weight_split_dim(owner.kind, owner_layout.per_fqn.get(owner.fqn, Placement.REPLICATE))
+        for op in reusing:
+            pins[op.fqn] = frozenset(p for p in Placement if weight_split_dim(op.kind, p) == dim)
     return pins
 
 
