@@ -20,6 +20,8 @@ GOAL_GROUPS = ("megatron2021_weak", "megatron2021_zero3_vs_ptd", "megatron_core_
                "torchtitan_2024_08", "llmfoundry_mpt")
 
 FILL_RULES = {
+    "device": "the profile of the row's GPU: h100-hbm2e when an H100 row says HBM2e (torchtitan's lower-TDP parts), "
+              "else h100-sxm; a100-40g or a100-80g by the stated memory; v100-32g",
     "micro_batch": "1 when the source gives none (Megatron's default for its large-model runs); for Megatron-LM "
                    "2020 each replica's whole batch (global / dp: no gradient accumulation before the 2021 "
                    "pipeline schedules)",
@@ -90,7 +92,7 @@ class Row:
 def _device(gpu: str) -> str | None:
     g = gpu.lower()
     if "h100" in g:
-        return "h100-sxm"
+        return "h100-hbm2e" if "hbm2e" in g else "h100-sxm"
     if "a100" in g:
         return "a100-40g" if "40" in g else "a100-80g"
     if "v100" in g:

@@ -295,7 +295,7 @@ def test_unparseable_file_is_one_line(tmp_path, text, fix):
 
 
 def test_unknown_device_lists_nearest_names():
-    with pytest.raises(ProfileError, match="did you mean h100-pcie, h100-sxm, "):
+    with pytest.raises(ProfileError, match="did you mean h100-hbm2e, h100-pcie, h100-sxm"):
         load_device("h100")
 
 
