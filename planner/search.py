@@ -18,6 +18,7 @@ import bisect
 import dataclasses
 import heapq
 import math
+import re
 import time
 from collections import Counter
 
@@ -30,7 +31,7 @@ from planner.estimate import Evaluator
 from planner.graph import ModelGraph, Recompute
 from planner.memory_plan import memory_plan
 from planner.result import Alternative, Plan
-from planner.space import Rejection, check_config, configs_for, enumerate_degrees
+from planner.space import Rejection, check_config, configs_for, enumerate_degrees, why_no_configs
 
 # Constraint keys `plan` accepts besides the fixed choices; anything else is a typo.
 BOUND_KEYS = {f"{bound}_{axis}" for bound in ("min", "max") for axis in ("tp", "pp", "dp", "cp", "ep")}
@@ -76,13 +77,19 @@ class _Pass:
             if global_batch % degrees[0]:
                 self.rejected.append(Rejection(f"dp={degrees[0]}", f"global_batch={global_batch} is not a multiple of dp"))
                 continue
+            produced = 0
             for config in configs_for(degrees, graph, global_batch, constraints):
+                produced += 1
                 try:
                     check_config(graph, evaluator.cluster, config, global_batch)
                 except PlannerError as error:
                     self.rejected.append(Rejection(config.short(), error.message))
                     continue
                 heap.append((self._bound_s(evaluator, config, refine=False), len(heap), config))
+            if not produced:
+                dp, tp, pp, cp, ep = degrees
+                self.rejected.append(Rejection(f"dp={dp} tp={tp} pp={pp} cp={cp} ep={ep}",
+                                               why_no_configs(degrees, graph, global_batch, constraints)))
         heapq.heapify(heap)
         self.total += len(heap)
         return heap
@@ -181,7 +188,8 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     candidates_total, evaluated, screened, closest_miss = tally.total, tally.evaluated, tally.screened, tally.closest_miss
 
     if not ranked:
-        raise _nothing_fits(graph, cluster, global_batch, closest_miss, evaluated + screened)
+        raise _nothing_fits(graph, cluster, global_batch, closest_miss, evaluated + screened,
+                            rejected[len(space.rejected):] or rejected)
 
     best_s, best_config, best_estimate = ranked[0]
     plan_memory, best_estimate = memory_plan(evaluator, best_config, best_estimate, global_batch, headroom)
@@ -221,12 +229,21 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     )
 
 
-def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closest_miss, evaluated: int) -> PlannerError:
+def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closest_miss, evaluated: int,
+                  rejected: list[Rejection]) -> PlannerError:
     """INSUFFICIENT_MEMORY with what would fit: more devices, and of a smaller micro-batch, ZeRO-3 with full
-    recompute and optimizer offload whichever the closest miss does not use already."""
+    recompute and optimizer offload whichever the closest miss does not use already. INVALID_INPUT
+    with the commonest reasons when no configuration was valid at all (`rejected`)."""
     capacity = min(g.node.device.mem_bytes for g in cluster.groups)
     if closest_miss is None:
-        return invalid(f"no configuration of {graph.name} on {cluster.num_devices} devices is valid with these constraints; relax them")
+        by_reason = Counter(r.reason for r in rejected)
+        example = {}
+        for r in sorted(rejected, key=lambda r: [int(n) for n in re.findall(r"\d+", r.what)], reverse=True):
+            example[r.reason] = r.what  # the smallest degrees of each reason
+        reasons = "; ".join(f"{example[reason]}: {reason}" + (f" (and {count - 1} more)" if count > 1 else "")
+                            for reason, count in by_reason.most_common(3))
+        return invalid(f"no configuration of {graph.name} on {cluster.num_devices} devices is valid: {reasons}; "
+                       f"fix: relax the fixed choices or change the global batch")
     need, config, at_least = closest_miss
     remedies = [f"about {math.ceil(cluster.num_devices * need / capacity)}+ devices"]
     if config.micro_batch > 1:

@@ -200,6 +200,17 @@ def configs_for(degrees: tuple[int, int, int, int, int], graph: ModelGraph, glob
                                          offload_optimizer=bool(constraints.get("offload_optimizer", False)))
 
 
+def why_no_configs(degrees: tuple[int, int, int, int, int], graph: ModelGraph, global_batch: int,
+                   constraints: dict) -> str:
+    """Why `configs_for(degrees, ...)` yields nothing (its global batch already divides by dp)."""
+    dp, _, pp, _, _ = degrees
+    if not micro_batches(global_batch // dp, constraints):
+        return (f"micro_batch={constraints['micro_batch']} does not divide the sequences per data-parallel replica "
+                f"(global_batch={global_batch} / dp)")
+    return (f"the fixed schedule/vpp cannot run {pp} stages of {len(graph.layers)} layers (interleaved needs "
+            f"num_microbatches divisible by pp and pp*vpp <= layers; gpipe needs num_microbatches >= pp)")
+
+
 def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, global_batch: int) -> None:
     """Raises PlannerError(INVALID_INPUT) naming why `config` cannot exist for this model, cluster and batch."""
     dims = graph.dims

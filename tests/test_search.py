@@ -299,6 +299,25 @@ def test_nothing_fits_suggests_only_what_the_closest_miss_lacks():
     assert "micro-batch" not in message
 
 
+@pytest.mark.parametrize("constraints, reason, example", [
+    # 16 devices, 8 sequences: dp=16 cannot split the batch; every dp that can (1, 2, 4, 8) leaves
+    # 8/dp sequences per replica, which micro_batch=3 never divides.
+    ({"micro_batch": 3}, "micro_batch=3 does not divide the sequences per data-parallel replica", "dp=1 "),
+    # pp=4 with interleaving fixed at vpp=4 needs 16 layer chunks; gpt3-125m has 14 layers.
+    ({"pp": 4, "schedule": "interleaved", "vpp": 4}, "the fixed schedule/vpp cannot run 4 stages of 14 layers", "pp=4"),
+])
+def test_no_valid_configuration_names_why(constraints, reason, example):
+    graph = planner.trace("gpt3-125m", seq_len=512)
+    assert len(graph.layers) == 14
+    with pytest.raises(PlannerError) as error:
+        planner.plan(graph, "a100-80g:2x8", global_batch=8, **constraints)
+    assert error.value.kind == PlannerErrorKind.INVALID_INPUT
+    message = error.value.message
+    assert "\n" not in message and reason in message and example in message
+    if "micro_batch" in constraints:
+        assert "dp=16: global_batch=8 is not a multiple of dp" in message
+
+
 def test_plan_round_trips_through_json(small_plan):
     _, plan = small_plan
     assert planner.Plan.from_json(plan.to_json()) == plan
