@@ -39,6 +39,19 @@ GRAD_BYTES_PER_PARAM = memory_model.FP32_GRAD_BYTES_PER_PARAM
 BLOCKING_FETCH_BYTES_PER_S = 2 * 5.12e9 / 0.415
 
 
+# FSDP2, which `Plan.apply` runs data parallelism with, moves parameters and gradients through flat
+# communication buffers (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py). On the compute
+# stream, where they delay compute on any device: each gather copies the gathered parameters out of
+# its buffer (`foreach_all_gather_copy_out`: read and write, weight dtype), and each reduction copies
+# the gradients into its buffer, cast to the fp32 reduce dtype (`foreach_reduce_scatter_copy_in`:
+# weight dtype read, 4 B written). On its side streams, hidden where communication overlaps compute:
+# each gather copies the shard in, cast from the fp32 master (`all_gather_copy_in`: 4 B read,
+# weight dtype written), and each reduction's fp32 output shard is read and written once more
+# (division by the group size or accumulation into the gradient).
+MASTER_BYTES_PER_PARAM = 4
+REDUCED_SHARD_PASS_BYTES_PER_PARAM = 8
+
+
 class Zero3Fetch(StrEnum):
     """How the training code fetches ZeRO-3 (FSDP) parameters.
 
@@ -79,9 +92,22 @@ def precision_of(dtype: str) -> Precision:
     return FP32_PRECISION if dtype == "fp32" else MIXED_PRECISION
 
 
+def fsdp2_copy_s(precision: Precision, device: DeviceSpec, params: float, shard_params: float, gathers: int,
+                 reductions: int) -> float:
+    """Seconds of FSDP2's buffer copies on one device for `gathers` parameter gathers and `reductions`
+    gradient reductions of `params` parameters, of which it holds `shard_params` (see
+    MASTER_BYTES_PER_PARAM): the compute-stream copies always, the side-stream ones where the device
+    does not overlap communication with compute; at the device's memory bandwidth."""
+    on_compute = params * (gathers * 2 * precision.weight_bytes + reductions * (precision.weight_bytes + GRAD_REDUCE_BYTES_PER_PARAM))
+    on_side = shard_params * (gathers * (MASTER_BYTES_PER_PARAM + precision.weight_bytes)
+                              + reductions * REDUCED_SHARD_PASS_BYTES_PER_PARAM)
+    moved = on_compute + (0.0 if device.comm_overlaps_compute else on_side)
+    return moved / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
+
+
 def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, groups, dense: float, expert: float,
                  fwd_s: float, bwd_s: float, oversubscription: float) -> float:
-    """Data-parallel traffic not hidden behind compute, per step.
+    """Data-parallel traffic not hidden behind compute, per step, and FSDP2's buffer copies.
 
     The gradient reduction (all-reduce, or reduce-scatter under ZeRO-1/2) runs bucket by bucket
     during the backward of the last micro-batch; ZeRO-2 keeps only its shard of the gradients, so
@@ -89,7 +115,8 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
     with gradient sync on; `planner.apply`), while pipeline stages reduce once after the schedule.
     The ZeRO-1/2 parameter all-gather runs bucket by bucket ahead of the next step's first forward
     (Megatron-Core's overlapped param gather, FSDP's prefetch). Each is exposed by what exceeds its
-    one-micro-batch window.
+    one-micro-batch window. The parameters stay gathered over the micro-batches, so FSDP2 copies
+    them out of its buffer once per step (`fsdp2_copy_s`), and the gradients in once per reduction.
     """
     if config.zero == 3 or config.dp * config.cp == 1:
         return 0.0
@@ -103,7 +130,9 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
         gather_s = state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, dense, expert, groups.dp_cp,
                                       expert_group, node, oversubscription)
     reductions = config.num_microbatches if config.zero == 2 and config.pp == 1 else 1
-    return reductions * max(0.0, reduce_s - bwd_s) + max(0.0, gather_s - fwd_s)
+    shard = dense / groups.dp_cp.size + expert / expert_group.size if config.zero else dense + expert
+    copies_s = fsdp2_copy_s(precision, node.device, dense + expert, shard, gathers=1, reductions=reductions)
+    return reductions * max(0.0, reduce_s - bwd_s) + max(0.0, gather_s - fwd_s) + copies_s
 
 
 def zero3_exposed_s(fetch: Zero3Fetch, precision: Precision, dense: float, expert: float, groups, expert_group: CommGroup,
@@ -111,8 +140,10 @@ def zero3_exposed_s(fetch: Zero3Fetch, precision: Precision, dense: float, exper
                     refetch: bool) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's ZeRO-3 traffic per micro-batch that its compute does
     not hide: the all-gather of its `dense` and `expert` parameters and the reduce-scatter of their
-    gradients, against its forward and backward (with recompute) compute windows. `refetch`: the
-    layer is recomputed whole, which a blocking fetch gathers again (`Zero3Fetch`)."""
+    gradients, against its forward and backward (with recompute) compute windows, and under
+    prefetch (FSDP2) the buffer copies of its gather in each pass and of its reduction
+    (`fsdp2_copy_s`). `refetch`: the layer is recomputed whole, which a blocking fetch gathers again
+    (`Zero3Fetch`)."""
     gather_s = state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, dense, expert, groups.dp_cp, expert_group,
                                   node, oversubscription)
     scatter_s = state_collective_s(Collective.REDUCE_SCATTER, GRAD_REDUCE_BYTES_PER_PARAM, dense, expert, groups.dp_cp,
@@ -120,7 +151,9 @@ def zero3_exposed_s(fetch: Zero3Fetch, precision: Precision, dense: float, exper
     if fetch is Zero3Fetch.BLOCKING:
         fetch_s = max(gather_s, (dense + expert) * precision.weight_bytes / BLOCKING_FETCH_BYTES_PER_S)
         return fetch_s, fetch_s * (2 if refetch else 1) + max(0.0, scatter_s - bwd_window_s)
-    return max(0.0, gather_s - fwd_window_s), max(0.0, gather_s + scatter_s - bwd_window_s)
+    shard = dense / groups.dp_cp.size + expert / expert_group.size
+    return (max(0.0, gather_s - fwd_window_s) + fsdp2_copy_s(precision, node.device, dense + expert, shard, 1, 0),
+            max(0.0, gather_s + scatter_s - bwd_window_s) + fsdp2_copy_s(precision, node.device, dense + expert, shard, 1, 1))
 
 
 def tied_gradient_sum_s(config: ParallelConfig, copied_params: float, node: NodeSpec, oversubscription: float) -> float:

@@ -48,6 +48,8 @@ SEED = 0
 VOCAB = 256
 # Collectives `_CollectiveCounter` counts (torch's functional collectives, as DTensor issues them).
 COUNTED_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+# FSDP2 profiler ranges `_CollectiveCounter` counts: a unit's parameter all-gather and its forward.
+COUNTED_FSDP_RANGES = ("FSDP::all_gather", "FSDP::pre_forward")
 
 # Small enough for a CPU step in milliseconds. The planner's layouts shard every weight
 # (Megatron-SP: sequence-parallel norms, colwise q/k/v/fc1, rowwise o/fc2); at hidden 96 the layout
@@ -114,16 +116,22 @@ def _reference(spec_path: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 class _CollectiveCounter(TorchDispatchMode):
-    """Counts the functional collectives a step issues, by kind."""
+    """Counts the functional collectives a step issues, by kind, and FSDP2's parameter gathers and
+    unit forwards (by the names of the profiler ranges FSDP2 opens)."""
 
     def __init__(self):
         super().__init__()
         self.calls = dict.fromkeys(COUNTED_COLLECTIVES, 0)
+        self.fsdp = dict.fromkeys(COUNTED_FSDP_RANGES, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kind = func.__name__.split(".")[0]
         if func.namespace == "_c10d_functional" and kind in self.calls:
             self.calls[kind] += 1
+        elif func.namespace == "profiler" and kind == "_record_function_enter_new":
+            name = str(args[0]).split(" (")[0]
+            if name in self.fsdp:
+                self.fsdp[name] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -147,7 +155,8 @@ def _train(plan: Plan, spec_path: str) -> dict:
             local_numel += (p.to_local() if isinstance(p, DTensor) else p).numel()
             params[_clean(name)] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
     return {"losses": losses, "params": params, "local_numel": local_numel, "kept_outputs": kept_outputs,
-            "recomputed": {k: str(v) for k, v in applied.recomputed.items()}, "collectives": counter.calls}
+            "recomputed": {k: str(v) for k, v in applied.recomputed.items()}, "collectives": counter.calls,
+            "fsdp_ranges": counter.fsdp}
 
 
 def _worker(rank: int, world: int, port: int, cases: list[tuple[str, str, str]], out_dir: str) -> None:
@@ -190,6 +199,7 @@ def _run(world: int, cases: list[tuple[str, Plan, Path]]) -> dict[str, dict]:
             recomputed.update(r["recomputed"])
         merged[name] = {"losses": losses, "params": params, "recomputed": recomputed,
                         "collectives": [r["collectives"] for r in results],
+                        "fsdp_ranges": [r["fsdp_ranges"] for r in results],
                         "local_numel": [r["local_numel"] for r in results],
                         "kept_outputs": max(r["kept_outputs"] for r in results)}
     return merged
@@ -254,6 +264,7 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
     all_blocks = [f"layers.{i}" for i in range(4)]
     two_rank = [
         ("pp_1f1b", _plan(gpt, "cpu:1x2", pp=2, tp=1, schedule="1f1b", micro_batch=2), gpt),
+        ("pp_1f1b_one_microbatch", _plan(gpt, "cpu:1x2", pp=2, tp=1, schedule="1f1b", micro_batch=GLOBAL_BATCH), gpt),
         ("pp_interleaved", _plan(gpt, "cpu:1x2", pp=2, tp=1, vpp=2, schedule="interleaved", micro_batch=2), gpt),
         ("pp_zero_bubble", _plan(gpt, "cpu:1x2", pp=2, tp=1, schedule="zb", micro_batch=2), gpt),
         ("pp_recompute", _memory_pressure_plan(gpt, tmp_path_factory.mktemp("device")), gpt),
@@ -265,6 +276,7 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("dp_zero3", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=3), gpt),
         ("dp_zero1_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=1, micro_batch=2), gpt),
         ("dp_zero2_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=2, micro_batch=2), gpt),
+        ("dp_zero3_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=3, micro_batch=2), gpt),
         ("dp_zero1_offload_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=1, micro_batch=2,
                                               offload_optimizer=True), gpt),
         ("llama_tp", _plan(llama, "cpu:1x2", tp=2, pp=1), llama),
@@ -327,6 +339,13 @@ def test_last_stage_keeps_no_microbatch_outputs(trained, case):
     assert trained[case][2]["kept_outputs"] == 0
 
 
+def test_pipeline_1f1b_with_fewer_microbatches_than_stages(trained):
+    # torch's Schedule1F1B refuses fewer micro-batches than stages; the plan still applies and trains.
+    plan = trained["pp_1f1b_one_microbatch"][0]
+    assert (plan.config.pp, plan.config.num_microbatches, plan.config.schedule) == (2, 1, "1f1b")
+    _check(trained["pp_1f1b_one_microbatch"])
+
+
 def test_pipeline_interleaved(trained):
     assert trained["pp_interleaved"][0].config.vpp == 2
     _check(trained["pp_interleaved"])
@@ -383,6 +402,21 @@ def test_sharded_optimizer_over_micro_batches(trained, case):
     # optimizer offloaded); ZeRO-2 reduce-scatters after each micro-batch. All train like one process.
     assert trained[case][0].config.num_microbatches == 2
     _check(trained[case])
+
+
+@pytest.mark.parametrize("case, gathers_per_unit", [("dp_zero1_accumulate", 1), ("dp_zero2_accumulate", 1),
+                                                    ("dp_zero3_accumulate", 4)])
+def test_parameters_are_gathered_as_priced(trained, case, gathers_per_unit):
+    # Below ZeRO-3 each unit's parameters are gathered once per step and kept over the micro-batches
+    # (the cost model prices one gather per step); ZeRO-3 gathers each unit for every micro-batch's
+    # forward and again for its backward: 2 x 2 micro-batches. Every unit runs one forward per
+    # micro-batch, so the forwards count the units.
+    plan = trained[case][0]
+    m = plan.config.num_microbatches
+    assert m == 2
+    for ranges in trained[case][2]["fsdp_ranges"]:
+        units = ranges["FSDP::pre_forward"] / m
+        assert ranges["FSDP::all_gather"] == gathers_per_unit * units
 
 
 def test_op_level_selective_recompute(trained):

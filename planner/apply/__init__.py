@@ -129,7 +129,9 @@ class AppliedPlan:
         Gradients are averaged over micro-batches, so they equal those of the mean loss of the slice.
         Under ZeRO-2/3 gradients are reduce-scattered after every micro-batch, so they stay sharded
         as the plan's memory assumes; under ZeRO-0/1 the whole gradients accumulate (as ZeRO-1 and
-        Megatron's distributed optimizer keep them) and are reduced once, after the last.
+        Megatron's distributed optimizer keep them) and are reduced once, after the last. Below
+        ZeRO-3 the gathered parameters stay from the first micro-batch to the last one's backward,
+        so they are gathered (and copied out of FSDP2's buffer) once per step, as priced.
 
         Returns:
             The mean loss of this rank's slice where `has_loss`, else None.
@@ -149,7 +151,9 @@ class AppliedPlan:
         total = torch.zeros((), device=tokens.device)
         for index, chunk in enumerate(chunks):
             if isinstance(model, FSDPModule):
-                model.set_requires_gradient_sync(config.zero >= 2 or index == len(chunks) - 1)
+                last = index == len(chunks) - 1
+                model.set_requires_gradient_sync(config.zero >= 2 or last)
+                model.set_reshard_after_backward(config.zero == 3 or last)
             with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
                 loss = model(chunk) / len(chunks)
                 loss.backward()

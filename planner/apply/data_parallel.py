@@ -19,6 +19,7 @@ gathers and reductions per layer; units sharing a parameter (tied embeddings) st
 
 Gradient reduction with micro-batches: without pipelining, ZeRO-2/3 reduce-scatter after every
 micro-batch so gradients stay sharded (`AppliedPlan.forward_backward`); ZeRO-0/1 reduce once.
+Below ZeRO-3 the parameters stay gathered until the last micro-batch's backward (no re-gather).
 With pipelining, torch's `PipelineStage` defers the reduction to the last micro-batch, so the
 unsharded gradients of the stage accumulate in between: more gradient memory than ZeRO-2/3 budgets.
 """

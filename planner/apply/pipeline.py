@@ -112,5 +112,10 @@ def build_schedule(chunks: list[tuple[int, nn.Module]], plan: Plan, pp_mesh: Dev
     group = pp_mesh.get_group()
     stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in chunks]
     schedule_class = SCHEDULE_CLASSES[config.schedule]
+    if config.schedule is Schedule.ONE_F_ONE_B and config.num_microbatches < num_stages:
+        # torch's Schedule1F1B needs a micro-batch per stage. With fewer, 1F1B's warm-up already holds
+        # every micro-batch on the first stage, which then runs as under GPipe (all forwards, then all
+        # backwards); later stages differ only in order.
+        schedule_class = ScheduleGPipe
     target = stages if config.schedule in _MULTI_STAGE else stages[0]
     return stages, schedule_class(target, n_microbatches=config.num_microbatches, loss_fn=loss_fn)
