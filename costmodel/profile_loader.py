@@ -41,9 +41,9 @@ DEFAULT_MEM_BW_EFFICIENCY = 0.7
 # every GPU of a node runs at once under its power limit, so clocks drop, and a step's GEMM shapes
 # sit off the best-shape optimum. Fitted with DEFAULT_MEM_BW_EFFICIENCY by benchmarks/calibrate.py
 # (one value for every device and source, never per row; the objective is flat within 0.4 points
-# of MAPE from 0.78 to 0.82); it puts A100 large GEMMs at 0.87 x 0.80 = 70% of peak. A profile
+# of MAPE from 0.78 to 0.82); it puts A100 large GEMMs at 0.87 x 0.82 = 71% of peak. A profile
 # measured by `paraplan profile` under load sets 1.0.
-DEFAULT_MATMUL_SUSTAINED_FRACTION = 0.80
+DEFAULT_MATMUL_SUSTAINED_FRACTION = 0.82
 # The generated curve has points from 1 MFLOP to 100 TFLOP, two per decade.
 MATMUL_CURVE_MIN_FLOPS_LOG10 = 6
 MATMUL_CURVE_MAX_FLOPS_LOG10 = 14
