@@ -1,7 +1,8 @@
 """Groups a model's ops into layers (pipeline-cut units): block detection, layer keys, Layer records.
 
 Layers: the nn.ModuleList / nn.Sequential whose structurally identical children are most
-numerous (and hold at least `BLOCK_CONTAINER_MIN_PARAM_SHARE` of the weights) is the block stack.
+numerous (and hold at least `BLOCK_CONTAINER_MIN_PARAM_SHARE` of the weights outside embedding-shaped
+vocabulary tables) is the block stack.
 Ops that run before its first block form the "embed" layer, each block is a layer, and the ops
 after the last block (final norm, head, loss) form the "head" layer; functional code between
 blocks stays with the block before it, a module between blocks is a layer of its own (kind
@@ -23,8 +24,10 @@ from torch import nn
 from planner.graph import Layer, LayerKind, Op
 from planner.measure import PieceCost
 
-# A block stack holds most of a transformer's weights; a minor repeated container (two identical
-# conv blocks of a CNN stage, the experts of one MoE layer) is not the pipeline-cut axis.
+# A block stack holds most of a transformer's weights outside its vocabulary tables (embeddings and
+# a head of an embedding's shape, which in a small model with a large vocabulary can outweigh all
+# blocks); a minor repeated container (two identical conv blocks of a CNN stage, the experts of one
+# MoE layer) is not the pipeline-cut axis.
 BLOCK_CONTAINER_MIN_PARAM_SHARE = 0.5
 # Parameters under a submodule of this name are expert weights (`Layer.expert_params`).
 EXPERTS_MODULE = "experts"
@@ -68,15 +71,20 @@ class Grouping:
 
 def _find_block_container(model: nn.Module) -> str | None:
     """The ModuleList/Sequential with the most structurally identical children among those whose
-    children hold BLOCK_CONTAINER_MIN_PARAM_SHARE of the parameters."""
-    total = sum(p.numel() for p in model.parameters())
+    children hold BLOCK_CONTAINER_MIN_PARAM_SHARE of the parameters outside the vocabulary tables."""
+    table_shapes = {module.weight.shape for module in model.modules() if isinstance(module, nn.Embedding)}
+
+    def weights(module: nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters() if p.shape not in table_shapes)
+
+    total = weights(model)
     best, best_count = None, 1
     for fqn, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         signatures = [module_signature(child) for child in module.children()]
         count = max((signatures.count(s) for s in set(signatures)), default=0)
-        share = sum(p.numel() for p in module.parameters()) / total if total else 0.0
+        share = weights(module) / total if total else 0.0
         if count > best_count and share >= BLOCK_CONTAINER_MIN_PARAM_SHARE:
             best, best_count = fqn, count
     return best

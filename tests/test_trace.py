@@ -141,6 +141,18 @@ def test_layers_split_embedding_blocks_head_and_count_tied_weights_once():
     assert graph.layers[-1].params == 2 * 12288  # final LayerNorm only; head weight is tied
 
 
+def test_block_stack_found_when_the_vocabulary_tables_outweigh_the_blocks():
+    # hidden 256 and a 128,256-token vocabulary: the untied embedding and head (2 x 32.8M weights)
+    # outweigh the 32 blocks (32 x 0.9M); outside those tables the blocks hold nearly everything, so
+    # each block is still a layer (a pipeline can cut between them).
+    spec = parse_spec({"arch": "llama", "layers": 32, "hidden": 256, "heads": 4, "ffn_hidden": 832,
+                       "vocab": 128256}, "small-hidden-large-vocab.yaml")
+    graph = trace(resolve_model(spec), seq_len=32)
+    blocks = graph.blocks
+    assert len(blocks) == 32 and blocks[0].name == "layers.0"
+    assert 2 * 128256 * 256 > sum(block.params for block in blocks)
+
+
 def test_repeated_blocks_are_measured_once(monkeypatch):
     calls = []
 
