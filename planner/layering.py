@@ -1,8 +1,10 @@
 """Groups a model's ops into layers (pipeline-cut units): block detection, layer keys, Layer records.
 
 Layers: the nn.ModuleList / nn.Sequential whose structurally identical children are most
-numerous (and hold at least `BLOCK_CONTAINER_MIN_PARAM_SHARE` of the weights outside embedding-shaped
-vocabulary tables) is the block stack.
+numerous (one will do; they must hold at least `BLOCK_CONTAINER_MIN_PARAM_SHARE` of the weights
+outside embedding-shaped vocabulary tables) is the block stack. When that is the root (an
+nn.Sequential of an embedding, the blocks and a head), its blocks are its children from the first
+to the last of the most common structure.
 Ops that run before its first block form the "embed" layer, each block is a layer, and the ops
 after the last block (final norm, head, loss) form the "head" layer; functional code between
 blocks stays with the block before it, a module between blocks is a layer of its own (kind
@@ -38,18 +40,27 @@ class Grouping:
     """Maps module FQNs to pipeline-cut units.
 
     Attributes:
-        container: FQN of the block stack, or None.
+        container: FQN of the block stack ("" when it is the root, e.g. an nn.Sequential of an
+            embedding, the blocks and a head), or None.
         outer: FQNs of the container's ancestors ("" is the root); without a container, {""}.
+        root_blocks: when the root is the block stack, its children from the first to the last of
+            the most common structure (the others are the embedding and the head).
     """
 
     container: str | None
     outer: frozenset[str]
+    root_blocks: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, model: nn.Module) -> Grouping:
         container = _find_block_container(model)
         if container is None:
             return cls(None, frozenset({""}))
+        if container == "":
+            names, signatures = zip(*((name, module_signature(child)) for name, child in model.named_children()))
+            common = max(set(signatures), key=signatures.count)
+            picked = [i for i, s in enumerate(signatures) if s == common]
+            return cls("", frozenset({""}), frozenset(names[picked[0]:picked[-1] + 1]))
         parts = container.split(".")
         return cls(container, frozenset(".".join(parts[:i]) for i in range(len(parts))))
 
@@ -66,19 +77,22 @@ class Grouping:
         return unit
 
     def is_block(self, unit: str) -> bool:
+        if self.container == "":
+            return unit in self.root_blocks
         return self.container is not None and unit.startswith(self.container + ".")
 
 
 def _find_block_container(model: nn.Module) -> str | None:
-    """The ModuleList/Sequential with the most structurally identical children among those whose
-    children hold BLOCK_CONTAINER_MIN_PARAM_SHARE of the parameters outside the vocabulary tables."""
+    """The ModuleList/Sequential with the most structurally identical children (at least one) among
+    those whose children hold BLOCK_CONTAINER_MIN_PARAM_SHARE of the parameters outside the
+    vocabulary tables."""
     table_shapes = {module.weight.shape for module in model.modules() if isinstance(module, nn.Embedding)}
 
     def weights(module: nn.Module) -> int:
         return sum(p.numel() for p in module.parameters() if p.shape not in table_shapes)
 
     total = weights(model)
-    best, best_count = None, 1
+    best, best_count = None, 0
     for fqn, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue

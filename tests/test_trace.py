@@ -153,6 +153,29 @@ def test_block_stack_found_when_the_vocabulary_tables_outweigh_the_blocks():
     assert 2 * 128256 * 256 > sum(block.params for block in blocks)
 
 
+def test_a_single_block_is_a_block():
+    # One transformer block: the block stack holds one child, still the layer recompute applies to.
+    spec = parse_spec({"arch": "llama", "layers": 1, "hidden": 256, "heads": 4, "ffn_hidden": 768, "vocab": 1000},
+                      "one-block.yaml")
+    graph = trace(resolve_model(spec), seq_len=32)
+    assert [(layer.name, layer.kind) for layer in graph.layers] == [
+        ("embed", LayerKind.EMBEDDING), ("layers.0", LayerKind.BLOCK), ("head", LayerKind.HEAD)]
+
+
+def test_sequential_model_splits_into_embedding_blocks_and_head():
+    # nn.Sequential(embedding, 3 identical encoder layers, linear head): the root is the block stack;
+    # its children before the first and after the last identical one are the embedding and the head.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(1000, 64),
+                          *(nn.TransformerEncoderLayer(64, 4, 128, batch_first=True) for _ in range(3)),
+                          nn.Linear(64, 1000))
+    graph = trace(model, seq_len=16)
+    assert [(layer.name, layer.kind) for layer in graph.layers] == [
+        ("embed", LayerKind.EMBEDDING), ("1", LayerKind.BLOCK), ("2", LayerKind.BLOCK), ("3", LayerKind.BLOCK),
+        ("head", LayerKind.HEAD)]
+    assert graph.layers[-1].params == 64 * 1000 + 1000
+
+
 def test_repeated_blocks_are_measured_once(monkeypatch):
     calls = []
 
