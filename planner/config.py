@@ -67,7 +67,8 @@ class ParallelConfig:
         if self.vpp > 1 and self.schedule != Schedule.INTERLEAVED:
             raise invalid(f"vpp={self.vpp}: virtual pipeline stages need schedule=interleaved")
         if self.schedule == Schedule.INTERLEAVED and self.pp == 1:
-            raise invalid("schedule=interleaved: needs pp > 1")
+            what = f"vpp={self.vpp}" if self.vpp > 1 else "schedule=interleaved"
+            raise invalid(f"{what}: interleaving virtual pipeline stages needs pp > 1; set pp > 1 or drop it")
 
     @property
     def devices(self) -> int:

@@ -216,6 +216,8 @@ BAD_INPUT = [
     pytest.param(["evaluate", *MODEL_ARGS, "--cluster", "a100-80g:1x8", "--global-batch", "0", "--tp", "1", "--pp", "1"],
                  "--global-batch", id="zero global batch"),
     pytest.param(["evaluate", *RUN_ARGS, "--tp", "-2", "--pp", "1"], "--tp", id="negative degree"),
+    pytest.param(["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--vpp", "2"], "vpp=2: interleaving virtual pipeline "
+                 "stages needs pp > 1", id="virtual stages without a pipeline"),
     pytest.param(["evaluate", "--model", "{bad}/typo.yaml", "--seq-len", "16", "--cluster", "a100-80g:1x8", "--global-batch", "8",
                   "--tp", "1", "--pp", "1"], "did you mean `heads`", id="spec file with a typo key"),
     pytest.param(["hardware", "h100-sxn"], "h100-sxn", id="unknown hardware name"),
