@@ -75,7 +75,7 @@ class _Pass:
         heap: list[tuple[float, int, ParallelConfig]] = []
         for degrees in space.degrees:
             if global_batch % degrees[0]:
-                self.rejected.append(Rejection(f"dp={degrees[0]}", f"global_batch={global_batch} is not a multiple of dp"))
+                self.rejected.append(Rejection(f"dp={degrees[0]}", _batch_reason(global_batch)))
                 continue
             produced = 0
             for config in configs_for(degrees, graph, global_batch, constraints):
@@ -229,6 +229,10 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     )
 
 
+def _batch_reason(global_batch: int) -> str:
+    return f"global_batch={global_batch} is not a multiple of dp"
+
+
 def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closest_miss, evaluated: int,
                   rejected: list[Rejection]) -> PlannerError:
     """INSUFFICIENT_MEMORY with what would fit: more devices, and of a smaller micro-batch, ZeRO-3 with full
@@ -242,8 +246,12 @@ def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closes
             example[r.reason] = r.what  # the smallest degrees of each reason
         reasons = "; ".join(f"{example[reason]}: {reason}" + (f" (and {count - 1} more)" if count > 1 else "")
                             for reason, count in by_reason.most_common(3))
-        return invalid(f"no configuration of {graph.name} on {cluster.num_devices} devices is valid: {reasons}; "
-                       f"fix: relax the fixed choices or change the global batch")
+        fix = "relax the fixed choices or change the global batch"
+        splits = [int(r.what.split("=")[1]) for r in rejected if r.reason == _batch_reason(global_batch)]
+        if splits and len(splits) == len(rejected):
+            batch, dp = min((math.ceil(global_batch / dp) * dp, dp) for dp in splits)
+            fix = f"global_batch={batch} (a multiple of dp={dp}) would split, or relax the fixed choices"
+        return invalid(f"no configuration of {graph.name} on {cluster.num_devices} devices is valid: {reasons}; fix: {fix}")
     need, config, at_least = closest_miss
     remedies = [f"about {math.ceil(cluster.num_devices * need / capacity)}+ devices"]
     if config.micro_batch > 1:
