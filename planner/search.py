@@ -240,15 +240,15 @@ def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closes
     with the commonest reasons when no configuration was valid at all (`rejected`)."""
     capacity = min(g.node.device.mem_bytes for g in cluster.groups)
     if closest_miss is None:
-        by_reason = Counter(r.reason for r in rejected)
-        example = {}
-        for r in sorted(rejected, key=lambda r: [int(n) for n in re.findall(r"\d+", r.what)], reverse=True):
-            example[r.reason] = r.what  # the smallest degrees of each reason
+        distinct = sorted({(r.what, r.reason) for r in rejected},  # a second pass (offload) rejects the same again
+                          key=lambda item: [int(n) for n in re.findall(r"\d+", item[0])], reverse=True)
+        by_reason = Counter(reason for _, reason in distinct)
+        example = {reason: what for what, reason in distinct}  # the smallest degrees of each reason
         reasons = "; ".join(f"{example[reason]}: {reason}" + (f" (and {count - 1} more)" if count > 1 else "")
                             for reason, count in by_reason.most_common(3))
         fix = "relax the fixed choices or change the global batch"
-        splits = [int(r.what.split("=")[1]) for r in rejected if r.reason == _batch_reason(global_batch)]
-        if splits and len(splits) == len(rejected):
+        splits = [int(what.split("=")[1]) for what, reason in distinct if reason == _batch_reason(global_batch)]
+        if splits and len(splits) == len(distinct):
             batch, dp = min((math.ceil(global_batch / dp) * dp, dp) for dp in splits)
             fix = f"global_batch={batch} (a multiple of dp={dp}) would split, or relax the fixed choices"
         return invalid(f"no configuration of {graph.name} on {cluster.num_devices} devices is valid: {reasons}; fix: {fix}")

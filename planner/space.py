@@ -156,7 +156,8 @@ def micro_batches(per_replica_batch: int, constraints: dict) -> list[int]:
 def schedules(pp: int, layers: int, num_microbatches: int, constraints: dict) -> list[tuple[Schedule, int]]:
     """(schedule, vpp) pairs that can run `num_microbatches` on `pp` stages of `layers` layers."""
     if pp == 1:
-        return [(Schedule.ONE_F_ONE_B, 1)]
+        fixed_pipelining = constraints.get("vpp", 1) > 1 or str(constraints.get("schedule", Schedule.ONE_F_ONE_B)) != "1f1b"
+        return [] if fixed_pipelining else [(Schedule.ONE_F_ONE_B, 1)]
     allowed = constraints.get("schedules") or ([constraints["schedule"]] if "schedule" in constraints else None)
     out = [(Schedule.ONE_F_ONE_B, 1), (Schedule.ZERO_BUBBLE, 1)]
     if num_microbatches >= pp:
@@ -207,6 +208,8 @@ def why_no_configs(degrees: tuple[int, int, int, int, int], graph: ModelGraph, g
     if not micro_batches(global_batch // dp, constraints):
         return (f"micro_batch={constraints['micro_batch']} does not divide the sequences per data-parallel replica "
                 f"(global_batch={global_batch} / dp)")
+    if pp == 1:
+        return "the fixed schedule/vpp needs pipeline stages (pp > 1)"
     return (f"the fixed schedule/vpp cannot run {pp} stages of {len(graph.layers)} layers (interleaved needs "
             f"num_microbatches divisible by pp and pp*vpp <= layers; gpipe needs num_microbatches >= pp)")
 

@@ -248,6 +248,8 @@ def small_plan():
     {"zero": 3, "recompute": "full"},
     {"pp": 4, "schedule": "gpipe"},
     {"pp": 2, "vpp": 2, "micro_batch": 2},
+    {"vpp": 2},  # alone: a pipeline follows (unpipelined plans are faster here)
+    {"schedule": "zb"},
 ])
 def test_fixed_choices_are_honoured(fixed):
     graph = planner.trace("gpt3-350m", seq_len=1024)
