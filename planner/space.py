@@ -53,12 +53,13 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _fixed(constraints: dict, key: str, options: list[int], space: Space, label: str) -> list[int]:
-    """Apply a user's fixed value (`tp=8`) or bounds (`max_tp=4`, `min_tp=2`) to `options`."""
+def _fixed(constraints: dict, key: str, options: list[int], space: Space, label: str, where: str = "") -> list[int]:
+    """Apply a user's fixed value (`tp=8`) or bounds (`max_tp=4`, `min_tp=2`) to `options`; `where`
+    says what limits them, for the rejection."""
     if key in constraints and constraints[key] is not None:
         value = constraints[key]
         if value not in options:
-            space.rejected.append(Rejection(f"{key}={value}", f"not possible here; options are {options}"))
+            space.rejected.append(Rejection(f"{key}={value}", f"not possible{where}; options are {options}"))
             return []
         return [value]
     low, high = constraints.get(f"min_{key}", 1), constraints.get(f"max_{key}", max(options or [1]))
@@ -92,7 +93,8 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) ->
             space.rejected.append(Rejection(f"tp={tp}", "the model was traced at module level; tensor parallelism needs its op graph"))
             continue
         tp_options.append(tp)
-    tp_options = _fixed(constraints, "tp", tp_options, space, "tensor parallelism")
+    tp_options = _fixed(constraints, "tp", tp_options, space, "tensor parallelism",
+                        f" ({per_node} devices per node, {dims.heads} attention heads)" if dims.heads else "")
     cp_all = [c for c in divisors(devices) if graph.seq_len % c == 0 and c <= 32]
     cp_options = [c for c in cp_all if c == 1 or graph.seq_len >= CP_MIN_SEQ_LEN]
     if len(cp_options) < len(cp_all) and "cp" not in constraints:
@@ -106,7 +108,8 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) ->
             if devices % (tp * cp):
                 continue
             pp_all = [p for p in divisors(devices // (tp * cp)) if p <= layers and _stages_on_one_device_type(cluster, p, space)]
-            for pp in _fixed(constraints, "pp", pp_all, space, "pipeline parallelism"):
+            where = f" with tp={tp} and cp={cp} on {devices} devices ({layers} layers)"
+            for pp in _fixed(constraints, "pp", pp_all, space, "pipeline parallelism", where):
                 dp = devices // (tp * cp * pp)
                 if "dp" in constraints and constraints["dp"] != dp:
                     continue
@@ -134,14 +137,17 @@ def _stages_on_one_device_type(cluster: Cluster, pp: int, space: Space) -> bool:
 def _ep_options(graph: ModelGraph, dp_cp: int, constraints: dict, space: Space) -> list[int]:
     experts = graph.dims.experts
     if not experts:
-        return _fixed(constraints, "ep", [1], space, "expert parallelism")
-    return _fixed(constraints, "ep", [e for e in divisors(dp_cp) if experts % e == 0], space, "expert parallelism")
+        return _fixed(constraints, "ep", [1], space, "expert parallelism", ": the model has no experts")
+    return _fixed(constraints, "ep", [e for e in divisors(dp_cp) if experts % e == 0], space, "expert parallelism",
+                  f" with dp*cp={dp_cp} ({experts} experts; ep divides both)")
 
 
 def PlannerError_no_degrees(space: Space, constraints: dict) -> PlannerError:
     from planner.errors import invalid
 
-    reasons = "; ".join(f"{r.what}: {r.reason}" for r in space.rejected[-3:])
+    fixed_keys = {k for k in constraints if k in ("tp", "pp", "dp", "cp", "ep")}
+    about_fixed = [r for r in space.rejected if r.what.split("=")[0] in fixed_keys] or space.rejected
+    reasons = "; ".join(list(dict.fromkeys(f"{r.what}: {r.reason}" for r in about_fixed))[-3:])
     fixed = {k: v for k, v in constraints.items() if k in ("tp", "pp", "dp", "cp", "ep")}
     return invalid(f"no parallel degrees fit the constraints {fixed}: {reasons}")
 

@@ -131,8 +131,20 @@ def test_dense_models_have_ep1_only_and_fixed_ep_is_rejected():
     dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=24)
     space = enumerate_degrees(fake_graph(dims), load_cluster("a100-80g:1x8"), {})
     assert {ep for *_, ep in space.degrees} == {1}
-    with pytest.raises(PlannerError, match="no parallel degrees"):
+    with pytest.raises(PlannerError) as error:
         enumerate_degrees(fake_graph(dims), load_cluster("a100-80g:1x8"), {"ep": 2})
+    # The message names what blocks the fixed degree (once, however many tuples it blocked), not
+    # rejections of other degrees.
+    assert error.value.message == ("no parallel degrees fit the constraints {'ep': 2}: ep=2: not possible: "
+                                   "the model has no experts; options are [1]")
+
+
+def test_a_fixed_pipeline_degree_that_cannot_be_says_why():
+    # 8 devices with tp=8 leave one device per tensor-parallel group: pp=2 cannot be.
+    dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=24)
+    with pytest.raises(PlannerError) as error:
+        enumerate_degrees(fake_graph(dims), load_cluster("a100-80g:1x8"), {"tp": 8, "pp": 2})
+    assert "pp=2: not possible with tp=8 and cp=1 on 8 devices" in error.value.message
 
 
 def test_context_parallelism_only_for_long_sequences():
