@@ -145,10 +145,9 @@ def _ep_options(graph: ModelGraph, dp_cp: int, constraints: dict, space: Space) 
 def PlannerError_no_degrees(space: Space, constraints: dict) -> PlannerError:
     from planner.errors import invalid
 
-    fixed_keys = {k for k in constraints if k in ("tp", "pp", "dp", "cp", "ep")}
-    about_fixed = [r for r in space.rejected if r.what.split("=")[0] in fixed_keys] or space.rejected
-    reasons = "; ".join(list(dict.fromkeys(f"{r.what}: {r.reason}" for r in about_fixed))[-3:])
     fixed = {k: v for k, v in constraints.items() if k in ("tp", "pp", "dp", "cp", "ep")}
+    about_fixed = [r for r in space.rejected if r.what.split("=")[0] in fixed] or space.rejected
+    reasons = "; ".join(list(dict.fromkeys(f"{r.what}: {r.reason}" for r in about_fixed))[-3:])
     return invalid(f"no parallel degrees fit the constraints {fixed}: {reasons}")
 
 
