@@ -323,10 +323,10 @@ def test_no_valid_configuration_names_why(constraints, reason, example):
 
 def test_no_data_parallel_degree_splitting_the_batch_suggests_one():
     # 1,120 devices (dgx-a100-superpod) = 2^5 x 5 x 7. gpt3-1.3b's 32 heads take tp in {1, 2, 4, 8}
-    # (one node at most), its 26 layers pp <= 26, and seq 512 no cp, so tp*pp <= 8 x 26 = 208 and
-    # dp = 1120 / (tp*pp) keeps a factor 5 or 7: global_batch=512 = 2^9 splits over none. The
-    # nearest batch that does: 518 = 74 x 7 (dp=7: tp=8, pp=20); 515 = 103 x 5 would need dp=5,
-    # i.e. tp*pp = 224 > 208.
+    # (one node at most), its 26 layers pp <= 26, and seq 512 no cp. A power-of-two tp and a pp of
+    # at most 26 cannot take both factors 5 and 7, so dp = 1120 / (tp*pp) keeps one of them and
+    # global_batch=512 = 2^9 splits over none. The nearest batch that does: 518 = 74 x 7 (dp=7:
+    # tp=8, pp=20); 515 = 103 x 5 would need dp=5, i.e. tp*pp = 224 = 2^5 x 7 (pp >= 28).
     graph = planner.trace("gpt3-1.3b", seq_len=512)
     with pytest.raises(PlannerError) as error:
         planner.plan(graph, "dgx-a100-superpod", global_batch=512)
