@@ -50,6 +50,8 @@ VOCAB = 256
 COUNTED_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 # FSDP2 profiler ranges `_CollectiveCounter` counts: a unit's parameter all-gather and its forward.
 COUNTED_FSDP_RANGES = ("FSDP::all_gather", "FSDP::pre_forward")
+# A model the user wrote, returning logits (Plan.apply gets the loss as loss_fn).
+LOGITS_MODEL = "tests.fixtures.custom_models:sequential_lm"
 
 # Small enough for a CPU step in milliseconds. The planner's layouts shard every weight
 # (Megatron-SP: sequence-parallel norms, colwise q/k/v/fc1, rowwise o/fc2); at hidden 96 the layout
@@ -82,7 +84,7 @@ def spec_dir(tmp_path_factory) -> Path:
 def _build(spec_path: str) -> torch.nn.Module:
     torch.manual_seed(SEED)
     model = resolve_model(spec_path).build(seq_len=SEQ_LEN)
-    if any(model.head.weight is p for p in model.embed.parameters()):
+    if spec_path != LOGITS_MODEL and any(model.head.weight is p for p in model.embed.parameters()):
         # Tied to the head, nn.Embedding's N(0, 1) rows make each token's own logit dominate, and the
         # zoo's loss targets the input tokens: the loss starts near 0 and nothing trains. GPT-2's
         # initialisation scale keeps the tied cases learning.
@@ -100,6 +102,11 @@ def _clean(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "")
 
 
+def _logits_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The zoo's language-model loss (targets are the input tokens) for LOGITS_MODEL's logits."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+
+
 @functools.cache
 def _reference(spec_path: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and final parameters of single-process training on the full batches."""
@@ -107,7 +114,7 @@ def _reference(spec_path: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     losses = []
     for tokens in _batches():
-        loss = model(tokens)
+        loss = _logits_loss(model(tokens), tokens) if spec_path == LOGITS_MODEL else model(tokens)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -138,7 +145,7 @@ class _CollectiveCounter(TorchDispatchMode):
 def _train(plan: Plan, spec_path: str) -> dict:
     from torch.distributed.tensor import DTensor
 
-    applied = plan.apply(_build(spec_path), device="cpu")
+    applied = plan.apply(_build(spec_path), device="cpu", loss_fn=_logits_loss if spec_path == LOGITS_MODEL else None)
     optimizer = torch.optim.SGD(list(applied.parameters()), lr=LEARNING_RATE)
     losses, kept_outputs = [], 0
     counter = _CollectiveCounter()
@@ -277,6 +284,9 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("dp_zero1_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=1, micro_batch=2), gpt),
         ("dp_zero2_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=2, micro_batch=2), gpt),
         ("dp_zero3_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=3, micro_batch=2), gpt),
+        ("logits_model_dp_zero3", _plan(LOGITS_MODEL, "cpu:1x2", dp=2, tp=1, pp=1, zero=3, micro_batch=2), LOGITS_MODEL),
+        ("logits_model_pp", _plan(LOGITS_MODEL, "cpu:1x2", pp=2, tp=1, dp=1, schedule="1f1b", micro_batch=2),
+         LOGITS_MODEL),
         ("dp_zero1_offload_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=1, micro_batch=2,
                                               offload_optimizer=True), gpt),
         ("llama_tp", _plan(llama, "cpu:1x2", tp=2, pp=1), llama),
@@ -344,6 +354,15 @@ def test_pipeline_1f1b_with_fewer_microbatches_than_stages(trained):
     plan = trained["pp_1f1b_one_microbatch"][0]
     assert (plan.config.pp, plan.config.num_microbatches, plan.config.schedule) == (2, 1, "1f1b")
     _check(trained["pp_1f1b_one_microbatch"])
+
+
+@pytest.mark.parametrize("case", ["logits_model_dp_zero3", "logits_model_pp"])
+def test_model_returning_logits_trains_with_a_loss_fn(trained, case):
+    # nn.Sequential(embedding, encoder layers, head) returns logits; Plan.apply takes the loss as
+    # loss_fn, with and without pipelining, and trains as one process does.
+    plan = trained[case][0]
+    assert [layer for stage in plan.estimate.stages for layer in stage.layer_names] == ["embed", "1", "2", "head"]
+    _check(trained[case])
 
 
 def test_pipeline_interleaved(trained):

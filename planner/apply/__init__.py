@@ -72,7 +72,8 @@ class AppliedPlan:
         modules: this rank's model chunks (the model itself without pipelining).
         stages: this rank's PipelineStages (empty without pipelining).
         schedule: the pipeline schedule, or None without pipelining.
-        loss_fn: (logits, targets) -> loss used by the last pipeline stage.
+        loss_fn: (logits, targets) -> loss: the last pipeline stage's; without pipelining the user's,
+            or None when the model returns its loss itself.
         recomputed: unit FQN -> recompute policy applied on this rank.
         loss_parallel: the loss is vocab-parallel: run forward and backward inside
             `torch.distributed.tensor.parallel.loss_parallel()` (forward_backward does).
@@ -155,7 +156,12 @@ class AppliedPlan:
                 model.set_requires_gradient_sync(config.zero >= 2 or last)
                 model.set_reshard_after_backward(config.zero == 3 or last)
             with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
-                loss = model(chunk) / len(chunks)
+                out = model(chunk)
+                loss = self.loss_fn(out, chunk) if self.loss_fn is not None else out
+                if loss.dim():
+                    raise invalid(f"forward_backward: the model returned a tensor of shape {tuple(loss.shape)}, not a "
+                                  f"loss; pass loss_fn=(logits, targets) -> loss to Plan.apply")
+                loss = loss / len(chunks)
                 loss.backward()
             total += (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
         return total
@@ -197,8 +203,9 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
             `device`. Modified in place (TP, checkpointing, FSDP); with pipelining only this
             rank's chunks are kept by the result, so drop other references to free the rest.
         device: where to run; default_device() when None.
-        loss_fn: (logits, targets) -> loss for the last pipeline stage; by default the model's
-            `loss` module applied as the zoo's LanguageModel does.
+        loss_fn: (logits, targets) -> loss, for a model that returns logits. By default the model's
+            output is its loss, and pipelining applies the model's `loss` module to the last
+            stage's output as the zoo's LanguageModel does.
         mp_policy: FSDP2 mixed precision (e.g. bf16 parameters for compute, fp32 gradient reduction,
             fp32 master weights in the optimizer); when given, the data-parallel wrapping is applied
             even at dp=1 so the policy takes effect. None keeps the model's dtype.
@@ -260,7 +267,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
             apply_data_parallel(module, own_units, dp_mesh, config.zero, mp_policy, config.offload_optimizer,
                                 experts, edp_mesh)
     if config.pp == 1:
-        return AppliedPlan(plan, mesh, (model,), (), None, None, recomputed, tp_plan is not None and tp_plan.loss_parallel)
+        return AppliedPlan(plan, mesh, (model,), (), None, loss_fn, recomputed, tp_plan is not None and tp_plan.loss_parallel)
     tied = tie_across_stages(plan, mesh, match.tied_params, match.units, chunks)
     loss_fn = loss_fn or language_model_loss(loss_module)
     stages, schedule = build_schedule([(index, module) for index, module, _ in chunks], plan, mesh["pp"], device, loss_fn)
