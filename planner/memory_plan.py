@@ -7,11 +7,12 @@ pipeline stage (which holds the most micro-batches in flight) and none on the la
 """
 from __future__ import annotations
 
-from planner.config import ParallelConfig
+from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError
 from planner.estimate import Evaluator
 from planner.graph import LayerKind, Recompute
 from planner.result import Estimate
+from planner.space import ZERO_BUBBLE_RECOMPUTE
 from planner.stage_ilp import split_ilp
 
 # Wall-clock limit and relative gap of the per-layer recompute ILP.
@@ -32,13 +33,16 @@ def refine_recompute(evaluator: Evaluator, config: ParallelConfig, estimate: Est
         return estimate, {"method": "uniform", "status": "not needed"}
     if config.recompute not in POLICY_ORDER:
         return estimate, {"method": "uniform", "status": f"{config.recompute} is kept uniform"}
-    policy_sets = [_uniform(evaluator, p) for p in POLICY_ORDER]
+    order = POLICY_ORDER
+    if config.schedule == Schedule.ZERO_BUBBLE and config.pp > 1:
+        order = tuple(p for p in POLICY_ORDER if p in ZERO_BUBBLE_RECOMPUTE)
+    policy_sets = [_uniform(evaluator, p) for p in order]
     problem = evaluator.stage_problem(config, policy_sets, headroom)
     try:
         split = split_ilp(problem, time_limit_s=MEMORY_ILP_TIME_LIMIT_S, rel_gap=MEMORY_ILP_REL_GAP)
     except PlannerError:
         return estimate, {"method": "uniform", "status": "ilp infeasible"}
-    chosen = tuple(POLICY_ORDER[c] if evaluator.graph.layers[i].kind == LayerKind.BLOCK else Recompute.NONE
+    chosen = tuple(order[c] if evaluator.graph.layers[i].kind == LayerKind.BLOCK else Recompute.NONE
                    for i, c in enumerate(split.choices))
     refined = evaluator.estimate(config, global_batch, recompute_per_layer=chosen, boundaries=split.boundaries, headroom=headroom)
     info = {"method": split.method, "status": str(split.status), "gap": split.gap, "solve_time_s": split.solve_time_s}

@@ -219,6 +219,12 @@ def why_no_configs(degrees: tuple[int, int, int, int, int], graph: ModelGraph, g
             f"num_microbatches divisible by pp and pp*vpp <= layers; gpipe needs num_microbatches >= pp)")
 
 
+# Recompute policies torch's zero-bubble schedule (ScheduleInterleavedZeroBubble) can run: it calls
+# backward twice on each stage's graph (input gradients, then weight gradients), which
+# torch.utils.checkpoint's selective policies refuse ("Trying to backward an extra time").
+ZERO_BUBBLE_RECOMPUTE = (Recompute.NONE, Recompute.FULL)
+
+
 def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, global_batch: int) -> None:
     """Raises PlannerError(INVALID_INPUT) naming why `config` cannot exist for this model, cluster and batch."""
     dims = graph.dims
@@ -233,6 +239,10 @@ def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, gl
     if config.recompute not in graph.recompute_policies:
         raise invalid(f"recompute={config.recompute}: not measured for this model (op-level checkpointing is measured on "
                       "fx/export traces; this one was traced at module level); use none, selective or full")
+    if config.schedule == Schedule.ZERO_BUBBLE and config.pp > 1 and config.recompute not in ZERO_BUBBLE_RECOMPUTE:
+        raise invalid(f"recompute={config.recompute} with schedule=zb: torch's zero-bubble schedule runs each backward as "
+                      f"an input-gradient and a weight-gradient pass, and selective checkpointing allows one backward per "
+                      f"region; use recompute none or full, or another schedule")
     if config.tp > 1 and not any(layer.ops for layer in graph.layers):
         raise invalid(f"tp={config.tp}: the model was traced at module level (no op graph), so only tp=1 is supported")
     if config.ep > 1 and (not dims.experts or dims.experts % config.ep):

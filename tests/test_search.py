@@ -336,6 +336,19 @@ def test_no_data_parallel_degree_splitting_the_batch_suggests_one():
     planner.plan(graph, "dgx-a100-superpod", global_batch=518)
 
 
+@pytest.mark.parametrize("recompute", ["selective", "selective_op"])
+def test_zero_bubble_schedule_takes_no_selective_checkpointing(recompute):
+    # torch's zero-bubble schedule runs each stage's backward as two passes (input, then weight
+    # gradients); selective checkpointing refuses a second backward, so the pair cannot run. The
+    # search skips it (fixing both leaves nothing valid) and evaluate rejects it in one line.
+    graph = planner.trace("gpt3-125m", seq_len=512)
+    with pytest.raises(PlannerError, match=f"recompute={recompute} with schedule=zb"):
+        planner.plan(graph, "a100-80g:1x8", global_batch=64, pp=2, schedule="zb", recompute=recompute)
+    with pytest.raises(PlannerError, match="selective checkpointing allows one backward per region"):
+        planner.evaluate(graph, "a100-80g:1x8", {"tp": 1, "pp": 2, "schedule": "zb", "recompute": recompute},
+                         global_batch=64)
+
+
 def test_plan_round_trips_through_json(small_plan):
     _, plan = small_plan
     assert planner.Plan.from_json(plan.to_json()) == plan
