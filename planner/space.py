@@ -113,7 +113,7 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) ->
                 dp = devices // (tp * cp * pp)
                 if "dp" in constraints and constraints["dp"] != dp:
                     continue
-                for ep in _ep_options(graph, dp * cp, constraints, space):
+                for ep in _ep_options(graph, dp, constraints, space):
                     space.degrees.append((dp, tp, pp, cp, ep))
     if not space.degrees:
         raise PlannerError_no_degrees(space, constraints)
@@ -134,12 +134,14 @@ def _stages_on_one_device_type(cluster: Cluster, pp: int, space: Space) -> bool:
     return True
 
 
-def _ep_options(graph: ModelGraph, dp_cp: int, constraints: dict, space: Space) -> list[int]:
+def _ep_options(graph: ModelGraph, dp: int, constraints: dict, space: Space) -> list[int]:
+    """Expert-parallel degrees dividing dp and the experts: ep groups inside the dp axis, as
+    `Plan.apply` builds them (`check_config` also admits ep over dp x cp, for evaluating such runs)."""
     experts = graph.dims.experts
     if not experts:
         return _fixed(constraints, "ep", [1], space, "expert parallelism", ": the model has no experts")
-    return _fixed(constraints, "ep", [e for e in divisors(dp_cp) if experts % e == 0], space, "expert parallelism",
-                  f" with dp*cp={dp_cp} ({experts} experts; ep divides both)")
+    return _fixed(constraints, "ep", [e for e in divisors(dp) if experts % e == 0], space, "expert parallelism",
+                  f" with dp={dp} ({experts} experts; ep divides both)")
 
 
 def PlannerError_no_degrees(space: Space, constraints: dict) -> PlannerError:

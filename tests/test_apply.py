@@ -30,8 +30,10 @@ import planner
 from costmodel.profile_files import PROFILES_DIR
 from costmodel.profile_loader import load_cluster
 from planner.apply.context_parallel import token_positions
+from planner.apply.expert_parallel import check_expert_mesh
 from planner.apply.tensor_parallel import tensor_parallel_plan
 from planner.apply.validate import model_units
+from planner.config import ParallelConfig
 from planner.errors import PlannerError
 from planner.mesh import stage_devices
 from planner.models import resolve_model
@@ -553,6 +555,14 @@ def test_dp_x_tp_mesh(trained):
 
 def test_pp_x_dp(trained):
     _check(trained["pp_x_dp"])
+
+
+def test_expert_groups_across_context_parallelism_fail_in_one_line():
+    # The cost model prices ep over dp x cp (Megatron-Core's rule) for `evaluate`; the apply splits
+    # dp into (edp, ep) and says so before any process-group work.
+    with pytest.raises(PlannerError, match=r"ep=2: applying expert parallelism needs ep to divide dp=1"):
+        check_expert_mesh(ParallelConfig(dp=1, cp=2, ep=2))
+    check_expert_mesh(ParallelConfig(dp=2, cp=2, ep=2))
 
 
 def test_wrong_world_size_fails_before_process_group(spec_dir, monkeypatch):

@@ -47,7 +47,7 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from planner.apply.context_parallel import apply_context_parallel, token_positions
 from planner.apply.data_parallel import apply_data_parallel, mixed_precision_policy
-from planner.apply.expert_parallel import apply_expert_parallel, expert_mesh
+from planner.apply.expert_parallel import apply_expert_parallel, check_expert_mesh, expert_mesh
 from planner.apply.pipeline import StageModule, build_schedule, check_schedule, chunk_units
 from planner.apply.recompute import apply_recompute
 from planner.apply.tensor_parallel import retie, shared_parameters, tensor_parallel_plan
@@ -219,6 +219,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
     """
     check_world_size(plan)
     check_schedule(plan)
+    check_expert_mesh(plan.config)
     match = match_model(plan, model)
     config = plan.config
     loss_module = getattr(model, "loss", None)

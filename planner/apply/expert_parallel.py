@@ -31,6 +31,14 @@ from planner.zoo.moe import GroupedLinear
 EXPERT_MESH_AXES = ("pp", "edp", "ep", "cp", "tp")
 
 
+def check_expert_mesh(config: ParallelConfig) -> None:
+    """Raises PlannerError when the plan's ep groups do not lie inside its dp axis, which the
+    expert mesh splits (the cost model also prices ep across dp x cp, as Megatron-Core runs it)."""
+    if config.ep > 1 and config.dp % config.ep:
+        raise invalid(f"ep={config.ep}: applying expert parallelism needs ep to divide dp={config.dp} (this plan takes "
+                      f"its expert groups across the context-parallel axis too); re-plan with ep dividing dp")
+
+
 def expert_mesh(device_type: str, config: ParallelConfig) -> DeviceMesh:
     """The mesh whose `ep` axis shards the experts and whose `edp` axis reduces their gradients."""
     shape = (config.pp, config.dp // config.ep, config.ep, config.cp, config.tp)
