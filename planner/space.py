@@ -241,6 +241,10 @@ def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, gl
     if config.recompute not in graph.recompute_policies:
         raise invalid(f"recompute={config.recompute}: not measured for this model (op-level checkpointing is measured on "
                       "fx/export traces; this one was traced at module level); use none, selective or full")
+    if config.recompute == Recompute.SELECTIVE_OP and config.ep > 1:
+        raise invalid(f"recompute=selective_op with ep={config.ep}: op-level checkpointing replays each block's ops one "
+                      f"for one, and the experts' own FSDP units inside the block run other hooks in the replay; use "
+                      f"recompute selective or full, or ep=1")
     if config.schedule == Schedule.ZERO_BUBBLE and config.pp > 1 and config.recompute not in ZERO_BUBBLE_RECOMPUTE:
         raise invalid(f"recompute={config.recompute} with schedule=zb: torch's zero-bubble schedule runs each backward as "
                       f"an input-gradient and a weight-gradient pass, and selective checkpointing allows one backward per "

@@ -349,6 +349,18 @@ def test_zero_bubble_schedule_takes_no_selective_checkpointing(recompute):
                          global_batch=64)
 
 
+def test_expert_parallel_plans_take_no_op_level_checkpointing():
+    # Under ep > 1 each block holds the experts' own FSDP units, whose hooks differ between the
+    # forward and op-level checkpointing's replay, which must match op for op: the apply could not
+    # run it, so the search skips it and evaluate says why.
+    graph = planner.trace("mixtral-8x7b", seq_len=1024)
+    with pytest.raises(PlannerError, match="recompute=selective_op with ep=2"):
+        planner.evaluate(graph, "h100-sxm:2x8", {"tp": 2, "pp": 1, "ep": 2, "recompute": "selective_op"}, global_batch=64)
+    plan = planner.plan(graph, "h100-sxm:2x8", global_batch=64, recompute="selective_op")
+    for config in [plan.config] + [a.config for a in plan.alternatives]:
+        assert config.ep == 1, config.short()
+
+
 def test_plan_round_trips_through_json(small_plan):
     _, plan = small_plan
     assert planner.Plan.from_json(plan.to_json()) == plan
