@@ -163,7 +163,7 @@ def micro_batches(per_replica_batch: int, constraints: dict) -> list[int]:
 def schedules(pp: int, layers: int, num_microbatches: int, constraints: dict) -> list[tuple[Schedule, int]]:
     """(schedule, vpp) pairs that can run `num_microbatches` on `pp` stages of `layers` layers."""
     if pp == 1:
-        fixed_pipelining = constraints.get("vpp", 1) > 1 or str(constraints.get("schedule", Schedule.ONE_F_ONE_B)) != "1f1b"
+        fixed_pipelining = constraints.get("vpp", 1) > 1 or constraints.get("schedule", Schedule.ONE_F_ONE_B) != Schedule.ONE_F_ONE_B
         return [] if fixed_pipelining else [(Schedule.ONE_F_ONE_B, 1)]
     allowed = constraints.get("schedules") or ([constraints["schedule"]] if "schedule" in constraints else None)
     out = [(Schedule.ONE_F_ONE_B, 1), (Schedule.ZERO_BUBBLE, 1)]
