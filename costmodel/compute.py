@@ -220,6 +220,10 @@ class OpTable:
             transcendental ops (tanh-GELU, SiLU, softmax) run far below the copy bandwidth.
         loss_bytes_per_s: bytes of loss works (`WorkKind.LOSS`) per second, measured on
             cross-entropy's forward and backward over fp32 logits; 0 when not measured.
+        tp_linear_host_s: (forward, backward) host seconds one tensor-parallel linear adds to its
+            local GEMMs per call: DTensor dispatch (sharding propagation, wrapping and unwrapping)
+            and the parallel styles' input and output hooks, measured on a one-rank mesh, so no
+            communication is in it; () when not measured.
     """
 
     device: str
@@ -229,6 +233,7 @@ class OpTable:
     attention_times_s: tuple[tuple[float, float, float], ...] = ()
     loss_bytes_per_s: float = 0.0
     elementwise_bytes_per_s: Mapping[str, float] = field(default_factory=dict, hash=False)
+    tp_linear_host_s: tuple[float, float] | tuple[()] = ()
 
     def __post_init__(self) -> None:
         measured = (list(self.times_s_by_key.values()) + [t for _, t in self.matmul_times_s]
@@ -236,6 +241,8 @@ class OpTable:
                     + list(self.elementwise_bytes_per_s.values()))
         if any(t <= 0 for t in measured) or self.loss_bytes_per_s < 0:
             raise ProfileError(f"op table for {self.device}: every measured time and rate must be > 0")
+        if len(self.tp_linear_host_s) not in (0, 2) or any(t < 0 for t in self.tp_linear_host_s):
+            raise ProfileError(f"op table for {self.device}: tp_linear_host_s must be [forward s, backward s], each >= 0")
         for kind, rates in self._curves.items():
             _log_curve(rates, f"op table for {self.device} {kind}")
 
@@ -276,6 +283,7 @@ class OpTable:
                                        for flops, fwd_s, bwd_s in self.attention_times_s],
             "loss_bytes_per_s": self.loss_bytes_per_s,
             "elementwise_bytes_per_s": dict(self.elementwise_bytes_per_s),
+            "tp_linear_host_s": list(self.tp_linear_host_s),
         }
 
     @classmethod
@@ -300,12 +308,13 @@ class OpTable:
                                         for p in data.get("attention_head_times_s", ())),
                 loss_bytes_per_s=float(data.get("loss_bytes_per_s", 0.0)),
                 elementwise_bytes_per_s={str(k): float(v) for k, v in data.get("elementwise_bytes_per_s", {}).items()},
+                tp_linear_host_s=tuple(float(t) for t in data.get("tp_linear_host_s", ())),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProfileError(f"op table: bad or missing field ({exc!r}); expected keys device, dtype, "
                                f"times_s_by_key {{key: seconds}}, matmul_times_s [{{flops, time_s}}], "
                                f"attention_head_times_s [{{flops, fwd_s, bwd_s}}], loss_bytes_per_s, "
-                               f"elementwise_bytes_per_s {{op: bytes per second}}") from None
+                               f"elementwise_bytes_per_s {{op: bytes per second}}, tp_linear_host_s [forward s, backward s]") from None
 
 
 def _check_table(table: OpTable, device: DeviceSpec, dtype: str) -> None:

@@ -16,6 +16,8 @@ NCCL on GPUs). Measured:
   `attention_head_times_s`, per head of one sequence (the compute model interpolates an attention op's
   time from them at its per-head size, as for GEMMs at theirs);
 - cross-entropy forward and backward over fp32 logits -> the op table's `loss_bytes_per_s`;
+- the host work a tensor-parallel linear adds (DTensor dispatch), forward and backward, on a mesh of
+  each rank alone -> the op table's `tp_linear_host_s`;
 - all-reduce, all-gather, reduce-scatter and p2p across sizes -> the intra-node link's bandwidth
   and latency, fitted to the cost model's ring formulas (`costmodel.profile_collectives`).
 
@@ -27,6 +29,7 @@ the measurements; `--cluster my-cluster-device.yaml:NODESxRANKS` other layouts o
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -38,13 +41,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from costmodel.compute import OpTable
 from costmodel.hardware import DeviceSpec, LinkTier
 from costmodel.profile_collectives import (COLLECTIVE_BYTES, COLLECTIVE_ITERATIONS, QUICK_COLLECTIVE_BYTES,
                                           QUICK_COLLECTIVE_ITERATIONS, collective_factors, fit_link,
                                           measure_collectives)
-from costmodel.profile_ops import ELEMENTWISE_OPS, measure_attention, measure_loss, measure_matmuls, measure_memory
+from costmodel.profile_ops import (ELEMENTWISE_OPS, measure_attention, measure_loss, measure_matmuls, measure_memory,
+                                   measure_tp_dispatch)
 
 # Matrix sizes n of the n x n x n GEMMs timed, per device type and mode: from launch-bound to the
 # plateau of one CPU core (about 1 GFLOP/s-scale ops) or one GPU (about 1 TFLOP ops).
@@ -87,6 +92,7 @@ class Measurements:
     elementwise_bytes_per_s: dict[str, dict[str, float]] = field(default_factory=dict)  # dtype -> op -> bytes/s
     attention_times_s: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
     loss_bytes_per_s: float = 0.0
+    tp_linear_host_s: tuple[float, float] = (0.0, 0.0)
     link: tuple[float, float] | None = None  # (bytes/s, latency s)
     link_factors: dict[str, float] = field(default_factory=dict)  # collective -> measured / ring formula
     collective_samples: list[dict] = field(default_factory=list)
@@ -96,6 +102,21 @@ def _mem_bytes(device, world_on_host: int) -> float:
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / world_on_host
+
+
+@contextlib.contextmanager
+def _own_mesh(kind: str):
+    """A DeviceMesh of this rank alone: under torchrun from a one-rank group per rank (every rank
+    creates all of them, as `new_group` requires); alone, over a one-rank process group made for it."""
+    if dist.is_available() and dist.is_initialized():
+        groups = [dist.new_group([rank]) for rank in range(dist.get_world_size())]
+        yield DeviceMesh.from_group(groups[dist.get_rank()], kind)
+        return
+    dist.init_process_group("nccl" if kind == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh(kind, (1,))
+    finally:
+        dist.destroy_process_group()
 
 
 def measure(*, quick: bool = False, progress=None) -> Measurements:
@@ -120,7 +141,7 @@ def measure(*, quick: bool = False, progress=None) -> Measurements:
     collective_sizes = (QUICK_COLLECTIVE_BYTES if quick else COLLECTIVE_BYTES)[kind]
     run_time_s = QUICK_MIN_RUN_TIME_S if quick else MIN_RUN_TIME_S
     world = dist.get_world_size() if distributed else 1
-    steps = len(dtypes) * (len(sizes) + len(ELEMENTWISE_OPS) + len(shapes)) + 2 + (4 * len(collective_sizes) if world > 1 else 0)
+    steps = len(dtypes) * (len(sizes) + len(ELEMENTWISE_OPS) + len(shapes)) + 3 + (4 * len(collective_sizes) if world > 1 else 0)
     task = progress.add_task(f"profiling {kind} x{world}", total=steps) if progress is not None else None
 
     def advance() -> None:
@@ -135,6 +156,8 @@ def measure(*, quick: bool = False, progress=None) -> Measurements:
     result.attention_times_s = measure_attention(device, dtypes, shapes, run_time_s, advance)
     loss_shape = (QUICK_LOSS_SHAPES if quick else LOSS_SHAPES)[kind]
     result.loss_bytes_per_s = measure_loss(device, loss_shape, run_time_s, advance)
+    with _own_mesh(kind) as mesh:
+        result.tp_linear_host_s = measure_tp_dispatch(mesh, run_time_s, advance)
     if world > 1:
         iterations = QUICK_COLLECTIVE_ITERATIONS if quick else COLLECTIVE_ITERATIONS
         result.collective_samples = measure_collectives(device, collective_sizes, iterations, advance)
@@ -177,7 +200,7 @@ def write_profile(out: str | Path, measured: Measurements, base: DeviceSpec) -> 
     for dtype, points in measured.matmul_times_s.items():
         path = out.with_name(f"{stem}-ops-{dtype}.json")
         table = OpTable(name, dtype, {}, tuple(points), tuple(measured.attention_times_s.get(dtype, ())),
-                        measured.loss_bytes_per_s, measured.elementwise_bytes_per_s.get(dtype, {}))
+                        measured.loss_bytes_per_s, measured.elementwise_bytes_per_s.get(dtype, {}), measured.tp_linear_host_s)
         path.write_text(json.dumps(table.to_dict(), indent=1))
         tables[dtype] = path.name
     if measured.link is not None:

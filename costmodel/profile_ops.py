@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.benchmark import Timer
 
 from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO
@@ -37,6 +39,10 @@ ELEMENTWISE_ROW = 1024
 LOSS_BYTES_PER_LOGIT = 4 * (1 + MEMORY_BWD_TRAFFIC_RATIO)
 # GEMMs of one Linear layer in a training step: forward, input gradient, weight gradient.
 GEMMS_PER_LINEAR = 3
+# Features and tokens of the linears whose tensor-parallel host work is timed: small, so the host's
+# dispatch, not the GEMM, sets the time (the same local linears are timed and subtracted).
+TP_DISPATCH_FEATURES = 64
+TP_DISPATCH_TOKENS = 8
 
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -139,6 +145,30 @@ def measure_attention(device, dtypes, shapes, min_run_time_s, advance) -> dict[s
                   for f, fwd_s, fwd_bwd_s in zip(flops, seconds[::2], seconds[1::2])]
         out[dtype] = sorted(points)
     return out
+
+
+def measure_tp_dispatch(mesh, min_run_time_s: float, advance) -> tuple[float, float]:
+    """(forward, backward) host seconds one tensor-parallel linear adds per call to its local GEMMs.
+
+    Times a colwise-then-rowwise pair of linears (the pattern of an MLP or of attention's input and
+    output projections) parallelised over `mesh`, a mesh of this rank alone (so no communication is
+    timed), against the same pair of plain linears, and halves the difference: DTensor dispatch and
+    the parallel styles' hooks, which a CPU rank runs on the cores that compute.
+    """
+    device = mesh.device_type
+    x = torch.randn(TP_DISPATCH_TOKENS, TP_DISPATCH_FEATURES, device=device, requires_grad=True)
+    seconds = []
+    for parallel in (False, True):
+        pair = nn.Sequential(nn.Linear(TP_DISPATCH_FEATURES, TP_DISPATCH_FEATURES),
+                             nn.Linear(TP_DISPATCH_FEATURES, TP_DISPATCH_FEATURES)).to(device)
+        if parallel:
+            parallelize_module(pair, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        values = {"pair": pair, "x": x}
+        seconds += [_time_s("pair(x)", values, min_run_time_s), _time_s("pair(x).sum().backward()", values, min_run_time_s)]
+    local_fwd_s, local_step_s, tp_fwd_s, tp_step_s = rank_max(seconds)
+    advance()
+    return (max(0.0, tp_fwd_s - local_fwd_s) / 2,
+            max(0.0, (tp_step_s - tp_fwd_s) - (local_step_s - local_fwd_s)) / 2)
 
 
 def measure_loss(device, shape: tuple[int, int], min_run_time_s: float, advance) -> float:

@@ -296,6 +296,17 @@ def op_sac_reruns_collectives(layer: Layer, plan: TpPlan) -> list[bool]:
     return [producer in rerun_inputs for _, _, producer in plan.collectives]
 
 
+def tp_host_s(layer: Layer, plan: TpPlan, ctx: LayerContext) -> tuple[float, float]:
+    """(forward, backward) host seconds of the layer's tensor-parallel ops per micro-batch: the ops
+    the apply runs on DTensors (split linears, embeddings and losses; norms under sequence
+    parallelism) times the op table's measured `tp_linear_host_s`; 0 without a measurement."""
+    if plan.tp == 1 or ctx.table is None or not ctx.table.tp_linear_host_s:
+        return 0.0, 0.0
+    on_dtensors = sum(1 for op in layer.ops if (op.name in plan.split_ops and op.kind in (OpKind.MATMUL, OpKind.EMBEDDING, OpKind.LOSS))
+                      or (op.kind == OpKind.NORM and ctx.sequence_parallel))
+    return tuple(on_dtensors * t for t in ctx.table.tp_linear_host_s)
+
+
 def overlapped_tp_comm_s(comm_s: float, gemm_s: float, tp: int) -> float:
     """Exposed seconds of tensor-parallel collectives pipelined with the GEMMs they feed or drain.
 
@@ -348,6 +359,12 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         attention_fwd, attention_bwd, op_sac_rerun = [], [], fwd_works
     fwd_s = layer_time_s(fwd_works, ctx.device, ctx.dtype, ctx.table)
     bwd_s = layer_time_s(bwd_works, ctx.device, ctx.dtype, ctx.table)
+    # A GPU computes while its host dispatches ahead; a CPU rank's cores do both in turn.
+    host_fwd_s, host_bwd_s = tp_host_s(layer, plan, ctx)
+    if ctx.device.comm_overlaps_compute:
+        fwd_s, bwd_s = max(fwd_s, host_fwd_s), max(bwd_s, host_bwd_s)
+    else:
+        fwd_s, bwd_s = fwd_s + host_fwd_s, bwd_s + host_bwd_s
     attention_fwd_s = layer_time_s(attention_fwd, ctx.device, ctx.dtype, ctx.table) if attention_fwd else 0.0
     attention_bwd_s = layer_time_s(attention_bwd, ctx.device, ctx.dtype, ctx.table) if attention_bwd else 0.0
     collective_s = [collective_time_s(kind, size * ctx.batch_scale / ctx.cp, ctx.tp_group, ctx.node)

@@ -117,9 +117,15 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
     (Megatron-Core's overlapped param gather, FSDP's prefetch). Each is exposed by what exceeds its
     one-micro-batch window. The parameters stay gathered over the micro-batches, so FSDP2 copies
     them out of its buffer once per step (`fsdp2_copy_s`), and the gradients in once per reduction.
+    Without data parallelism there is no traffic, but mixed precision still runs through FSDP2, on
+    a one-rank mesh (`planner.apply`), and so do its copies.
     """
-    if config.zero == 3 or config.dp * config.cp == 1:
+    if config.zero == 3:
         return 0.0
+    reductions = config.num_microbatches if config.zero == 2 and config.pp == 1 else 1
+    if config.dp * config.cp == 1:
+        mixed = precision is not FP32_PRECISION
+        return fsdp2_copy_s(precision, node.device, dense + expert, dense + expert, 1, reductions) if mixed else 0.0
     if not node.device.comm_overlaps_compute:
         fwd_s = bwd_s = 0.0  # nothing hides the traffic
     expert_group = expert_data_group(config, node)
@@ -129,7 +135,6 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
     if config.zero in (1, 2):
         gather_s = state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, dense, expert, groups.dp_cp,
                                       expert_group, node, oversubscription)
-    reductions = config.num_microbatches if config.zero == 2 and config.pp == 1 else 1
     shard = dense / groups.dp_cp.size + expert / expert_group.size if config.zero else dense + expert
     copies_s = fsdp2_copy_s(precision, node.device, dense + expert, shard, gathers=1, reductions=reductions)
     return reductions * max(0.0, reduce_s - bwd_s) + max(0.0, gather_s - fwd_s) + copies_s

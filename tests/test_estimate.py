@@ -588,6 +588,19 @@ def test_cpu_ranks_hide_no_communication(gpt350m):
     assert estimate.time_breakdown["dp_comm_exposed_s"] == pytest.approx(reduce_s + copies_s)
 
 
+def test_mixed_precision_without_data_parallelism_pays_fsdp2_copies(gpt350m):
+    # Plan.apply runs bf16 training through FSDP2 even on one rank (its mixed-precision policy), so a
+    # dp=1 plan pays the same 24 B per parameter of buffer copies on CPU ranks as ZeRO-0 at dp=2
+    # (test_cpu_ranks_hide_no_communication) and no traffic; fp32 plans train without FSDP2.
+    cluster = load_cluster("cpu:1x1")
+    device, _ = stage_devices(cluster, 1)[0]
+    graphs = {"bf16": gpt350m, "fp32": trace("gpt3-350m", seq_len=256, dtype="fp32")}
+    exposed = {dtype: Evaluator(graph, cluster, dtype).estimate(ParallelConfig(num_microbatches=1), 1)
+               .time_breakdown["dp_comm_exposed_s"] for dtype, graph in graphs.items()}
+    assert exposed["bf16"] == pytest.approx(24 * gpt350m.params / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency))
+    assert exposed["fp32"] == 0.0
+
+
 def test_zero2_reduces_gradients_every_micro_batch(gpt350m):
     # On CPU ranks nothing hides the traffic, so the exposed data-parallel time is the reduce-scatter
     # of the fp32 gradients (4 B per parameter) per reduction, plus the bf16 parameter all-gather

@@ -1,6 +1,7 @@
 """`paraplan profile`: measurements become a cluster profile whose op tables drive the cost model."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -19,6 +20,7 @@ from costmodel.profile_loader import load_cluster, load_device
 from costmodel.profile import Measurements, run_profile, write_profile
 from costmodel.profile_collectives import _coefficients, collective_factors, fit_link
 from planner.estimate import Evaluator
+from planner.graph import Recompute
 
 TINY_GPT = "arch: gpt\nlayers: 2\nhidden: 64\nheads: 4\nvocab: 256\nmax_seq_len: 64\ntie_embeddings: false\n"
 
@@ -43,6 +45,7 @@ def _measurements(matmul_scale: float = 1.0, link=None, world: int = 1) -> Measu
                                  "bf16": {"add": 1e9, "gelu": 1e9, "layer_norm": 1e9}},
         attention_times_s={"fp32": [(1e8, 2e-3, 5e-3), (1e9, 1e-2, 3e-2)]},
         loss_bytes_per_s=2e9,
+        tp_linear_host_s=(1e-4, 3e-4),
         link=link,
     )
 
@@ -104,6 +107,7 @@ def test_written_profile_loads_with_measured_fields(tmp_path):
     table = OpTable.from_dict(json.loads(Path(device.op_tables["fp32"]).read_text()))
     assert table.device == "box-device" and table.elementwise_bytes_per_s["gelu_tanh:bwd"] == 2e9
     assert table.attention_times_s == ((1e8, 2e-3, 5e-3), (1e9, 1e-2, 3e-2)) and table.loss_bytes_per_s == 2e9
+    assert table.tp_linear_host_s == (1e-4, 3e-4)
 
 
 def test_measured_op_table_overrides_the_roofline(tmp_path):
@@ -151,9 +155,45 @@ def test_profile_op_tables_drive_the_evaluator(tmp_path, spec):
     assert steps[1] > steps[0]
 
 
+@pytest.mark.parametrize("comm_overlaps_compute", [False, True])
+def test_tensor_parallel_host_work_is_priced_per_dtensor_op(tmp_path, spec, comm_overlaps_compute):
+    """A block of the tiny GPT runs 6 linears (q, k, v, o, fc1, fc2) and, under sequence parallelism,
+    2 norms on DTensors at tp = 2: on CPU ranks each adds the table's 0.1 ms forward and 0.3 ms
+    backward to the block's compute; a GPU's host dispatches beside its compute, so only a host
+    slower than the device shows: at 1 us and 3 us per op the block's time is its compute's, at
+    1000 times the table's it is the host's."""
+    graph = planner.trace(str(spec), seq_len=64, dtype="fp32")
+    block = next(i for i, layer in enumerate(graph.layers) if layer.name == "layers.0")
+    config = planner.make_config({"tp": 2, "pp": 1}, 2, 4)
+    priced = {}
+    for scale in (0.0, 0.01, 1.0, 1000.0):
+        out = tmp_path / f"box{scale:g}.yaml"
+        measured = _measurements(world=2, link=(3e9, 40e-6))
+        measured.tp_linear_host_s = (scale * 1e-4, scale * 3e-4)
+        write_profile(out, measured, load_device("cpu"))
+        cluster = load_cluster(str(out))
+        node = cluster.groups[0].node
+        device = dataclasses.replace(node.device, comm_overlaps_compute=comm_overlaps_compute)
+        node = dataclasses.replace(node, device=device)
+        evaluator = Evaluator(graph, cluster, "fp32")
+        evaluator.table_for = lambda _device, dtype, table=evaluator.table_for(node.device, "fp32"): table
+        cost = evaluator.layer_cost(block, config, device, node, Recompute.NONE)
+        priced[scale] = (cost.fwd_s, cost.bwd_s)
+    dtensor_ops = 6 + 2
+    if comm_overlaps_compute:
+        assert priced[0.01] == priced[0.0]
+        assert priced[1000.0] == pytest.approx((dtensor_ops * 0.1, dtensor_ops * 0.3))
+    else:
+        assert priced[1.0][0] - priced[0.0][0] == pytest.approx(dtensor_ops * 1e-4)
+        assert priced[1.0][1] - priced[0.0][1] == pytest.approx(dtensor_ops * 3e-4)
+
+
 def test_quick_profile_changes_predictions(tmp_path, spec):
     written = run_profile(tmp_path / "here.yaml", quick=True, show_progress=False)
     assert all(path.exists() for path in written)
+    # A DTensor linear costs the host more than a plain one, forward and backward.
+    table = OpTable.from_dict(json.loads((tmp_path / "here-ops-fp32.json").read_text()))
+    assert all(t > 0 for t in table.tp_linear_host_s) and len(table.tp_linear_host_s) == 2
     config = {"tp": 1, "pp": 1}
     measured = planner.evaluate(str(spec), str(tmp_path / "here.yaml"), config, global_batch=4, seq_len=64, dtype="fp32")
     placeholder = planner.evaluate(str(spec), "cpu:1x1", config, global_batch=4, seq_len=64, dtype="fp32")
