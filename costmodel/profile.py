@@ -104,6 +104,12 @@ def _mem_bytes(device, world_on_host: int) -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / world_on_host
 
 
+def process_group_backend(kind: str) -> str:
+    """The profile's process-group backend: gloo on CPUs; on GPUs NCCL for device tensors and gloo for
+    the host tensors in which the ranks compare their timings (`profile_collectives.rank_max`)."""
+    return "cpu:gloo,cuda:nccl" if kind == "cuda" else "gloo"
+
+
 @contextlib.contextmanager
 def _own_mesh(kind: str):
     """A DeviceMesh of this rank alone: under torchrun from a one-rank group per rank (every rank
@@ -112,7 +118,7 @@ def _own_mesh(kind: str):
         groups = [dist.new_group([rank]) for rank in range(dist.get_world_size())]
         yield DeviceMesh.from_group(groups[dist.get_rank()], kind)
         return
-    dist.init_process_group("nccl" if kind == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(process_group_backend(kind), store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield init_device_mesh(kind, (1,))
     finally:
@@ -275,7 +281,7 @@ def run_profile(out: str | Path, *, like: str | None = None, quick: bool = False
     base = load_device(like or DEFAULT_BASE["cuda" if torch.cuda.is_available() else "cpu"])
     started_group = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
     if started_group:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(process_group_backend("cuda" if torch.cuda.is_available() else "cpu"))
     rank = dist.get_rank() if dist.is_initialized() else 0
     try:
         with Progress(disable=not show_progress or rank != 0, transient=True) as progress:
