@@ -7,6 +7,7 @@ same moment and the result is the slowest rank's (`rank_max`), as a step waits f
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -43,6 +44,7 @@ GEMMS_PER_LINEAR = 3
 # dispatch, not the GEMM, sets the time (the same local linears are timed and subtracted).
 TP_DISPATCH_FEATURES = 64
 TP_DISPATCH_TOKENS = 8
+TP_DISPATCH_TRIALS = 5
 
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -153,22 +155,28 @@ def measure_tp_dispatch(mesh, min_run_time_s: float, advance) -> tuple[float, fl
     Times a colwise-then-rowwise pair of linears (the pattern of an MLP or of attention's input and
     output projections) parallelised over `mesh`, a mesh of this rank alone (so no communication is
     timed), against the same pair of plain linears, and halves the difference: DTensor dispatch and
-    the parallel styles' hooks, which a CPU rank runs on the cores that compute.
+    the parallel styles' hooks, which a CPU rank runs on the cores that compute. The two are timed
+    back to back in each of TP_DISPATCH_TRIALS trials and the differences' median kept, so that load
+    which comes and goes on a shared host (other ranks' work) cancels rather than lands in one term.
     """
     device = mesh.device_type
     x = torch.randn(TP_DISPATCH_TOKENS, TP_DISPATCH_FEATURES, device=device, requires_grad=True)
-    seconds = []
+    pairs = []
     for parallel in (False, True):
         pair = nn.Sequential(nn.Linear(TP_DISPATCH_FEATURES, TP_DISPATCH_FEATURES),
                              nn.Linear(TP_DISPATCH_FEATURES, TP_DISPATCH_FEATURES)).to(device)
         if parallel:
             parallelize_module(pair, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
-        values = {"pair": pair, "x": x}
-        seconds += [_time_s("pair(x)", values, min_run_time_s), _time_s("pair(x).sum().backward()", values, min_run_time_s)]
-    local_fwd_s, local_step_s, tp_fwd_s, tp_step_s = rank_max(seconds)
+        pairs.append({"pair": pair, "x": x})
+    trial_s = min_run_time_s / TP_DISPATCH_TRIALS
+    forward, backward = [], []
+    for _ in range(TP_DISPATCH_TRIALS):
+        (local_fwd_s, local_step_s), (tp_fwd_s, tp_step_s) = (
+            (_time_s("pair(x)", values, trial_s), _time_s("pair(x).sum().backward()", values, trial_s)) for values in pairs)
+        forward.append((tp_fwd_s - local_fwd_s) / 2)
+        backward.append(((tp_step_s - tp_fwd_s) - (local_step_s - local_fwd_s)) / 2)
     advance()
-    return (max(0.0, tp_fwd_s - local_fwd_s) / 2,
-            max(0.0, (tp_step_s - tp_fwd_s) - (local_step_s - local_fwd_s)) / 2)
+    return tuple(max(0.0, t) for t in rank_max([float(np.median(forward)), float(np.median(backward))]))
 
 
 def measure_loss(device, shape: tuple[int, int], min_run_time_s: float, advance) -> float:
