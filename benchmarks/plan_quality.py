@@ -48,17 +48,17 @@ COMPARED_FIELDS = ("dp", "tp", "pp", "cp", "vpp", "micro_batch", "zero", "recomp
 
 
 def distinct_cases(rows: list[Row], max_cases: int) -> list[list[Row]]:
-    """Rows grouped by job (model, cluster, batch, sequence, attention, TP overlap, loss, ZeRO-3 fetch), taken round-robin over the
+    """Rows grouped by job (model, cluster and its NIC, batch, sequence, attention, TP overlap, loss, ZeRO-3 fetch), taken round-robin over the
     source groups (smallest cluster first within a group) so every source is represented."""
     jobs: dict[tuple, list[Row]] = defaultdict(list)
     for row in rows:
-        jobs[(spec_key(row.spec), row.cluster, row.global_batch, row.seq_len, row.attention, row.tp_overlap, row.loss,
+        jobs[(spec_key(row.spec), row.cluster, row.nic, row.global_batch, row.seq_len, row.attention, row.tp_overlap, row.loss,
               row.zero3_fetch)].append(row)
     by_group: dict[str, list[list[Row]]] = defaultdict(list)
     for job in jobs.values():
         by_group[job[0].group].append(job)
     for group_jobs in by_group.values():
-        group_jobs.sort(key=lambda job: load_cluster(job[0].cluster).num_devices)
+        group_jobs.sort(key=lambda job: load_cluster(job[0].cluster_spec()).num_devices)
     ordered = [job for batch in zip_longest(*by_group.values()) for job in batch if job is not None]
     return ordered[:max_cases]
 
@@ -115,9 +115,9 @@ def run_case(job: list[Row]) -> dict:
     graph = trace(resolve_model(parse_spec(first.spec, f"{first.id}.yaml")), seq_len=first.seq_len)
     kernels = {"attention": first.attention, "tp_overlap": first.tp_overlap, "loss": first.loss,
                "zero3_fetch": first.zero3_fetch}
-    evaluator = Evaluator(graph, load_cluster(first.cluster), **kernels)
+    evaluator = Evaluator(graph, load_cluster(first.cluster_spec()), **kernels)
     started = time.perf_counter()
-    best = plan(graph, first.cluster, global_batch=first.global_batch, **kernels)
+    best = plan(graph, first.cluster_spec(), global_batch=first.global_batch, **kernels)
     out = {"id": first.id, "plan_s": time.perf_counter() - started, "plan": best, "rows": [],
            "megatron": megatron_rule(evaluator, first.global_batch)}
     for row in job:

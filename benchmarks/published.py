@@ -31,7 +31,7 @@ def evaluate_row(row: Row) -> Estimate:
     source = resolve_model(parse_spec(row.spec, f"{row.id}.yaml"))
     graph = trace(source, seq_len=row.seq_len)
     for config in fitting_configs(row):
-        est = evaluate(graph, row.cluster, config, global_batch=row.global_batch, attention=row.attention,
+        est = evaluate(graph, row.cluster_spec(), config, global_batch=row.global_batch, attention=row.attention,
                        tp_overlap=row.tp_overlap, dtype=row.dtype, loss=row.loss, zero3_fetch=row.zero3_fetch)
         if est.fits:
             break

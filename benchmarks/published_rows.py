@@ -20,6 +20,9 @@ GOAL_GROUPS = ("megatron2021_weak", "megatron2021_zero3_vs_ptd", "megatron_core_
                "torchtitan_2024_08", "llmfoundry_mpt")
 
 FILL_RULES = {
+    "nic": "the built-in link of the row's stated inter-node network where it is not the device's usual one "
+           "(STATED_NICS: BLOOM's 4 Omni-Path links per 8-GPU node -> opa-4x100g-8gpu; Alpa's 25 Gbps between "
+           "p3.16xlarge nodes -> eth-25g-8gpu); the device's usual NIC otherwise",
     "device": "the profile of the row's GPU: h100-hbm2e when an H100 row says HBM2e (torchtitan's lower-TDP parts), "
               "else h100-sxm; a100-40g or a100-80g by the stated memory; v100-32g",
     "micro_batch": "1 when the source gives none (Megatron's default for its large-model runs); for Megatron-LM "
@@ -52,6 +55,9 @@ GROUP_MODEL_FILLS = {"megatron2020_tp_scaling": {"seq_len": 1024, "vocab": 51200
 GROUP_PLAN_FILLS = {"megatron2020_tp_scaling": {"recompute": "full"}}
 # Groups trained without gradient accumulation: a replica's batch is one micro-batch.
 NO_ACCUMULATION_GROUPS = ("megatron2020_tp_scaling",)
+
+# Inter-node networks a row's `hardware.interconnect` states (pattern), as built-in link profiles (FILL_RULES "nic").
+STATED_NICS = ((r"\b4 Omni-Path", "opa-4x100g-8gpu"), (r"\b25 Gbps inter-node", "eth-25g-8gpu"))
 
 # Groups whose ZeRO-3 fetched parameters blocking (`planner.state_cost.Zero3Fetch`).
 BLOCKING_ZERO3_GROUPS = ("megatron2021_zero3_vs_ptd",)
@@ -87,6 +93,21 @@ class Row:
     dtype: str = "bf16"
     loss: str = "torch"
     zero3_fetch: str = "prefetch"
+    nic: str | None = None
+
+    def cluster_spec(self) -> str | dict:
+        """The cluster to evaluate on: the `DEVICE:NODESxGPUS` shorthand, as a cluster mapping with the
+        stated NIC where the row names one (`STATED_NICS`)."""
+        if self.nic is None:
+            return self.cluster
+        device, shape = self.cluster.split(":")
+        nodes, per_node = (int(n) for n in shape.split("x"))
+        return {"name": f"{self.cluster} with {self.nic}",
+                "groups": [{"device": device, "nodes": nodes, "devices_per_node": per_node, "nic": self.nic}]}
+
+
+def _stated_nic(interconnect: str | None) -> str | None:
+    return next((link for pattern, link in STATED_NICS if re.search(pattern, interconnect or "")), None)
 
 
 def _device(gpu: str) -> str | None:
@@ -194,7 +215,8 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
         loss = "fused" if run["group"] in FUSED_LOSS_GROUPS else "torch"
         zero3_fetch = "blocking" if run["group"] in BLOCKING_ZERO3_GROUPS else "prefetch"
         rows.append(Row(run["id"], run["group"], _spec(model), seq, cluster, config, gb, step[0], step[1],
-                        bool(run.get("unverified")), attention, open_choices, tp_overlap, dtype, loss, zero3_fetch))
+                        bool(run.get("unverified")), attention, open_choices, tp_overlap, dtype, loss, zero3_fetch,
+                        _stated_nic(hw.get("interconnect"))))
     return rows, skipped
 
 

@@ -34,12 +34,13 @@ class LinkKind(StrEnum):
     EFA = "efa"
     SLINGSHOT = "slingshot"
     ETHERNET = "ethernet"
+    OMNIPATH = "omnipath"            # Intel Omni-Path Architecture
 
 
 INTRA_NODE_KINDS = frozenset({LinkKind.NVSWITCH, LinkKind.NVLINK_RING, LinkKind.PCIE,
                               LinkKind.INFINITY_FABRIC, LinkKind.LOOPBACK})
 INTER_NODE_KINDS = frozenset({LinkKind.IB, LinkKind.ROCE, LinkKind.EFA, LinkKind.SLINGSHOT,
-                              LinkKind.ETHERNET})
+                              LinkKind.ETHERNET, LinkKind.OMNIPATH})
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class LinkTier:
     Attributes:
         name: e.g. "nvlink4-nvswitch", "ib-ndr400".
         kind: a LinkKind ("nvswitch", "nvlink-ring", "pcie", "infinity-fabric", "loopback", "ib",
-            "roce", "efa", "slingshot", "ethernet").
+            "roce", "efa", "slingshot", "ethernet", "omnipath").
         bw_bytes_per_s: unidirectional bandwidth available to one device on this tier.
         latency_s: per-message latency (alpha of the alpha-beta model).
         efficiency: fraction of bw_bytes_per_s that collectives reach (bus bandwidth / link bandwidth).

@@ -223,15 +223,17 @@ def test_pipeline_stages_each_hold_a_copy_of_a_tied_weight(spec_dir):
     assert weights[(True, 2)] == pytest.approx(weights[(False, 2)])
 
 
-def test_tied_weight_gradients_are_summed_between_stages_after_the_schedule(spec_dir):
-    # Tied and untied GPTs at pp=2 differ in step time only by the sum of the head's and the
-    # embedding's gradients: a 2-rank ring all-reduce of V x h fp32 values over the node's NVSwitch,
+@pytest.mark.parametrize("pp", [2, 8])
+def test_tied_weight_gradients_are_summed_between_stages_after_the_schedule(spec_dir, pp):
+    # Tied and untied GPTs differ in step time only by the sum of the head's and the embedding's
+    # gradients: a 2-rank ring all-reduce of V x h fp32 values over the node's NVSwitch,
     # 2(n-1)/n * S / (B * efficiency) + 2(n-1) * latency with n = 2 (links from profiles/links).
-    dims = dict(layers=4, hidden=256, heads=4)
-    cluster = load_cluster("a100-80g:1x2")
-    config = ParallelConfig(dp=1, pp=2, num_microbatches=4)
-    steps = {tie: Evaluator(trace(_spec_file(spec_dir, f"tie-{tie}", tie_embeddings=str(tie).lower(), **dims),
-                                  seq_len=128), cluster).estimate(config, 4).step_time_s for tie in (True, False)}
+    # At pp=8 on one 8-GPU node the pair is ranks 0 and 7, 7 ranks apart, in the same node.
+    dims = dict(layers=8, hidden=256, heads=4)
+    cluster = load_cluster(f"a100-80g:1x{pp}")
+    config = ParallelConfig(dp=1, pp=pp, num_microbatches=2 * pp)
+    steps = {tie: Evaluator(trace(_spec_file(spec_dir, f"tie8-{tie}", tie_embeddings=str(tie).lower(), **dims),
+                                  seq_len=128), cluster).estimate(config, 2 * pp).step_time_s for tie in (True, False)}
     link = cluster.groups[0].node.intra_link
     size_bytes = KORTHIKANTI_VOCAB * 256 * 4
     expected_s = size_bytes / (link.bw_bytes_per_s * link.efficiency) + 2 * link.latency_s
