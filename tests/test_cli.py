@@ -5,6 +5,7 @@ what a shell sees (exit status, no traceback).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -15,7 +16,8 @@ import pytest
 import cli
 from costmodel.memory import ALLOCATOR_FRAGMENTATION_FRACTION
 from costmodel.profile_loader import load_device
-from planner.result import Plan
+from planner.report.plan import PUBLISHED_MAPE, alternatives_table
+from planner.result import Alternative, Plan
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_ARGS = ["--model", "gpt3-125m", "--seq-len", "128"]
@@ -194,6 +196,26 @@ def test_tables_render_without_json(capsys):
     assert code == 0 and "Pipeline stages" in out
     code, out, _ = run(["inspect", *MODEL_ARGS], capsys)
     assert code == 0 and "layers.0-11 (x12)" in out  # identical blocks collapse into one row
+
+
+def test_alternatives_caption_names_the_simplest_close_alternative(capsys):
+    # The plan splits the model three ways (tp, pp, cp); of its alternatives, those within the
+    # published-run error of its step time are listed as not separable, and the one that splits
+    # least is named: the dp-only one, not the faster tp2 one; nothing is said when no alternative
+    # within the error is simpler than the plan.
+    code, out, _ = run(["plan", *RUN_ARGS, "--json"], capsys)
+    plan = Plan.from_json(out)
+    step_s = plan.estimate.step_time_s
+    layered = dataclasses.replace(plan.config, tp=2, pp=2, cp=2, dp=1)
+    alternatives = tuple(Alternative(config, step_s * ratio, 0.0, 0.0)
+                         for config, ratio in ((dataclasses.replace(layered, pp=1, cp=1), 1.01),
+                                               (dataclasses.replace(layered, tp=1, pp=1, cp=1), 1.03),
+                                               (dataclasses.replace(layered, tp=1, pp=1, cp=1, zero=3), 1.2)))
+    caption = alternatives_table(dataclasses.replace(plan, config=layered, alternatives=alternatives)).caption
+    assert caption.startswith(f"2 of these are within {PUBLISHED_MAPE:.1%} of the plan")
+    assert alternatives[1].config.short() in caption and "data parallel only, against the plan's 3" in caption
+    assert "+3.0% step time" in caption
+    assert alternatives_table(dataclasses.replace(plan, config=alternatives[1].config, alternatives=alternatives)).caption is None
 
 
 @pytest.fixture(scope="module")

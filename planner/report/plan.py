@@ -6,6 +6,7 @@ from collections import Counter
 from rich.console import Group
 from rich.table import Table
 
+from planner.config import ParallelConfig
 from planner.result import Plan
 from planner.report.estimate import memory_table, summary_table, time_table
 from planner.report.units import bar, fmt_bytes, fmt_seconds
@@ -67,7 +68,25 @@ def memory_plan_table(plan: Plan) -> Table:
     return table
 
 
+# The cost model's mean absolute error of throughput over the published runs of its goal groups
+# (`python benchmarks/published.py`, benchmarks/results/published.txt): plans closer than this are
+# not told apart by the model.
+PUBLISHED_MAPE = 0.059
+
+
+def parallel_axes(config: ParallelConfig) -> int:
+    """How many ways beyond data parallelism a configuration splits the model (tp, pp, cp, ep,
+    interleaved stages): the fewer, the simpler to run and to debug."""
+    return sum(degree > 1 for degree in (config.tp, config.pp, config.cp, config.ep, config.vpp))
+
+
+def _splits(config: ParallelConfig) -> str:
+    axes = parallel_axes(config)
+    return "data parallel only" if axes == 0 else f"{axes} split{'s' * (axes > 1)} beyond data parallelism"
+
+
 def alternatives_table(plan: Plan) -> Table:
+    """The runners-up; a caption names the simplest of those within the cost model's error of the plan."""
     table = Table(title="Top alternatives", title_justify="left")
     table.add_column("config")
     table.add_column("step time", justify="right")
@@ -75,6 +94,14 @@ def alternatives_table(plan: Plan) -> Table:
     table.add_column("peak memory", justify="right")
     for alt in plan.alternatives:
         table.add_row(alt.config.short(), fmt_seconds(alt.step_time_s), alt.note, fmt_bytes(alt.peak_memory_bytes))
+    close = [alt for alt in plan.alternatives if alt.step_time_s <= plan.estimate.step_time_s * (1 + PUBLISHED_MAPE)]
+    simpler = [alt for alt in close if parallel_axes(alt.config) < parallel_axes(plan.config)]
+    if simpler:
+        simplest = min(simpler, key=lambda alt: (parallel_axes(alt.config), alt.step_time_s))
+        table.caption = (f"{len(close)} of these are within {PUBLISHED_MAPE:.1%} of the plan (the cost model's mean error on "
+                         f"published runs), closer than the model can rank; the simplest is {simplest.config.short()} "
+                         f"({_splits(simplest.config)}, against the plan's {parallel_axes(plan.config)}), "
+                         f"{simplest.step_time_s / plan.estimate.step_time_s - 1:+.1%} step time")
     return table
 
 
