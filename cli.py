@@ -58,6 +58,8 @@ def _add_sweep_args(sub) -> None:
                        help="TP collectives overlapped with GEMMs (Megatron-Core --tp-comm-overlap, async TP)")
     sweep.add_argument("--zero3-fetch", dest="zero3_fetch", choices=["prefetch", "blocking"],
                        help="how the training code fetches ZeRO-3 parameters (as for plan)")
+    sweep.add_argument("--dp-sync", dest="dp_sync", choices=["overlapped", "blocking"],
+                       help="how the training code synchronises data-parallel states below ZeRO-3 (as for plan)")
     sweep.add_argument("--out", required=True, help="results file, .csv or .jsonl; re-running resumes it")
     sweep.add_argument("--workers", type=_positive("workers"), help="local worker processes (default: one per CPU)")
     sweep.add_argument("--executor", choices=["local", "ray"], default="local", help="ray: run points as Ray tasks")
@@ -86,6 +88,11 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool) -> None:
         parser.add_argument("--zero3-fetch", default="prefetch", choices=["prefetch", "blocking"],
                             help="how the training code fetches ZeRO-3 parameters (prefetch: FSDP, overlapped with compute; "
                                  "blocking: DeepSpeed ZeRO-3 of spring 2021, each fetch stalls compute)")
+        parser.add_argument("--dp-sync", default="overlapped", choices=["overlapped", "blocking"],
+                            help="how the training code synchronises data-parallel states below ZeRO-3 (overlapped: "
+                                 "FSDP, DDP, Megatron-Core, behind the backward; blocking: DeepSpeed's pipeline engine "
+                                 "with BF16_Optimizer, an fp32 all-reduce after the last backward and the ZeRO-1 "
+                                 "gather after the step)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -179,7 +186,8 @@ def _run(args) -> int:
         from planner.report.estimate import estimate_json, render_estimate
 
         result = planner.evaluate(args.model, args.cluster, _constraints(args), global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype,
-                                  attention=args.attention, tp_overlap=args.tp_comm_overlap, loss=args.loss, zero3_fetch=args.zero3_fetch)
+                                  attention=args.attention, tp_overlap=args.tp_comm_overlap, loss=args.loss, zero3_fetch=args.zero3_fetch,
+                                  dp_sync=args.dp_sync)
         if args.json:
             _print_json(estimate_json(result))
         else:
@@ -193,7 +201,7 @@ def _run(args) -> int:
         check_plan_chart_paths(args.timeline, args.memory_chart)
         result = planner.plan(
             args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, attention=args.attention, tp_overlap=args.tp_comm_overlap, loss=args.loss,
-            zero3_fetch=args.zero3_fetch, mem_headroom=args.mem_headroom, top=args.top, allow_offload=args.allow_offload, **_constraints(args),
+            zero3_fetch=args.zero3_fetch, dp_sync=args.dp_sync, mem_headroom=args.mem_headroom, top=args.top, allow_offload=args.allow_offload, **_constraints(args),
         )
         if args.out:
             result.save(args.out)
@@ -227,7 +235,7 @@ def _sweep(args, console) -> int:
     from planner.sweeps.spec import load_sweep_spec
 
     keys = ("models", "devices", "cluster_sizes", "clusters", "global_batches", "seq_lens", "dtype", "attention", "loss", "tp_overlap",
-            "zero3_fetch")
+            "zero3_fetch", "dp_sync")
     spec = load_sweep_spec(args.file, {key: getattr(args, key) for key in keys})
     try:
         summary = sweep(spec, args.out, workers=args.workers, executor=args.executor, address=args.address,

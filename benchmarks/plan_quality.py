@@ -48,12 +48,12 @@ COMPARED_FIELDS = ("dp", "tp", "pp", "cp", "vpp", "micro_batch", "zero", "recomp
 
 
 def distinct_cases(rows: list[Row], max_cases: int) -> list[list[Row]]:
-    """Rows grouped by job (model, cluster and its NIC, batch, sequence, attention, TP overlap, loss, ZeRO-3 fetch), taken round-robin over the
+    """Rows grouped by job (model, cluster and its NIC, batch, sequence, attention, TP overlap, loss, ZeRO-3 fetch, DP sync), taken round-robin over the
     source groups (smallest cluster first within a group) so every source is represented."""
     jobs: dict[tuple, list[Row]] = defaultdict(list)
     for row in rows:
         jobs[(spec_key(row.spec), row.cluster, row.nic, row.global_batch, row.seq_len, row.attention, row.tp_overlap, row.loss,
-              row.zero3_fetch)].append(row)
+              row.zero3_fetch, row.dp_sync)].append(row)
     by_group: dict[str, list[list[Row]]] = defaultdict(list)
     for job in jobs.values():
         by_group[job[0].group].append(job)
@@ -114,7 +114,7 @@ def run_case(job: list[Row]) -> dict:
     first = job[0]
     graph = trace(resolve_model(parse_spec(first.spec, f"{first.id}.yaml")), seq_len=first.seq_len)
     kernels = {"attention": first.attention, "tp_overlap": first.tp_overlap, "loss": first.loss,
-               "zero3_fetch": first.zero3_fetch}
+               "zero3_fetch": first.zero3_fetch, "dp_sync": first.dp_sync}
     evaluator = Evaluator(graph, load_cluster(first.cluster_spec()), **kernels)
     started = time.perf_counter()
     best = plan(graph, first.cluster_spec(), global_batch=first.global_batch, **kernels)

@@ -32,7 +32,8 @@ def evaluate_row(row: Row) -> Estimate:
     graph = trace(source, seq_len=row.seq_len)
     for config in fitting_configs(row):
         est = evaluate(graph, row.cluster_spec(), config, global_batch=row.global_batch, attention=row.attention,
-                       tp_overlap=row.tp_overlap, dtype=row.dtype, loss=row.loss, zero3_fetch=row.zero3_fetch)
+                       tp_overlap=row.tp_overlap, dtype=row.dtype, loss=row.loss, zero3_fetch=row.zero3_fetch,
+                       dp_sync=row.dp_sync)
         if est.fits:
             break
     return est

@@ -46,6 +46,9 @@ FILL_RULES = {
                  "(Megatron-LM 2020-2022, Megatron-DeepSpeed/BLOOM, metaseq/OPT, Alpa); flash otherwise",
     "zero3_fetch": "blocking for Megatron-LM 2021 Table 2 (its ZeRO-3 rows ran DeepSpeed's ZeRO-3, published April "
                    "2021, before DeepSpeed PR #1188 of June 2021 made fetches overlap); prefetch otherwise",
+    "dp_sync": "blocking for BLOOM (Megatron-DeepSpeed's pipeline engine with DeepSpeed's BF16_Optimizer, which the "
+               "run names: fp32 gradients all-reduced after the last backward, ZeRO-1 parameters gathered after the "
+               "step); overlapped otherwise",
     "loss": "fused for llm-foundry's MPT runs (ComposerMPTCausalLM's default loss_fn is 'fused_crossentropy', "
             "flash-attn's xentropy kernel); torch (fp32 logits, F.cross_entropy) otherwise",
 }
@@ -61,6 +64,9 @@ STATED_NICS = ((r"\b4 Omni-Path", "opa-4x100g-8gpu"), (r"\b25 Gbps inter-node", 
 
 # Groups whose ZeRO-3 fetched parameters blocking (`planner.state_cost.Zero3Fetch`).
 BLOCKING_ZERO3_GROUPS = ("megatron2021_zero3_vs_ptd",)
+
+# Groups whose data-parallel synchronisation blocks (`planner.state_cost.DpSync`).
+BLOCKING_DP_SYNC_GROUPS = ("bloom",)
 
 # Groups whose training code computes the cross-entropy with a fused kernel over half-precision logits.
 FUSED_LOSS_GROUPS = ("llmfoundry_mpt",)
@@ -94,6 +100,7 @@ class Row:
     loss: str = "torch"
     zero3_fetch: str = "prefetch"
     nic: str | None = None
+    dp_sync: str = "overlapped"
 
     def cluster_spec(self) -> str | dict:
         """The cluster to evaluate on: the `DEVICE:NODESxGPUS` shorthand, as a cluster mapping with the
@@ -216,7 +223,8 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
         zero3_fetch = "blocking" if run["group"] in BLOCKING_ZERO3_GROUPS else "prefetch"
         rows.append(Row(run["id"], run["group"], _spec(model), seq, cluster, config, gb, step[0], step[1],
                         bool(run.get("unverified")), attention, open_choices, tp_overlap, dtype, loss, zero3_fetch,
-                        _stated_nic(hw.get("interconnect"))))
+                        _stated_nic(hw.get("interconnect")),
+                        "blocking" if run["group"] in BLOCKING_DP_SYNC_GROUPS else "overlapped"))
     return rows, skipped
 
 

@@ -40,7 +40,7 @@ from planner.mesh import expert_data_group, mesh_groups, stage_devices
 from planner.result import Estimate, StagePlan
 from planner.space import check_config
 from planner.stage_problem import StageProblem
-from planner.state_cost import (Zero3Fetch, dp_exposed_s, optimizer_step_s, precision_of, state_options,
+from planner.state_cost import (DpSync, Zero3Fetch, dp_exposed_s, optimizer_step_s, precision_of, state_options,
                                  tied_gradient_sum_s, zero3_exposed_s)
 from planner.stages import split_dp
 from planner.tp_plan import tp_plan_for
@@ -81,17 +81,20 @@ class Evaluator:
             `--tp-comm-overlap`, PyTorch async TP); otherwise they are exposed.
         loss: the cross-entropy kernel the training code uses (`LossKernel`; torch by default).
         zero3_fetch: how the training code fetches ZeRO-3 parameters (`Zero3Fetch`; prefetch by default).
+        dp_sync: how the training code syncs data-parallel states below ZeRO-3 (`DpSync`; overlapped by default).
     """
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, dtype: str = "bf16", table: OpTable | None = None,
                  attention: AttentionKernel | str = AttentionKernel.FLASH, tp_overlap: bool = False,
-                 loss: LossKernel | str = LossKernel.TORCH, zero3_fetch: Zero3Fetch | str = Zero3Fetch.PREFETCH):
+                 loss: LossKernel | str = LossKernel.TORCH, zero3_fetch: Zero3Fetch | str = Zero3Fetch.PREFETCH,
+                 dp_sync: DpSync | str = DpSync.OVERLAPPED):
         if bytes_per_element(base_dtype(graph.dtype)) != bytes_per_element(base_dtype(dtype)):
             raise invalid(f"dtype={dtype!r}: {graph.name} was traced in {graph.dtype}, whose activations differ in size; "
                           f"fix: trace it with dtype={dtype!r}")
         self.attention = _kernel(AttentionKernel, attention, "attention")
         self.loss = _kernel(LossKernel, loss, "loss")
         self.zero3_fetch = _kernel(Zero3Fetch, zero3_fetch, "zero3_fetch")
+        self.dp_sync = _kernel(DpSync, dp_sync, "dp_sync")
         self.tp_overlap = tp_overlap
         self.graph = graph
         self.cluster = cluster
@@ -361,7 +364,7 @@ class Evaluator:
             p2p_s = collective_time_s(Collective.P2P, last_out_bytes / config.seq_split, groups.pp, node, self.cluster.oversubscription)
         dense, expert = total[COL["dense_params"]], total[COL["expert_params"]]
         dp_s = dp_exposed_s(config, self.precision, node, groups, dense, expert, total[COL["fwd_s"]], total[COL["bwd_s"]],
-                           self.cluster.oversubscription)
+                           self.cluster.oversubscription, self.dp_sync)
         expert_group = expert_data_group(config, node).size
         dense_shard, expert_shard = (config.dp * config.cp, expert_group) if config.zero >= 1 else (1, 1)
         breakdown = memory_model.stage_memory(

@@ -160,8 +160,8 @@ class _Pass:
 
 
 def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str = "bf16", attention: str = "flash",
-           tp_overlap: bool = False, loss: str = "torch", zero3_fetch: str = "prefetch", cluster_name: str = "",
-           **constraints) -> Plan:
+           tp_overlap: bool = False, loss: str = "torch", zero3_fetch: str = "prefetch", dp_sync: str = "overlapped",
+           cluster_name: str = "", **constraints) -> Plan:
     """Best plan for `graph` on `cluster` (see the module docstring for how candidates are pruned).
 
     Raises:
@@ -176,7 +176,8 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     exhaustive = constraints.get("exhaustive", False)
     if global_batch < 1:
         raise invalid(f"global_batch={global_batch}: must be a positive integer")
-    evaluator = Evaluator(graph, cluster, dtype, attention=attention, tp_overlap=tp_overlap, loss=loss, zero3_fetch=zero3_fetch)
+    evaluator = Evaluator(graph, cluster, dtype, attention=attention, tp_overlap=tp_overlap, loss=loss, zero3_fetch=zero3_fetch,
+                          dp_sync=dp_sync)
     space = enumerate_degrees(graph, cluster, constraints)
     rejected: list[Rejection] = list(space.rejected)
     reasons: Counter = Counter()

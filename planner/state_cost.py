@@ -66,6 +66,23 @@ class Zero3Fetch(StrEnum):
     BLOCKING = "blocking"
 
 
+class DpSync(StrEnum):
+    """How the training code synchronises data-parallel model states below ZeRO-3.
+
+    OVERLAPPED: the gradients reduce bucket by bucket during the last micro-batch's backward, and
+    ZeRO-1/2 gather the updated parameters ahead of the next forward (FSDP2, DDP, Megatron-Core's
+    overlapped gradient reduction and parameter gather).
+    BLOCKING: after the last backward the whole fp32 gradients are all-reduced, under ZeRO-1 too,
+    and ZeRO-1 all-gathers the updated parameters after the optimizer step; nothing overlaps.
+    DeepSpeed's pipeline engine with its BF16_Optimizer (Megatron-DeepSpeed, BLOOM): its
+    `ReduceGrads` step runs after the schedule and all-reduces `get_grads_for_reduction()`, the
+    fp32 gradient buffers, and `step()` then gathers the bf16 partitions (`all_gather_dp_groups`).
+    """
+
+    OVERLAPPED = "overlapped"
+    BLOCKING = "blocking"
+
+
 @dataclass(frozen=True)
 class Precision:
     """How training in one dtype stores and moves model states.
@@ -106,7 +123,7 @@ def fsdp2_copy_s(precision: Precision, device: DeviceSpec, params: float, shard_
 
 
 def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, groups, dense: float, expert: float,
-                 fwd_s: float, bwd_s: float, oversubscription: float) -> float:
+                 fwd_s: float, bwd_s: float, oversubscription: float, sync: DpSync = DpSync.OVERLAPPED) -> float:
     """Data-parallel traffic not hidden behind compute, per step, and FSDP2's buffer copies.
 
     The gradient reduction (all-reduce, or reduce-scatter under ZeRO-1/2) runs bucket by bucket
@@ -118,7 +135,8 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
     one-micro-batch window. The parameters stay gathered over the micro-batches, so FSDP2 copies
     them out of its buffer once per step (`fsdp2_copy_s`), and the gradients in once per reduction.
     Without data parallelism there is no traffic, but mixed precision still runs through FSDP2, on
-    a one-rank mesh (`planner.apply`), and so do its copies.
+    a one-rank mesh (`planner.apply`), and so do its copies. Under `DpSync.BLOCKING` nothing hides
+    the traffic and ZeRO-1 reduces with an all-reduce.
     """
     if config.zero == 3:
         return 0.0
@@ -126,10 +144,11 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
     if config.dp * config.cp == 1:
         mixed = precision is not FP32_PRECISION
         return fsdp2_copy_s(precision, node.device, dense + expert, dense + expert, 1, reductions) if mixed else 0.0
-    if not node.device.comm_overlaps_compute:
+    blocking = sync is DpSync.BLOCKING
+    if blocking or not node.device.comm_overlaps_compute:
         fwd_s = bwd_s = 0.0  # nothing hides the traffic
     expert_group = expert_data_group(config, node)
-    kind = Collective.ALL_REDUCE if config.zero == 0 else Collective.REDUCE_SCATTER
+    kind = Collective.ALL_REDUCE if config.zero == 0 or (blocking and config.zero == 1) else Collective.REDUCE_SCATTER
     reduce_s = state_collective_s(kind, GRAD_REDUCE_BYTES_PER_PARAM, dense, expert, groups.dp_cp, expert_group, node, oversubscription)
     gather_s = 0.0
     if config.zero in (1, 2):

@@ -149,20 +149,24 @@ def test_evaluate_fused_loss_holds_less_on_the_loss_stage(capsys):
     assert last == pytest.approx(8 * 4 * 128 * 51200 * fragmentation, rel=1e-3)
 
 
-def test_evaluate_blocking_zero3_fetch_adds_the_fetches_to_the_step(capsys):
-    """--zero3-fetch blocking: the same ZeRO-3 configuration takes longer by its exposed fetches, and
-    the memory plan does not change."""
-    base = ["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--zero", "3", "--json"]
+@pytest.mark.parametrize("flag, default, zero, exposed_key", [
+    ("--zero3-fetch", "prefetch", "3", "fsdp_comm_exposed_s"),
+    ("--dp-sync", "overlapped", "1", "dp_comm_exposed_s"),
+])
+def test_blocking_state_traffic_adds_to_the_step(capsys, flag, default, zero, exposed_key):
+    """--zero3-fetch blocking (each ZeRO-3 fetch stalls compute) and --dp-sync blocking (the gradient
+    all-reduce and parameter gather after the step): the same configuration takes longer by exactly
+    its newly exposed traffic, and the memory plan does not change."""
+    base = ["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--zero", zero, "--json"]
     results = {}
-    for fetch in ("prefetch", "blocking"):
-        code, out, _ = run([*base, "--zero3-fetch", fetch], capsys)
+    for mode in (default, "blocking"):
+        code, out, _ = run([*base, flag, mode], capsys)
         assert code == 0
-        results[fetch] = json.loads(out)
-    slower_s = results["blocking"]["step_time_s"] - results["prefetch"]["step_time_s"]
-    exposed_s = (results["blocking"]["time_breakdown"]["fsdp_comm_exposed_s"]
-                 - results["prefetch"]["time_breakdown"]["fsdp_comm_exposed_s"])
+        results[mode] = json.loads(out)
+    slower_s = results["blocking"]["step_time_s"] - results[default]["step_time_s"]
+    exposed_s = results["blocking"]["time_breakdown"][exposed_key] - results[default]["time_breakdown"][exposed_key]
     assert slower_s > 0 and slower_s == pytest.approx(exposed_s, rel=1e-6)
-    assert results["blocking"]["memory"] == results["prefetch"]["memory"]
+    assert results["blocking"]["memory"] == results[default]["memory"]
 
 
 def test_plan_json_contract(capsys):

@@ -590,6 +590,25 @@ def test_cpu_ranks_hide_no_communication(gpt350m):
     assert estimate.time_breakdown["dp_comm_exposed_s"] == pytest.approx(reduce_s + copies_s)
 
 
+def test_blocking_dp_sync_exposes_an_all_reduce_and_the_gather(gpt350m):
+    # DeepSpeed's pipeline engine with BF16_Optimizer at ZeRO-1 (planner.state_cost.DpSync): the whole
+    # fp32 gradients (4 B per parameter) are all-reduced after the backward and the bf16 parameters
+    # (2 B) all-gathered after the step, over the 16 ranks of two 8-GPU nodes, nothing hidden; plus
+    # FSDP2's compute-stream copies of one gather and one reduction on a GPU, 2 x 2 + (2 + 4) = 10 B
+    # per parameter at the memory bandwidth. Overlapped, the same traffic hides behind the compute.
+    cluster = load_cluster("a100-80g:2x8")
+    device, node = stage_devices(cluster, 1)[0]
+    group = axis_group(16, 1, node.devices_per_node)
+    config = ParallelConfig(dp=16, zero=1, micro_batch=1, num_microbatches=1)
+    exposed = {sync: Evaluator(gpt350m, cluster, dp_sync=sync).estimate(config, 16).time_breakdown["dp_comm_exposed_s"]
+               for sync in ("overlapped", "blocking")}
+    all_reduce_s = collective_time_s(Collective.ALL_REDUCE, 4 * gpt350m.params, group, node)
+    gather_s = collective_time_s(Collective.ALL_GATHER, 2 * gpt350m.params, group, node)
+    copies_s = 10 * gpt350m.params / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
+    assert exposed["blocking"] == pytest.approx(all_reduce_s + gather_s + copies_s, rel=1e-6)
+    assert exposed["overlapped"] < exposed["blocking"] - all_reduce_s
+
+
 def test_mixed_precision_without_data_parallelism_pays_fsdp2_copies(gpt350m):
     # Plan.apply runs bf16 training through FSDP2 even on one rank (its mixed-precision policy), so a
     # dp=1 plan pays the same 24 B per parameter of buffer copies on CPU ranks as ZeRO-0 at dp=2

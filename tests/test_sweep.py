@@ -110,22 +110,23 @@ def test_loss_kernel_is_a_sweep_setting(tmp_path):
     assert fused_row["peak_memory_bytes"] < torch_row["peak_memory_bytes"]
 
 
-def test_zero3_fetch_is_a_sweep_setting(tmp_path):
+@pytest.mark.parametrize("key, default, zero", [("zero3_fetch", "prefetch", 3), ("dp_sync", "overlapped", 1)])
+def test_blocking_state_traffic_is_a_sweep_setting(tmp_path, key, default, zero):
     path = write(tmp_path, "models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\n"
-                           "zero3_fetch: blocking\n")
+                           f"{key}: blocking\n")
     spec = load_sweep_spec(path)
-    assert spec.settings == "dtype=bf16 attention=flash zero3_fetch=blocking"
-    assert load_sweep_spec(path, {"zero3_fetch": None}).zero3_fetch == "blocking"  # an absent flag keeps the file's value
+    assert spec.settings == f"dtype=bf16 attention=flash {key}=blocking"
+    assert getattr(load_sweep_spec(path, {key: None}), key) == "blocking"  # an absent flag keeps the file's value
     graph = planner.trace("gpt3-125m", seq_len=512)
     point, cluster = spec.points[0], spec.clusters["a100-80g:1x8"]
-    # The same ZeRO-3 configuration is slower when every fetch stalls compute.
-    fixed = {"tp": 1, "pp": 1, "micro_batch": 8, "zero": 3, "recompute": "none"}
-    prefetch_row, blocking_row = (plan_point(point, graph, cluster, PlanSettings("bf16", "flash", fixed, "", zero3_fetch=fetch))
-                                  for fetch in ("prefetch", "blocking"))
-    assert blocking_row["step_time_s"] > prefetch_row["step_time_s"]
+    # The same configuration is slower when its fetches (ZeRO-3) or its synchronisation (below) stall compute.
+    fixed = {"tp": 1, "pp": 1, "micro_batch": 8, "zero": zero, "recompute": "none"}
+    default_row, blocking_row = (plan_point(point, graph, cluster, PlanSettings("bf16", "flash", fixed, "", **{key: mode}))
+                                 for mode in (default, "blocking"))
+    assert blocking_row["step_time_s"] > default_row["step_time_s"]
     bad = write(tmp_path, "models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\n"
-                          "zero3_fetch: async\n")
-    with pytest.raises(PlannerError, match=r"zero3_fetch: 'async': use one of prefetch, blocking"):
+                          f"{key}: async\n")
+    with pytest.raises(PlannerError, match=rf"{key}: 'async': use one of {default}, blocking"):
         load_sweep_spec(bad)
 
 

@@ -51,6 +51,7 @@ class PlanSettings:
     tp_overlap: bool = False
     loss: str = "torch"
     zero3_fetch: str = "prefetch"
+    dp_sync: str = "overlapped"
 
 
 GraphKey = tuple[str, int]  # (model, seq_len)
@@ -67,7 +68,7 @@ def plan_point(point: SweepPoint, graph: ModelGraph, cluster: Cluster, settings:
     try:
         result = plan(graph, cluster, global_batch=point.global_batch, dtype=settings.dtype,
                       attention=settings.attention, tp_overlap=settings.tp_overlap, loss=settings.loss,
-                      zero3_fetch=settings.zero3_fetch,
+                      zero3_fetch=settings.zero3_fetch, dp_sync=settings.dp_sync,
                       **settings.constraints)
     except Exception as error:  # noqa: BLE001 - a failed point is a row, never the end of a sweep
         row.update(failure(error))

@@ -15,6 +15,7 @@ keys is a point; explicit `points` follow:
     loss: torch                             # optional: torch (default) or fused (cross-entropy kernel)
     tp_overlap: false                       # optional: TP collectives overlapped with GEMMs (as --tp-comm-overlap)
     zero3_fetch: prefetch                   # optional: prefetch (default) or blocking (as --zero3-fetch)
+    dp_sync: overlapped                     # optional: overlapped (default) or blocking (as --dp-sync)
     constraints: {zero: 1}                  # optional: fixed choices or bounds, as `paraplan plan` takes
     points:                                 # optional: explicit points
       - {model: llama3-70b, cluster: h100-sxm:8x8, global_batch: 1024, seq_len: 8192}
@@ -45,12 +46,13 @@ from planner.config import TRAINING_DTYPES
 from planner.errors import PlannerError, invalid
 
 GRID_LIST_KEYS = ("models", "devices", "cluster_sizes", "clusters", "global_batches", "seq_lens")
-SETTING_KEYS = ("dtype", "attention", "loss", "tp_overlap", "zero3_fetch", "constraints")
+SETTING_KEYS = ("dtype", "attention", "loss", "tp_overlap", "zero3_fetch", "dp_sync", "constraints")
 SPEC_KEYS = (*GRID_LIST_KEYS, *SETTING_KEYS, "points")
 POINT_KEYS = ("model", "cluster", "global_batch", "seq_len")
 ATTENTION_KERNELS = ("flash", "unfused")
 LOSS_KERNELS = ("torch", "fused")
 ZERO3_FETCHES = ("prefetch", "blocking")
+DP_SYNCS = ("overlapped", "blocking")
 # Keys `plan` itself takes from a sweep's settings, not from `constraints`.
 RESERVED_CONSTRAINTS = ("top",)
 
@@ -72,7 +74,7 @@ class SweepSpec:
     Attributes:
         points: in order, without repeats.
         clusters: the Cluster behind each point's `cluster` name.
-        dtype, attention, loss, tp_overlap, zero3_fetch, constraints: passed to `planner.plan` for every point.
+        dtype, attention, loss, tp_overlap, zero3_fetch, dp_sync, constraints: passed to `planner.plan` for every point.
     """
 
     points: tuple[SweepPoint, ...]
@@ -83,12 +85,14 @@ class SweepSpec:
     tp_overlap: bool = False
     loss: str = "torch"
     zero3_fetch: str = "prefetch"
+    dp_sync: str = "overlapped"
 
     @property
     def settings(self) -> str:
         """The planning settings as one string, stored in each row so a resume can check them."""
         flags = (["tp_overlap=True"] * self.tp_overlap + [f"loss={self.loss}"] * (self.loss != "torch")
-                 + [f"zero3_fetch={self.zero3_fetch}"] * (self.zero3_fetch != "prefetch"))
+                 + [f"zero3_fetch={self.zero3_fetch}"] * (self.zero3_fetch != "prefetch")
+                 + [f"dp_sync={self.dp_sync}"] * (self.dp_sync != "overlapped"))
         extra = " ".join(flags + [f"{key}={self.constraints[key]}" for key in sorted(self.constraints)])
         return f"dtype={self.dtype} attention={self.attention}" + (f" {extra}" if extra else "")
 
@@ -176,6 +180,7 @@ def _validate(entries: dict[str, _Entry], base: Path) -> SweepSpec:
     loss = _choice(entries, "loss", LOSS_KERNELS)
     tp_overlap = _flag(entries, "tp_overlap")
     zero3_fetch = _choice(entries, "zero3_fetch", ZERO3_FETCHES)
+    dp_sync = _choice(entries, "dp_sync", DP_SYNCS)
     constraints = _constraints(entries.get("constraints"))
     clusters: dict[str, Cluster] = {}
     points = _grid_points(entries, base, clusters)
@@ -184,7 +189,8 @@ def _validate(entries: dict[str, _Entry], base: Path) -> SweepSpec:
     if not points:
         raise invalid("sweep: no points; give models, devices with cluster_sizes (or clusters), global_batches and seq_lens, or points")
     return SweepSpec(points=tuple(dict.fromkeys(points)), clusters=clusters, dtype=dtype, attention=attention,
-                     constraints=constraints, tp_overlap=tp_overlap, loss=loss, zero3_fetch=zero3_fetch)
+                     constraints=constraints, tp_overlap=tp_overlap, loss=loss, zero3_fetch=zero3_fetch,
+                     dp_sync=dp_sync)
 
 
 def _grid_points(entries: dict[str, _Entry], base: Path, clusters: dict[str, Cluster]) -> list[SweepPoint]:
