@@ -11,7 +11,7 @@ from costmodel.comm import Collective, CommGroup, collective_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
 from costmodel.offload import offload_step_s
 from planner.config import ParallelConfig
-from planner.mesh import axis_group, expert_data_group
+from planner.mesh import expert_data_group
 
 # Mixed-precision Adam touches, per parameter and step, fp32 master weight, two fp32 moments and
 # the fp32 gradient (read 16 B) and writes master + moments + the bf16 weight copy (14 B).
@@ -141,21 +141,20 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
     if config.zero == 3:
         return 0.0
     reductions = config.num_microbatches if config.zero == 2 and config.pp == 1 else 1
+    expert_group = expert_data_group(config, node)
+    shard = dense / groups.dp_cp.size + expert / expert_group.size if config.zero else dense + expert
+    copies_s = fsdp2_copy_s(precision, node.device, dense + expert, shard, gathers=1, reductions=reductions)
     if config.dp * config.cp == 1:
-        mixed = precision is not FP32_PRECISION
-        return fsdp2_copy_s(precision, node.device, dense + expert, dense + expert, 1, reductions) if mixed else 0.0
+        return 0.0 if precision is FP32_PRECISION else copies_s
     blocking = sync is DpSync.BLOCKING
     if blocking or not node.device.comm_overlaps_compute:
         fwd_s = bwd_s = 0.0  # nothing hides the traffic
-    expert_group = expert_data_group(config, node)
     kind = Collective.ALL_REDUCE if config.zero == 0 or (blocking and config.zero == 1) else Collective.REDUCE_SCATTER
     reduce_s = state_collective_s(kind, GRAD_REDUCE_BYTES_PER_PARAM, dense, expert, groups.dp_cp, expert_group, node, oversubscription)
     gather_s = 0.0
     if config.zero in (1, 2):
         gather_s = state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, dense, expert, groups.dp_cp,
                                       expert_group, node, oversubscription)
-    shard = dense / groups.dp_cp.size + expert / expert_group.size if config.zero else dense + expert
-    copies_s = fsdp2_copy_s(precision, node.device, dense + expert, shard, gathers=1, reductions=reductions)
     return reductions * max(0.0, reduce_s - bwd_s) + max(0.0, gather_s - fwd_s) + copies_s
 
 
@@ -193,7 +192,7 @@ def tied_gradient_sum_s(config: ParallelConfig, copied_params: float, node: Node
     if config.devices <= node.devices_per_node:
         group = CommGroup(size=2, ranks_per_node=2, concurrent_per_node=inner)
     else:
-        group = axis_group(2, max(node.devices_per_node, (config.pp - 1) * inner), node.devices_per_node)
+        group = CommGroup(size=2, ranks_per_node=1, concurrent_per_node=node.devices_per_node)
     return collective_time_s(Collective.ALL_REDUCE, copied_params * GRAD_REDUCE_BYTES_PER_PARAM / shards, group, node,
                              oversubscription)
 
