@@ -17,7 +17,9 @@ NCCL on GPUs). Measured:
   time from them at its per-head size, as for GEMMs at theirs);
 - cross-entropy forward and backward over fp32 logits -> the op table's `loss_bytes_per_s`;
 - the host work a tensor-parallel linear adds (DTensor dispatch), forward and backward, on a mesh of
-  each rank alone -> the op table's `tp_linear_host_s`;
+  each rank alone -> the op table's `tp_linear_host_s`; under torchrun with an even number of
+  ranks, how long pairs of ranks wait for each other at a tensor-parallel linear's collectives per
+  second of its GEMMs -> the op table's `tp_sync_fraction`;
 - all-reduce, all-gather, reduce-scatter and p2p across sizes -> the intra-node link's bandwidth
   and latency, fitted to the cost model's ring formulas (`costmodel.profile_collectives`).
 
@@ -48,8 +50,9 @@ from costmodel.hardware import DeviceSpec, LinkTier
 from costmodel.profile_collectives import (COLLECTIVE_BYTES, COLLECTIVE_ITERATIONS, QUICK_COLLECTIVE_BYTES,
                                           QUICK_COLLECTIVE_ITERATIONS, collective_factors, fit_link,
                                           measure_collectives)
-from costmodel.profile_ops import (ELEMENTWISE_OPS, measure_attention, measure_loss, measure_matmuls, measure_memory,
-                                   measure_tp_dispatch)
+from costmodel.profile_ops import (ELEMENTWISE_OPS, QUICK_TP_SYNC_ITERATIONS, QUICK_TP_SYNC_SHAPE, TP_SYNC_GROUP,
+                                   TP_SYNC_ITERATIONS, TP_SYNC_SHAPE, measure_attention, measure_loss, measure_matmuls,
+                                   measure_memory, measure_tp_dispatch, measure_tp_sync)
 
 # Matrix sizes n of the n x n x n GEMMs timed, per device type and mode: from launch-bound to the
 # plateau of one CPU core (about 1 GFLOP/s-scale ops) or one GPU (about 1 TFLOP ops).
@@ -93,6 +96,7 @@ class Measurements:
     attention_times_s: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
     loss_bytes_per_s: float = 0.0
     tp_linear_host_s: tuple[float, float] = (0.0, 0.0)
+    tp_sync_fraction: float = 0.0
     link: tuple[float, float] | None = None  # (bytes/s, latency s)
     link_factors: dict[str, float] = field(default_factory=dict)  # collective -> measured / ring formula
     collective_samples: list[dict] = field(default_factory=list)
@@ -147,7 +151,9 @@ def measure(*, quick: bool = False, progress=None) -> Measurements:
     collective_sizes = (QUICK_COLLECTIVE_BYTES if quick else COLLECTIVE_BYTES)[kind]
     run_time_s = QUICK_MIN_RUN_TIME_S if quick else MIN_RUN_TIME_S
     world = dist.get_world_size() if distributed else 1
-    steps = len(dtypes) * (len(sizes) + len(ELEMENTWISE_OPS) + len(shapes)) + 3 + (4 * len(collective_sizes) if world > 1 else 0)
+    pairs = world > 1 and world % TP_SYNC_GROUP == 0
+    steps = (len(dtypes) * (len(sizes) + len(ELEMENTWISE_OPS) + len(shapes)) + 3 + pairs
+             + (4 * len(collective_sizes) if world > 1 else 0))
     task = progress.add_task(f"profiling {kind} x{world}", total=steps) if progress is not None else None
 
     def advance() -> None:
@@ -164,6 +170,11 @@ def measure(*, quick: bool = False, progress=None) -> Measurements:
     result.loss_bytes_per_s = measure_loss(device, loss_shape, run_time_s, advance)
     with _own_mesh(kind) as mesh:
         result.tp_linear_host_s = measure_tp_dispatch(mesh, run_time_s, advance)
+    if pairs:
+        mesh = init_device_mesh(kind, (world // TP_SYNC_GROUP, TP_SYNC_GROUP), mesh_dim_names=("pair", "tp"))
+        shape = (QUICK_TP_SYNC_SHAPE if quick else TP_SYNC_SHAPE)[kind]
+        iterations = QUICK_TP_SYNC_ITERATIONS if quick else TP_SYNC_ITERATIONS
+        result.tp_sync_fraction = measure_tp_sync(mesh["tp"], shape, result.tp_linear_host_s, iterations, advance)
     if world > 1:
         iterations = QUICK_COLLECTIVE_ITERATIONS if quick else COLLECTIVE_ITERATIONS
         result.collective_samples = measure_collectives(device, collective_sizes, iterations, advance)
@@ -206,7 +217,8 @@ def write_profile(out: str | Path, measured: Measurements, base: DeviceSpec) -> 
     for dtype, points in measured.matmul_times_s.items():
         path = out.with_name(f"{stem}-ops-{dtype}.json")
         table = OpTable(name, dtype, {}, tuple(points), tuple(measured.attention_times_s.get(dtype, ())),
-                        measured.loss_bytes_per_s, measured.elementwise_bytes_per_s.get(dtype, {}), measured.tp_linear_host_s)
+                        measured.loss_bytes_per_s, measured.elementwise_bytes_per_s.get(dtype, {}), measured.tp_linear_host_s,
+                        measured.tp_sync_fraction)
         path.write_text(json.dumps(table.to_dict(), indent=1))
         tables[dtype] = path.name
     if measured.link is not None:

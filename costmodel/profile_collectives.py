@@ -51,6 +51,13 @@ def _collective_s(op: str, size_bytes: int, device, iterations: int) -> float:
         "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, buffer),
         "p2p": p2p,
     }[op]
+    return lockstep_s(run, device, iterations)
+
+
+def lockstep_s(run, device, iterations: int) -> float:
+    """Mean seconds of `run()` over `iterations` calls that every rank makes together, after
+    WARMUP_ITERATIONS untimed calls and a barrier: a fixed count, the same on every rank, as each
+    call may run collectives every rank must join."""
     for _ in range(WARMUP_ITERATIONS):
         run()
     dist.barrier()

@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.benchmark import Timer
 
 from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO
-from costmodel.profile_collectives import rank_max
+from costmodel.profile_collectives import lockstep_s, rank_max
 
 # Bytes of each tensor of the elementwise measurements (their outputs are allocated, as in training).
 # On a CPU a tensor above glibc's largest mmap threshold (32 MiB) is mapped fresh on every call and
@@ -45,6 +45,19 @@ GEMMS_PER_LINEAR = 3
 TP_DISPATCH_FEATURES = 64
 TP_DISPATCH_TOKENS = 8
 TP_DISPATCH_TRIALS = 5
+# Tokens and features of the tensor-parallel linears whose ranks' waiting is timed
+# (`measure_tp_sync`): a linear of a model sized for the device, so the GEMMs between two
+# collectives last as long as in training (on a CPU a few milliseconds, on a GPU about one).
+TP_SYNC_SHAPE = {"cpu": (1024, 512), "cuda": (8192, 4096)}
+QUICK_TP_SYNC_SHAPE = {"cpu": (128, 128), "cuda": (1024, 1024)}
+# Ranks of the tensor-parallel group the waiting is timed on: the smallest, which every even
+# world size can form (pairs of neighbouring ranks, all timed at once).
+TP_SYNC_GROUP = 2
+# Calls per timing of the waiting: a fixed count, the same on every rank (`lockstep_s`), since each
+# call runs collectives every rank of the group must join (an adaptive timer would stop the ranks
+# at different counts and leave one waiting in a collective forever).
+TP_SYNC_ITERATIONS = 5
+QUICK_TP_SYNC_ITERATIONS = 2
 
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -149,6 +162,16 @@ def measure_attention(device, dtypes, shapes, min_run_time_s, advance) -> dict[s
     return out
 
 
+def _tp_pairs(mesh, features: int, device) -> tuple[nn.Module, nn.Module]:
+    """A colwise-then-rowwise pair of linears (an MLP's pattern), as the plain local linears of one
+    rank's shard and parallelised over `mesh`."""
+    hidden = 4 * features
+    local = nn.Sequential(nn.Linear(features, hidden // mesh.size()), nn.Linear(hidden // mesh.size(), features)).to(device)
+    parallel = nn.Sequential(nn.Linear(features, hidden), nn.Linear(hidden, features)).to(device)
+    parallelize_module(parallel, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    return local, parallel
+
+
 def measure_tp_dispatch(mesh, min_run_time_s: float, advance) -> tuple[float, float]:
     """(forward, backward) host seconds one tensor-parallel linear adds per call to its local GEMMs.
 
@@ -159,15 +182,8 @@ def measure_tp_dispatch(mesh, min_run_time_s: float, advance) -> tuple[float, fl
     back to back in each of TP_DISPATCH_TRIALS trials and the differences' median kept, so that load
     which comes and goes on a shared host (other ranks' work) cancels rather than lands in one term.
     """
-    device = mesh.device_type
-    x = torch.randn(TP_DISPATCH_TOKENS, TP_DISPATCH_FEATURES, device=device, requires_grad=True)
-    pairs = []
-    for parallel in (False, True):
-        pair = nn.Sequential(nn.Linear(TP_DISPATCH_FEATURES, TP_DISPATCH_FEATURES),
-                             nn.Linear(TP_DISPATCH_FEATURES, TP_DISPATCH_FEATURES)).to(device)
-        if parallel:
-            parallelize_module(pair, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
-        pairs.append({"pair": pair, "x": x})
+    x = torch.randn(TP_DISPATCH_TOKENS, TP_DISPATCH_FEATURES, device=mesh.device_type, requires_grad=True)
+    pairs = [{"pair": pair, "x": x} for pair in _tp_pairs(mesh, TP_DISPATCH_FEATURES, mesh.device_type)]
     trial_s = min_run_time_s / TP_DISPATCH_TRIALS
     forward, backward = [], []
     for _ in range(TP_DISPATCH_TRIALS):
@@ -177,6 +193,33 @@ def measure_tp_dispatch(mesh, min_run_time_s: float, advance) -> tuple[float, fl
         backward.append(((tp_step_s - tp_fwd_s) - (local_step_s - local_fwd_s)) / 2)
     advance()
     return tuple(max(0.0, t) for t in rank_max([float(np.median(forward)), float(np.median(backward))]))
+
+
+def measure_tp_sync(mesh, shape: tuple[int, int], host_s: tuple[float, float], iterations: int, advance) -> float:
+    """Seconds the ranks of a tensor-parallel group wait for each other per second of local GEMMs.
+
+    Ranks that compute the same work drift apart (other threads and processes take their cores
+    now and then), and each blocking collective waits for the last rank to arrive: the more
+    compute between two collectives, the longer the wait. Times the colwise-then-rowwise pair on
+    `mesh` (a real group of TP_SYNC_GROUP ranks, `shape` = (tokens, features)) against its local
+    linears, subtracts the pair's two all-reduces (forward and input gradient) timed alone on the
+    same group and the DTensor host work of its two linears (`host_s`, `measure_tp_dispatch`), and
+    divides what is left by the local pair's time, median over TP_DISPATCH_TRIALS back-to-back trials.
+    """
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    tokens, features = shape
+    x = torch.randn(tokens, features, device=device, requires_grad=True)
+    local, parallel = _tp_pairs(mesh, features, device)
+    buffer, group = torch.zeros(tokens, features, device=device), mesh.get_group()
+    fractions = []
+    for _ in range(TP_DISPATCH_TRIALS):
+        local_s, parallel_s, all_reduce_s = (lockstep_s(run, device, iterations) for run in (
+            lambda: local(x).sum().backward(), lambda: parallel(x).sum().backward(),
+            lambda: dist.all_reduce(buffer, group=group)))
+        wait_s = parallel_s - local_s - 2 * all_reduce_s - 2 * sum(host_s)
+        fractions.append(wait_s / local_s)
+    advance()
+    return max(0.0, rank_max([float(np.median(fractions))])[0])
 
 
 def measure_loss(device, shape: tuple[int, int], min_run_time_s: float, advance) -> float:

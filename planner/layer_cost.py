@@ -15,6 +15,7 @@ from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO, OpTable, OpWork, WorkKin
 from costmodel.hardware import DeviceSpec, NodeSpec
 from planner.graph import Layer, Op, OpKind, Recompute
 from planner.loss_cost import LossKernel, fused_loss_saving, loss_temp_copies
+from planner.tp_overhead import tp_host_s, tp_sync_wait_s
 
 class AttentionKernel(StrEnum):
     """How the attention core runs: fused flash attention (scores never leave on-chip memory), or
@@ -296,17 +297,6 @@ def op_sac_reruns_collectives(layer: Layer, plan: TpPlan) -> list[bool]:
     return [producer in rerun_inputs for _, _, producer in plan.collectives]
 
 
-def tp_host_s(layer: Layer, plan: TpPlan, ctx: LayerContext) -> tuple[float, float]:
-    """(forward, backward) host seconds of the layer's tensor-parallel ops per micro-batch: the ops
-    the apply runs on DTensors (split linears, embeddings and losses; norms under sequence
-    parallelism) times the op table's measured `tp_linear_host_s`; 0 without a measurement."""
-    if plan.tp == 1 or ctx.table is None or not ctx.table.tp_linear_host_s:
-        return 0.0, 0.0
-    on_dtensors = sum(1 for op in layer.ops if (op.name in plan.split_ops and op.kind in (OpKind.MATMUL, OpKind.EMBEDDING, OpKind.LOSS))
-                      or (op.kind == OpKind.NORM and ctx.sequence_parallel))
-    return tuple(on_dtensors * t for t in ctx.table.tp_linear_host_s)
-
-
 def overlapped_tp_comm_s(comm_s: float, gemm_s: float, tp: int) -> float:
     """Exposed seconds of tensor-parallel collectives pipelined with the GEMMs they feed or drain.
 
@@ -343,6 +333,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         attention_fwd: list[OpWork] = []
         attention_bwd: list[OpWork] = []
         op_sac_rerun: list[OpWork] = []
+        split_gemms: tuple[list[OpWork], list[OpWork]] = ([], [])
         kept = op_sac_kept(layer)
         reads = input_bytes_of(layer)
         for op in layer.ops:
@@ -352,11 +343,15 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
             if op.kind == OpKind.ATTENTION:
                 attention_fwd += fwd
                 attention_bwd += bwd
+            if op.kind == OpKind.MATMUL and op.name in plan.split_ops:
+                split_gemms[0].extend(fwd)
+                split_gemms[1].extend(bwd)
             if op.name not in kept:
                 op_sac_rerun += fwd
     else:
         fwd_works, bwd_works = _layer_level_works(layer, ctx, plan.tp)
         attention_fwd, attention_bwd, op_sac_rerun = [], [], fwd_works
+        split_gemms = ([], [])
     fwd_s = layer_time_s(fwd_works, ctx.device, ctx.dtype, ctx.table)
     bwd_s = layer_time_s(bwd_works, ctx.device, ctx.dtype, ctx.table)
     # A GPU computes while its host dispatches ahead; a CPU rank's cores do both in turn.
@@ -376,6 +371,9 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
                                   for works in (fwd_works, bwd_works))
         tp_exposed_fwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_fwd_s, plan.tp)
         tp_exposed_bwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_bwd_s, plan.tp)
+    wait_fwd_s, wait_bwd_s = tp_sync_wait_s(split_gemms, plan, ctx)
+    tp_exposed_fwd_s += wait_fwd_s
+    tp_exposed_bwd_s += wait_bwd_s
     recompute_s = {
         Recompute.NONE: 0.0,
         Recompute.SELECTIVE: attention_fwd_s,

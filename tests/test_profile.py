@@ -46,6 +46,7 @@ def _measurements(matmul_scale: float = 1.0, link=None, world: int = 1) -> Measu
         attention_times_s={"fp32": [(1e8, 2e-3, 5e-3), (1e9, 1e-2, 3e-2)]},
         loss_bytes_per_s=2e9,
         tp_linear_host_s=(1e-4, 3e-4),
+        tp_sync_fraction=0.05,
         link=link,
     )
 
@@ -107,7 +108,7 @@ def test_written_profile_loads_with_measured_fields(tmp_path):
     table = OpTable.from_dict(json.loads(Path(device.op_tables["fp32"]).read_text()))
     assert table.device == "box-device" and table.elementwise_bytes_per_s["gelu_tanh:bwd"] == 2e9
     assert table.attention_times_s == ((1e8, 2e-3, 5e-3), (1e9, 1e-2, 3e-2)) and table.loss_bytes_per_s == 2e9
-    assert table.tp_linear_host_s == (1e-4, 3e-4)
+    assert table.tp_linear_host_s == (1e-4, 3e-4) and table.tp_sync_fraction == 0.05
 
 
 def test_measured_op_table_overrides_the_roofline(tmp_path):
@@ -188,6 +189,34 @@ def test_tensor_parallel_host_work_is_priced_per_dtensor_op(tmp_path, spec, comm
         assert priced[1.0][1] - priced[0.0][1] == pytest.approx(dtensor_ops * 3e-4)
 
 
+def test_tensor_parallel_ranks_wait_the_measured_fraction_of_their_split_gemms(tmp_path, spec):
+    """The tiny GPT's block splits 6 linears (q, k, v, o: 64 x 64; fc1, fc2: 64 x 256) over tp = 2: per
+    micro-batch of one 64-token sequence their forward GEMMs are 2 * 64 * 12 * 64^2 / 2 FLOPs and
+    their backward twice that, at the table's 50 GFLOP/s. Ranks that wait `tp_sync_fraction` of that
+    time at the block's collectives add it to the exposed tensor-parallel time, whether or not the
+    device overlaps communication (waiting is not host work), and nothing else changes."""
+    graph = planner.trace(str(spec), seq_len=64, dtype="fp32")
+    block = next(i for i, layer in enumerate(graph.layers) if layer.name == "layers.0")
+    config = planner.make_config({"tp": 2, "pp": 1, "micro_batch": 1}, 2, 4)
+    split_gemm_fwd_s = 2 * 64 * 12 * 64**2 / 2 / 50e9
+    for comm_overlaps_compute in (False, True):
+        costs = {}
+        for fraction in (0.0, 0.25):
+            out = tmp_path / f"wait{fraction:g}{comm_overlaps_compute}.yaml"
+            measured = _measurements(world=2, link=(3e9, 40e-6))
+            measured.tp_sync_fraction = fraction
+            write_profile(out, measured, load_device("cpu"))
+            cluster = load_cluster(str(out))
+            node = cluster.groups[0].node
+            device = dataclasses.replace(node.device, comm_overlaps_compute=comm_overlaps_compute)
+            evaluator = Evaluator(graph, cluster, "fp32")
+            evaluator.table_for = lambda _device, dtype, table=evaluator.table_for(node.device, "fp32"): table
+            costs[fraction] = evaluator.layer_cost(block, config, device, dataclasses.replace(node, device=device),
+                                                   Recompute.NONE)
+        assert costs[0.25].tp_comm_s - costs[0.0].tp_comm_s == pytest.approx(0.25 * 3 * split_gemm_fwd_s)
+        assert (costs[0.25].fwd_s, costs[0.25].bwd_s) == (costs[0.0].fwd_s, costs[0.0].bwd_s)
+
+
 def test_quick_profile_changes_predictions(tmp_path, spec):
     written = run_profile(tmp_path / "here.yaml", quick=True, show_progress=False)
     assert all(path.exists() for path in written)
@@ -215,6 +244,9 @@ def test_profile_under_two_ranks_measures_the_link(tmp_path):
     assert device["node"]["devices_per_node"] == 2
     assert "fit of all-reduce" in device["node"]["intra_link"]["sources"]["bw_bytes_per_s"]
     assert load_cluster(str(tmp_path / "pair.yaml")).num_devices == 2
+    # The pair also timed how long its ranks wait for each other at tensor-parallel collectives.
+    table = json.loads((tmp_path / "pair-ops-fp32.json").read_text())
+    assert table["tp_sync_fraction"] >= 0
 
 
 def test_cli_rejects_a_non_yaml_output(tmp_path, capsys):
