@@ -73,11 +73,19 @@ MODES = {
 PINNED = ("dp", "tp", "pp")
 
 
-def _torchrun(world: int, *args: str) -> None:
+def _torchrun(world: int, *args: str, result: Path | None = None) -> None:
+    """Runs `args` under torchrun on `world` ranks. With `result`, a run that wrote it and then failed
+    only reports the failure: a rank can abort at interpreter exit after its work is done
+    ("terminate called without an active exception": gloo worker threads still holding tensors
+    while the interpreter finalises, pytorch/pytorch#179291), which leaves the measurement whole."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *args]
     done = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
-    if done.returncode:
+    if done.returncode and result is not None and result.exists():
+        lines = done.stderr.strip().splitlines() or ["no message"]
+        reason = next((line for line in lines if "terminate called" in line), lines[-1])
+        print(f"# a rank exited with an error after the result was written (kept): {reason[:160]}", flush=True)
+    elif done.returncode:
         raise RuntimeError(f"{' '.join(args)} failed:\n{done.stderr[-4000:]}")
 
 
@@ -175,7 +183,9 @@ def run(worlds: list[int], steps: int) -> list[dict]:
                                     **{**constraints, **fixed})
                 plan_path, result_path = Path(scratch) / "plan.json", Path(scratch) / "result.json"
                 plan.save(plan_path)
-                _torchrun(world, "benchmarks/fidelity.py", "--worker", str(plan_path), str(spec), str(steps), str(result_path))
+                result_path.unlink(missing_ok=True)
+                _torchrun(world, "benchmarks/fidelity.py", "--worker", str(plan_path), str(spec), str(steps), str(result_path),
+                          result=result_path)
                 measured = json.loads(result_path.read_text())
                 rows.append({
                     "world": world, "mode": name, "dtype": dtype, "config": plan.config.short(),

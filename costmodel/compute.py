@@ -224,9 +224,9 @@ class OpTable:
             local GEMMs per call: DTensor dispatch (sharding propagation, wrapping and unwrapping)
             and the parallel styles' input and output hooks, measured on a one-rank mesh, so no
             communication is in it; () when not measured.
-        tp_sync_fraction: seconds the ranks of a tensor-parallel group wait for each other at its
-            blocking collectives per second of the local GEMMs between them (ranks sharing a host
-            drift apart), measured on groups of two ranks; 0 when not measured.
+        sync_wait_fraction: seconds ranks wait for each other at a blocking collective per second of
+            compute since their previous one (ranks sharing a host drift apart), measured on pairs
+            of ranks at a tensor-parallel linear's collectives; 0 when not measured.
     """
 
     device: str
@@ -237,7 +237,7 @@ class OpTable:
     loss_bytes_per_s: float = 0.0
     elementwise_bytes_per_s: Mapping[str, float] = field(default_factory=dict, hash=False)
     tp_linear_host_s: tuple[float, float] | tuple[()] = ()
-    tp_sync_fraction: float = 0.0
+    sync_wait_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         measured = (list(self.times_s_by_key.values()) + [t for _, t in self.matmul_times_s]
@@ -247,8 +247,8 @@ class OpTable:
             raise ProfileError(f"op table for {self.device}: every measured time and rate must be > 0")
         if len(self.tp_linear_host_s) not in (0, 2) or any(t < 0 for t in self.tp_linear_host_s):
             raise ProfileError(f"op table for {self.device}: tp_linear_host_s must be [forward s, backward s], each >= 0")
-        if not self.tp_sync_fraction >= 0:
-            raise ProfileError(f"op table for {self.device}: tp_sync_fraction must be >= 0, got {self.tp_sync_fraction}; "
+        if not self.sync_wait_fraction >= 0:
+            raise ProfileError(f"op table for {self.device}: sync_wait_fraction must be >= 0, got {self.sync_wait_fraction}; "
                                f"re-run `paraplan profile`")
         for kind, rates in self._curves.items():
             _log_curve(rates, f"op table for {self.device} {kind}")
@@ -291,7 +291,7 @@ class OpTable:
             "loss_bytes_per_s": self.loss_bytes_per_s,
             "elementwise_bytes_per_s": dict(self.elementwise_bytes_per_s),
             "tp_linear_host_s": list(self.tp_linear_host_s),
-            "tp_sync_fraction": self.tp_sync_fraction,
+            "sync_wait_fraction": self.sync_wait_fraction,
         }
 
     @classmethod
@@ -317,14 +317,14 @@ class OpTable:
                 loss_bytes_per_s=float(data.get("loss_bytes_per_s", 0.0)),
                 elementwise_bytes_per_s={str(k): float(v) for k, v in data.get("elementwise_bytes_per_s", {}).items()},
                 tp_linear_host_s=tuple(float(t) for t in data.get("tp_linear_host_s", ())),
-                tp_sync_fraction=float(data.get("tp_sync_fraction", 0.0)),
+                sync_wait_fraction=float(data.get("sync_wait_fraction", 0.0)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProfileError(f"op table: bad or missing field ({exc!r}); expected keys device, dtype, "
                                f"times_s_by_key {{key: seconds}}, matmul_times_s [{{flops, time_s}}], "
                                f"attention_head_times_s [{{flops, fwd_s, bwd_s}}], loss_bytes_per_s, "
                                f"elementwise_bytes_per_s {{op: bytes per second}}, tp_linear_host_s [forward s, backward s], "
-                               f"tp_sync_fraction") from None
+                               f"sync_wait_fraction") from None
 
 
 def _check_table(table: OpTable, device: DeviceSpec, dtype: str) -> None:

@@ -19,7 +19,7 @@ NCCL on GPUs). Measured:
 - the host work a tensor-parallel linear adds (DTensor dispatch), forward and backward, on a mesh of
   each rank alone -> the op table's `tp_linear_host_s`; under torchrun with an even number of
   ranks, how long pairs of ranks wait for each other at a tensor-parallel linear's collectives per
-  second of its GEMMs -> the op table's `tp_sync_fraction`;
+  second of its GEMMs -> the op table's `sync_wait_fraction`;
 - all-reduce, all-gather, reduce-scatter and p2p across sizes -> the intra-node link's bandwidth
   and latency, fitted to the cost model's ring formulas (`costmodel.profile_collectives`).
 
@@ -96,7 +96,7 @@ class Measurements:
     attention_times_s: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
     loss_bytes_per_s: float = 0.0
     tp_linear_host_s: tuple[float, float] = (0.0, 0.0)
-    tp_sync_fraction: float = 0.0
+    sync_wait_fraction: float = 0.0
     link: tuple[float, float] | None = None  # (bytes/s, latency s)
     link_factors: dict[str, float] = field(default_factory=dict)  # collective -> measured / ring formula
     collective_samples: list[dict] = field(default_factory=list)
@@ -174,7 +174,7 @@ def measure(*, quick: bool = False, progress=None) -> Measurements:
         mesh = init_device_mesh(kind, (world // TP_SYNC_GROUP, TP_SYNC_GROUP), mesh_dim_names=("pair", "tp"))
         shape = (QUICK_TP_SYNC_SHAPE if quick else TP_SYNC_SHAPE)[kind]
         iterations = QUICK_TP_SYNC_ITERATIONS if quick else TP_SYNC_ITERATIONS
-        result.tp_sync_fraction = measure_tp_sync(mesh["tp"], shape, result.tp_linear_host_s, iterations, advance)
+        result.sync_wait_fraction = measure_tp_sync(mesh["tp"], shape, result.tp_linear_host_s, iterations, advance)
     if world > 1:
         iterations = QUICK_COLLECTIVE_ITERATIONS if quick else COLLECTIVE_ITERATIONS
         result.collective_samples = measure_collectives(device, collective_sizes, iterations, advance)
@@ -218,7 +218,7 @@ def write_profile(out: str | Path, measured: Measurements, base: DeviceSpec) -> 
         path = out.with_name(f"{stem}-ops-{dtype}.json")
         table = OpTable(name, dtype, {}, tuple(points), tuple(measured.attention_times_s.get(dtype, ())),
                         measured.loss_bytes_per_s, measured.elementwise_bytes_per_s.get(dtype, {}), measured.tp_linear_host_s,
-                        measured.tp_sync_fraction)
+                        measured.sync_wait_fraction)
         path.write_text(json.dumps(table.to_dict(), indent=1))
         tables[dtype] = path.name
     if measured.link is not None:

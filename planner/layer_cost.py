@@ -15,7 +15,7 @@ from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO, OpTable, OpWork, WorkKin
 from costmodel.hardware import DeviceSpec, NodeSpec
 from planner.graph import Layer, Op, OpKind, Recompute
 from planner.loss_cost import LossKernel, fused_loss_saving, loss_temp_copies
-from planner.tp_overhead import tp_host_s, tp_sync_wait_s
+from planner.parallel_overhead import sync_wait_s, tp_host_s
 
 class AttentionKernel(StrEnum):
     """How the attention core runs: fused flash attention (scores never leave on-chip memory), or
@@ -333,7 +333,6 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         attention_fwd: list[OpWork] = []
         attention_bwd: list[OpWork] = []
         op_sac_rerun: list[OpWork] = []
-        split_gemms: tuple[list[OpWork], list[OpWork]] = ([], [])
         kept = op_sac_kept(layer)
         reads = input_bytes_of(layer)
         for op in layer.ops:
@@ -343,15 +342,11 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
             if op.kind == OpKind.ATTENTION:
                 attention_fwd += fwd
                 attention_bwd += bwd
-            if op.kind == OpKind.MATMUL and op.name in plan.split_ops:
-                split_gemms[0].extend(fwd)
-                split_gemms[1].extend(bwd)
             if op.name not in kept:
                 op_sac_rerun += fwd
     else:
         fwd_works, bwd_works = _layer_level_works(layer, ctx, plan.tp)
         attention_fwd, attention_bwd, op_sac_rerun = [], [], fwd_works
-        split_gemms = ([], [])
     fwd_s = layer_time_s(fwd_works, ctx.device, ctx.dtype, ctx.table)
     bwd_s = layer_time_s(bwd_works, ctx.device, ctx.dtype, ctx.table)
     # A GPU computes while its host dispatches ahead; a CPU rank's cores do both in turn.
@@ -371,9 +366,15 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
                                   for works in (fwd_works, bwd_works))
         tp_exposed_fwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_fwd_s, plan.tp)
         tp_exposed_bwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_bwd_s, plan.tp)
-    wait_fwd_s, wait_bwd_s = tp_sync_wait_s(split_gemms, plan, ctx)
-    tp_exposed_fwd_s += wait_fwd_s
-    tp_exposed_bwd_s += wait_bwd_s
+    # Waiting at the layer's collectives counts with the first kind of them the layer has.
+    wait_fwd_s, wait_bwd_s = sync_wait_s(layer, plan, ctx, fwd_s, bwd_s)
+    cp_comm_s, ep_comm_s = _cp_comm_s(layer, ctx, attention_fwd_s, attention_bwd_s), _ep_comm_s(layer, ctx)
+    if plan.tp > 1 and plan.collectives:
+        tp_exposed_fwd_s, tp_exposed_bwd_s = tp_exposed_fwd_s + wait_fwd_s, tp_exposed_bwd_s + wait_bwd_s
+    elif ctx.cp > 1:
+        cp_comm_s += wait_fwd_s + wait_bwd_s
+    else:
+        ep_comm_s += wait_fwd_s + wait_bwd_s
     recompute_s = {
         Recompute.NONE: 0.0,
         Recompute.SELECTIVE: attention_fwd_s,
@@ -386,8 +387,8 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         bwd_s=bwd_s,
         recompute_s=recompute_s,
         tp_comm_s=tp_exposed_fwd_s + tp_exposed_bwd_s,
-        cp_comm_s=_cp_comm_s(layer, ctx, attention_fwd_s, attention_bwd_s),
-        ep_comm_s=_ep_comm_s(layer, ctx),
+        cp_comm_s=cp_comm_s,
+        ep_comm_s=ep_comm_s,
         act_bytes=_activation_bytes(layer, ctx, plan.tp),
         temp_bytes=_loss_temp_bytes(layer, plan, ctx),
     )

@@ -132,7 +132,7 @@ def test_layer_time_is_sum_of_ops():
 
 TABLE = OpTable(device="test-gpu", dtype="bf16", times_s_by_key={"matmul:4096x4096x4096:bf16": 1.23e-3},
                 matmul_times_s=((1e9, 1e-5), (1e11, 5e-4)),   # achieved 1e14 and 2e14 FLOP/s
-                tp_linear_host_s=(2e-5, 5e-5), tp_sync_fraction=0.1)
+                tp_linear_host_s=(2e-5, 5e-5), sync_wait_fraction=0.1)
 
 
 def test_table_key_overrides_roofline():
@@ -168,8 +168,8 @@ def test_table_round_trip():
     {"device": "x", "dtype": "bf16", "elementwise_bytes_per_s": {"gelu": 0.0}},
     {"device": "x", "dtype": "bf16", "tp_linear_host_s": [1e-4]},
     {"device": "x", "dtype": "bf16", "tp_linear_host_s": [-1e-4, 1e-4]},
-    {"device": "x", "dtype": "bf16", "tp_sync_fraction": -0.1},
-    {"device": "x", "dtype": "bf16", "tp_sync_fraction": "nan"},
+    {"device": "x", "dtype": "bf16", "sync_wait_fraction": -0.1},
+    {"device": "x", "dtype": "bf16", "sync_wait_fraction": "nan"},
     # An older profile's whole-call attention times would price per-head attention batch x heads too slow.
     {"device": "x", "dtype": "bf16", "attention_times_s": [{"flops": 1e9, "fwd_s": 1e-3, "bwd_s": 2e-3}]},
 ])
