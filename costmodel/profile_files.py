@@ -37,6 +37,11 @@ def list_devices() -> list[str]:
     return list_names("devices", profile_dirs())
 
 
+def list_links() -> list[str]:
+    """Names of the link profiles found in `profile_dirs()`, sorted."""
+    return list_names("links", profile_dirs())
+
+
 def list_clusters() -> list[str]:
     """Names of the cluster profiles found in `profile_dirs()`, sorted."""
     return list_names("clusters", profile_dirs())

@@ -82,6 +82,16 @@ def load_device(name_or_path: str | Path) -> DeviceSpec:
     return _load_device_file(str(path), path.stat().st_mtime_ns, dirs)
 
 
+def load_link(name_or_path: str | Path) -> LinkTier:
+    """Load a link profile by name (`profile_files.list_links()`, case-insensitive) or by file path.
+
+    Raises:
+        ProfileError: unknown name, missing file, or invalid profile; the message names the fix.
+    """
+    path = resolve("links", "link", name_or_path, profile_dirs())
+    return _load_link_file(str(path), path.stat().st_mtime_ns)
+
+
 def load_cluster(spec: str | Path | dict | Cluster) -> Cluster:
     """Build a Cluster from any of the accepted spellings.
 

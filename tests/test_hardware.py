@@ -11,7 +11,7 @@ from rich.console import Console
 
 from costmodel.errors import ProfileError
 from costmodel.hardware import INTER_NODE_KINDS, INTRA_NODE_KINDS, Cluster
-from costmodel.profile_files import PROFILES_DIR, PROFILES_PATH_ENV, list_clusters, list_devices
+from costmodel.profile_files import PROFILES_DIR, PROFILES_PATH_ENV, list_clusters, list_devices, list_links
 from costmodel.profile_loader import MATMUL_HALF_EFFICIENCY_TIME_S, load_cluster, load_device
 from planner.report.hardware import render_hardware, render_hardware_list
 
@@ -330,9 +330,11 @@ def _cells(text: str) -> dict[str, list[str]]:
     return {row[0]: row[1:] for row in rows if row}
 
 
-def test_hardware_list_shows_every_device_and_cluster():
+def test_hardware_list_shows_every_device_link_and_cluster():
     cells = _cells(_text(render_hardware_list()))
-    assert set(list_devices()) | set(list_clusters()) <= cells.keys()
+    assert set(list_devices()) | set(list_links()) | set(list_clusters()) <= cells.keys()
+    # profiles/links/ib-hdr200.yaml: 200 Gb/s = 25 GB/s, 9.6 us, 0.92.
+    assert cells["ib-hdr200"] == ["ib", "25", "9.6", "0.92"]
     # h100-sxm: 989.4 TFLOP/s bf16; 81089 MiB = 79.19 GiB; 3.35 TB/s; $98.32 / 8 = 12.29 per GPU-hour.
     h100 = cells["h100-sxm"]
     assert h100[:3] + h100[-1:] == ["989.4", "79.2", "3.35", "12.29"]
@@ -355,6 +357,17 @@ def test_cluster_detail_lists_groups():
 def test_cluster_detail_accepts_shorthand():
     cells = _cells(_text(render_hardware("h100-sxm:2x8")))
     assert cells["devices"] == ["16"] and cells["nodes"] == ["2"]
+
+
+def test_link_detail_shows_each_number_with_its_source():
+    cells = _cells(_text(render_hardware("opa-4x100g-8gpu")))
+    assert cells["kind"] == ["omnipath"] and cells["bandwidth"] == ["6.25 GB/s per direction per device"]
+    assert any("Omni-Path" in " ".join(row) for name, row in cells.items() if name.startswith("source"))
+
+
+def test_render_unknown_link_name_suggests_nearest():
+    with pytest.raises(ProfileError, match="not a known device, link or cluster; did you mean .*ib-ndr400"):
+        render_hardware("ib-ndr40")
 
 
 def test_render_unknown_name_suggests_nearest():

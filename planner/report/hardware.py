@@ -1,4 +1,4 @@
-"""Rich tables for `paraplan hardware [NAME]`: the built-in devices and clusters, or one in detail."""
+"""Rich tables for `paraplan hardware [NAME]`: the built-in devices, links and clusters, or one in detail."""
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
@@ -8,8 +8,8 @@ from rich.text import Text
 
 from costmodel.errors import ProfileError
 from costmodel.hardware import Cluster, DeviceSpec, LinkTier
-from costmodel.profile_files import list_clusters, list_devices, nearest_names
-from costmodel.profile_loader import load_cluster, load_device
+from costmodel.profile_files import list_clusters, list_devices, list_links, nearest_names
+from costmodel.profile_loader import load_cluster, load_device, load_link
 
 FLOPS_PER_TFLOP = 1e12
 BYTES_PER_GIB = 2**30
@@ -22,7 +22,7 @@ CURVE_POINTS_SHOWN = 5
 
 
 def render_hardware_list() -> RenderableType:
-    """Two tables: every known device (peak, memory, node, NIC, price) and every known cluster.
+    """Three tables: every known device (peak, memory, node, NIC, price), link and cluster.
 
     Returns:
         A rich renderable.
@@ -40,6 +40,13 @@ def render_hardware_list() -> RenderableType:
              f"{device.mem_bytes / BYTES_PER_GIB:.1f}", f"{device.mem_bw_bytes_per_s / BYTES_PER_TB:.2f}",
              f"{device.devices_per_node} x {_link_brief(device.intra_link)}", _link_brief(device.nic),
              f"{device.price_per_hour:.2f}" if device.price_per_hour else MISSING)
+    links = Table(title="Links (intra-node links and NICs the devices and clusters name)", title_justify="left")
+    for column in ("Link", "Kind", "GB/s per direction", "Latency us", "Efficiency"):
+        links.add_column(column, justify="left" if column in ("Link", "Kind") else "right")
+    for name in list_links():
+        link = load_link(name)
+        _row(links, name, str(link.kind), f"{link.bw_bytes_per_s / BYTES_PER_GB:g}", f"{link.latency_s * US_PER_S:g}",
+             f"{link.efficiency:g}")
     clusters = Table(title="Clusters", title_justify="left")
     for column in ("Cluster", "Devices", "Nodes", "Node groups", "Oversubscription"):
         clusters.add_column(column, justify="right" if column in ("Devices", "Nodes") else "left")
@@ -47,14 +54,14 @@ def render_hardware_list() -> RenderableType:
         cluster = load_cluster(name)
         _row(clusters, name, str(cluster.num_devices), str(cluster.num_nodes), _groups_brief(cluster),
              f"{cluster.oversubscription:g}:1")
-    return Group(devices, clusters)
+    return Group(devices, links, clusters)
 
 
 def render_hardware(name: str) -> RenderableType:
-    """One device or cluster in detail, each number with its source.
+    """One device, link or cluster in detail, each number with its source.
 
     Args:
-        name: a device name, a cluster name, a cluster file or a `DEVICE:NODESxGPUS` shorthand.
+        name: a device, link or cluster name, a cluster file or a `DEVICE:NODESxGPUS` shorthand.
 
     Returns:
         A rich renderable.
@@ -63,14 +70,16 @@ def render_hardware(name: str) -> RenderableType:
         ProfileError: the name is unknown (the message lists the nearest names) or its profile is invalid.
     """
     key = name.strip().lower()
-    devices, clusters = list_devices(), list_clusters()
+    devices, links, clusters = list_devices(), list_links(), list_clusters()
     if key in devices:
         return _render_device(load_device(key))
+    if key in links:
+        return _render_link(load_link(key))
     if key in clusters or ":" in key or key.endswith((".yaml", ".yml", ".json")):
         return _render_cluster(load_cluster(name))
-    close = nearest_names(key, devices + clusters)
+    close = nearest_names(key, devices + links + clusters)
     hint = f"did you mean {', '.join(close)}" if close else "run `paraplan hardware` for the list"
-    raise ProfileError(f"hardware {name!r}: not a known device or cluster; {hint}")
+    raise ProfileError(f"hardware {name!r}: not a known device, link or cluster; {hint}")
 
 
 def _render_device(device: DeviceSpec) -> RenderableType:
@@ -98,6 +107,22 @@ def _render_device(device: DeviceSpec) -> RenderableType:
         _row(table, "price", f"${device.price_per_hour:.2f} per device-hour", source.get("price_per_hour", ""))
     if device.power_w:
         _row(table, "power", f"{device.power_w:.0f} W", source.get("power_w", ""))
+    return table
+
+
+def _render_link(link: LinkTier) -> RenderableType:
+    table = Table(title=escape(link.name), title_justify="left")
+    for column in ("Field", "Value"):
+        table.add_column(column, overflow="fold")
+    _row(table, "kind", str(link.kind))
+    _row(table, "bandwidth", f"{link.bw_bytes_per_s / BYTES_PER_GB:g} GB/s per direction per device")
+    _row(table, "latency", f"{link.latency_s * US_PER_S:g} us per message")
+    _row(table, "efficiency", f"{link.efficiency:g} of the bandwidth reached by collectives")
+    for collective, factor in link.collective_factors:
+        _row(table, f"{collective} factor", f"{factor:g} x its ring formula (measured)")
+    for entry in filter(None, link.source.split("; ")):
+        field_name, _, text = entry.partition(": ")
+        _row(table, f"source: {field_name}", text)
     return table
 
 
