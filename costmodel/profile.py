@@ -52,7 +52,7 @@ from costmodel.profile_collectives import (COLLECTIVE_BYTES, COLLECTIVE_ITERATIO
                                           measure_collectives)
 from costmodel.profile_ops import (ELEMENTWISE_OPS, QUICK_TP_SYNC_ITERATIONS, QUICK_TP_SYNC_SHAPE, TP_SYNC_GROUP,
                                    TP_SYNC_ITERATIONS, TP_SYNC_SHAPE, measure_attention, measure_loss, measure_matmuls,
-                                   measure_memory, measure_tp_dispatch, measure_tp_sync)
+                                   measure_memory, measure_sync_wait, measure_tp_dispatch)
 
 # Matrix sizes n of the n x n x n GEMMs timed, per device type and mode: from launch-bound to the
 # plateau of one CPU core (about 1 GFLOP/s-scale ops) or one GPU (about 1 TFLOP ops).
@@ -152,7 +152,7 @@ def measure(*, quick: bool = False, progress=None) -> Measurements:
     run_time_s = QUICK_MIN_RUN_TIME_S if quick else MIN_RUN_TIME_S
     world = dist.get_world_size() if distributed else 1
     pairs = world > 1 and world % TP_SYNC_GROUP == 0
-    steps = (len(dtypes) * (len(sizes) + len(ELEMENTWISE_OPS) + len(shapes)) + 3 + pairs
+    steps = (len(dtypes) * (len(sizes) + len(ELEMENTWISE_OPS) + len(shapes)) + 3 + int(pairs)
              + (4 * len(collective_sizes) if world > 1 else 0))
     task = progress.add_task(f"profiling {kind} x{world}", total=steps) if progress is not None else None
 
@@ -174,7 +174,7 @@ def measure(*, quick: bool = False, progress=None) -> Measurements:
         mesh = init_device_mesh(kind, (world // TP_SYNC_GROUP, TP_SYNC_GROUP), mesh_dim_names=("pair", "tp"))
         shape = (QUICK_TP_SYNC_SHAPE if quick else TP_SYNC_SHAPE)[kind]
         iterations = QUICK_TP_SYNC_ITERATIONS if quick else TP_SYNC_ITERATIONS
-        result.sync_wait_fraction = measure_tp_sync(mesh["tp"], shape, result.tp_linear_host_s, iterations, advance)
+        result.sync_wait_fraction = measure_sync_wait(mesh["tp"], shape, result.tp_linear_host_s, iterations, advance)
     if world > 1:
         iterations = QUICK_COLLECTIVE_ITERATIONS if quick else COLLECTIVE_ITERATIONS
         result.collective_samples = measure_collectives(device, collective_sizes, iterations, advance)

@@ -46,7 +46,7 @@ TP_DISPATCH_FEATURES = 64
 TP_DISPATCH_TOKENS = 8
 TP_DISPATCH_TRIALS = 5
 # Tokens and features of the tensor-parallel linears whose ranks' waiting is timed
-# (`measure_tp_sync`): a linear of a model sized for the device, so the GEMMs between two
+# (`measure_sync_wait`): a linear of a model sized for the device, so the GEMMs between two
 # collectives last as long as in training (on a CPU a few milliseconds, on a GPU about one).
 TP_SYNC_SHAPE = {"cpu": (1024, 512), "cuda": (8192, 4096)}
 QUICK_TP_SYNC_SHAPE = {"cpu": (128, 128), "cuda": (1024, 1024)}
@@ -195,7 +195,7 @@ def measure_tp_dispatch(mesh, min_run_time_s: float, advance) -> tuple[float, fl
     return tuple(max(0.0, t) for t in rank_max([float(np.median(forward)), float(np.median(backward))]))
 
 
-def measure_tp_sync(mesh, shape: tuple[int, int], host_s: tuple[float, float], iterations: int, advance) -> float:
+def measure_sync_wait(mesh, shape: tuple[int, int], host_s: tuple[float, float], iterations: int, advance) -> float:
     """Seconds the ranks of a tensor-parallel group wait for each other per second of local GEMMs.
 
     Ranks that compute the same work drift apart (other threads and processes take their cores
