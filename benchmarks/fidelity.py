@@ -176,7 +176,8 @@ def run(worlds: list[int], steps: int) -> list[dict]:
             for name, (model, constraints) in MODES[world].items():
                 spec = specs[model]
                 # Profiled right before each run: on a shared machine the load drifts within minutes.
-                _torchrun(world, "cli.py", "profile", "--out", str(cluster))
+                cluster.unlink(missing_ok=True)
+                _torchrun(world, "cli.py", "profile", "--out", str(cluster), result=cluster)
                 fixed = {axis: constraints.get(axis, 1) for axis in PINNED}
                 dtype = fastest_dtype(cluster)
                 plan = planner.plan(str(spec), str(cluster), global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype=dtype,
