@@ -68,7 +68,8 @@ SPECS = {
     "gpt-tied-odd": GPT_SPEC.replace("tie_embeddings: false", "tie_embeddings: true").replace(
         f"vocab: {VOCAB}", f"vocab: {VOCAB + 1}"),
     "gpt-mixed": GPT_SPEC.replace("hidden: 128", "hidden: 96"),
-    "llama": f"arch: llama\nlayers: 2\nhidden: 128\nheads: 4\nkv_heads: 2\nffn_hidden: 256\nvocab: {VOCAB}\n"
+    # Heads of 48 features on a 128-wide model (q_proj 128 -> 192): a head width apart from hidden/heads, as Qwen3's.
+    "llama": f"arch: llama\nlayers: 2\nhidden: 128\nheads: 4\nkv_heads: 2\nhead_dim: 48\nffn_hidden: 256\nvocab: {VOCAB}\n"
              f"max_seq_len: {SEQ_LEN}\n",
     "moe": f"arch: moe\nlayers: 2\nhidden: 128\nheads: 4\nkv_heads: 2\nffn_hidden: 256\nvocab: {VOCAB}\n"
            f"max_seq_len: {SEQ_LEN}\nexperts: 4\ntop_k: 2\nmoe_ffn_hidden: 128\nshared_experts: 1\n",

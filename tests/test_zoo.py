@@ -67,6 +67,7 @@ PUBLISHED_TOTALS = [
     ("mixtral-8x7b", 46.7e9, 0.01, "Jiang et al. 2024, Sec. 2: 47B (Mistral AI: 46.7B total)"),
     ("mixtral-8x22b", 141e9, 0.01, "Mistral AI Mixtral 8x22B release: 141B total"),
     ("deepseek-moe-16b", 16.4e9, 0.01, "Dai et al. 2024, Sec. 5.1: 16.4B total"),
+    ("qwen3-30b-a3b", 30.5e9, 0.01, "Qwen3-30B-A3B: 30.5B total (vLLM-Ascend Qwen3-30B-A3B tutorial, after the model card)"),
     ("bert-large", 340e6, 0.02, "Devlin et al. 2019, Sec. 3: 340M (no pooler/NSP head here)"),
     ("vit-l-16", 307e6, 0.01, "Dosovitskiy et al. 2021, Table 1: ViT-Large 307M"),
     ("vit-h-14", 632e6, 0.01, "Dosovitskiy et al. 2021, Table 1: ViT-Huge 632M"),
@@ -77,6 +78,7 @@ PUBLISHED_ACTIVE = [
     ("mixtral-8x7b", 12.9e9, 0.01, "Mistral AI: 12.9B active (Jiang et al. 2024: 13B)"),
     ("mixtral-8x22b", 39e9, 0.01, "Mistral AI Mixtral 8x22B release: 39B active"),
     ("deepseek-moe-16b", 2.8e9, 0.02, "Dai et al. 2024, Sec. 5.1: 2.8B activated (rounded)"),
+    ("qwen3-30b-a3b", 3.3e9, 0.02, "Qwen3-30B-A3B: 3.3B activated (vLLM-Ascend Qwen3-30B-A3B tutorial, after the model card)"),
 ]
 
 
@@ -90,6 +92,15 @@ def test_total_params_match_published(name, published, rel, source):
                          ids=[row[0] for row in PUBLISHED_ACTIVE])
 def test_active_params_match_published(name, published, rel, source):
     assert _active_params(name) == pytest.approx(published, rel=rel), source
+
+
+def test_head_dim_sets_the_attention_projections_apart_from_hidden():
+    # 60 / 8 is not whole, but 8 heads of width 16 are: q and o are 60 x 128, k and v 60 x 32.
+    spec = parse_spec({"arch": "llama", "layers": 1, "hidden": 60, "heads": 8, "kv_heads": 2, "head_dim": 16,
+                       "ffn_hidden": 64, "vocab": 10}, "wide-heads.yaml")
+    attention = build_model(spec).layers[0].attn
+    assert [tuple(p.weight.shape) for p in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)] == [
+        (128, 60), (32, 60), (32, 60), (60, 128)]
 
 
 def test_llama2_7b_params_match_closed_form():
@@ -259,6 +270,9 @@ BAD_SPECS = [
       "rope_theta": float("nan")}, "rope_theta"),
     ({"arch": "vit", "layers": 2, "hidden": 64, "heads": 4, "image_size": 30, "patch_size": 8},
      "patch_size"),
+    ({"arch": "llama", "layers": 2, "hidden": 64, "heads": 4, "head_dim": 15, "ffn_hidden": 8, "vocab": 9},
+     "head_dim"),
+    ({"arch": "gpt", "layers": 2, "hidden": 64, "heads": 4, "head_dim": 32, "vocab": 9}, "head_dim"),
     ({"arch": "lama", "layers": 2}, "arch"),
     ({"layers": 2}, "arch"),
 ]

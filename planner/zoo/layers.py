@@ -31,17 +31,19 @@ class Attention(nn.Module):
         bias: whether the four projections have biases (GPT, BERT, ViT) or not (Llama).
         causal: mask future positions (decoders).
         rope_theta: rotary embedding base, or None for no rotary embedding.
+        head_dim: width of one head; None for hidden / heads. The query projection is heads x
+            head_dim wide and the key/value projections kv_heads x head_dim, whatever `hidden` is.
 
     Context parallelism (`planner.apply.context_parallel`) sets `positions`, the positions of this
     rank's tokens in the sequence (None: 0..s-1), and replaces `attend`.
     """
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, *, bias: bool, causal: bool,
-                 rope_theta: float | None = None):
+                 rope_theta: float | None = None, head_dim: int | None = None):
         super().__init__()
         self.heads = heads
         self.kv_heads = kv_heads
-        self.head_dim = hidden // heads
+        self.head_dim = head_dim or hidden // heads
         self.causal = causal
         self.rope_theta = rope_theta
         self.positions: torch.Tensor | None = None

@@ -34,7 +34,7 @@ def build_rope_decoder(spec: ModelSpec, make_mlp: Callable[[int], nn.Module]) ->
     embed = nn.Embedding(spec.vocab, spec.hidden)
     layers = [
         Block(Attention(spec.hidden, spec.heads, spec.kv_heads, bias=False, causal=True,
-                        rope_theta=spec.rope_theta),
+                        rope_theta=spec.rope_theta, head_dim=spec.head_dim),
               make_mlp(index),
               lambda: nn.RMSNorm(spec.hidden, eps=RMS_NORM_EPS))
         for index in range(spec.layers)

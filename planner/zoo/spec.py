@@ -9,9 +9,12 @@ Keys (`*` = required):
     arch*            gpt | llama | moe | bert | vit
     layers*          transformer blocks
     hidden*          model width
-    heads*           attention heads; must divide `hidden`
+    heads*           attention heads; must divide `hidden` unless `head_dim` is given
     kv_heads         key/value heads (grouped-query attention); must divide `heads`.
                      Default `heads`.
+    head_dim         width of one attention head (llama, moe): the query projection is
+                     heads x head_dim wide, the key and value projections kv_heads x head_dim,
+                     whatever `hidden` is (Qwen3, Gemma). Default hidden / heads.
     ffn_hidden       MLP width. Default 4 x hidden for gpt, bert and vit; required for llama and moe
                      (SwiGLU widths are not a fixed multiple). For moe it is the width of the
                      leading dense layers.
@@ -89,6 +92,7 @@ _KEYS: dict[str, tuple[type, frozenset, frozenset]] = {
     "hidden": (int, _ALL, _ALL),
     "heads": (int, _ALL, _ALL),
     "kv_heads": (int, _ALL, frozenset()),
+    "head_dim": (int, _ROPE, frozenset()),
     "ffn_hidden": (int, _ALL, _ROPE),
     "vocab": (int, _LANGUAGE, _LANGUAGE),
     "tie_embeddings": (bool, _LANGUAGE, frozenset()),
@@ -122,6 +126,7 @@ class ModelSpec:
     heads: int
     kv_heads: int
     ffn_hidden: int
+    head_dim: int = 0
     vocab: int = 0
     tie_embeddings: bool = False
     max_seq_len: int = 0
@@ -134,10 +139,6 @@ class ModelSpec:
     image_size: int = 0
     patch_size: int = 0
     classes: int = 0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
 
     @property
     def num_patches(self) -> int:
@@ -294,6 +295,7 @@ def _with_defaults(arch: Arch, values: dict) -> dict:
     filled = dict(values)
     filled["arch"] = arch
     filled.setdefault("kv_heads", filled["heads"])
+    filled.setdefault("head_dim", filled["hidden"] // filled["heads"])
     filled.setdefault("ffn_hidden", DENSE_FFN_MULTIPLE * filled["hidden"])
     if arch in _LANGUAGE:
         filled.setdefault("tie_embeddings", arch in (Arch.GPT, Arch.BERT))
@@ -309,16 +311,16 @@ def _with_defaults(arch: Arch, values: dict) -> dict:
 
 
 def _check_consistency(spec: ModelSpec, origin: str) -> None:
-    if spec.hidden % spec.heads:
+    if spec.hidden % spec.heads and spec.head_dim == spec.hidden // spec.heads:
         raise _field_error(origin, "heads", f"{spec.heads} does not divide hidden {spec.hidden}",
-                           f"pick heads from the divisors of {spec.hidden}")
+                           f"pick heads from the divisors of {spec.hidden}, or give `head_dim` (llama, moe)")
     if spec.heads % spec.kv_heads:
         raise _field_error(origin, "kv_heads", f"{spec.kv_heads} does not divide heads "
                            f"{spec.heads}", f"pick kv_heads from the divisors of {spec.heads}")
     if spec.arch in _ROPE and spec.head_dim % 2:
-        raise _field_error(origin, "heads", f"head dimension hidden/heads = {spec.head_dim} is "
-                           f"odd, rotary embeddings need it even",
-                           "choose heads so that hidden/heads is even")
+        field = "heads" if spec.head_dim == spec.hidden // spec.heads else "head_dim"
+        raise _field_error(origin, field, f"head dimension {spec.head_dim} is odd, rotary embeddings need "
+                           f"it even", "use an even head_dim, or heads that make hidden / heads even")
     if spec.arch == Arch.MOE:
         if spec.top_k > spec.experts:
             raise _field_error(origin, "top_k", f"{spec.top_k} exceeds experts {spec.experts}",
