@@ -68,6 +68,7 @@ PUBLISHED_TOTALS = [
     ("mixtral-8x22b", 141e9, 0.01, "Mistral AI Mixtral 8x22B release: 141B total"),
     ("deepseek-moe-16b", 16.4e9, 0.01, "Dai et al. 2024, Sec. 5.1: 16.4B total"),
     ("qwen3-30b-a3b", 30.5e9, 0.01, "Qwen3-30B-A3B: 30.5B total (vLLM-Ascend Qwen3-30B-A3B tutorial, after the model card)"),
+    ("qwen3-235b-a22b", 235e9, 0.01, "NVIDIA NeMo AutoModel docs, Qwen3 MoE: Qwen3-235B-A22B 235B total"),
     ("bert-large", 340e6, 0.02, "Devlin et al. 2019, Sec. 3: 340M (no pooler/NSP head here)"),
     ("vit-l-16", 307e6, 0.01, "Dosovitskiy et al. 2021, Table 1: ViT-Large 307M"),
     ("vit-h-14", 632e6, 0.01, "Dosovitskiy et al. 2021, Table 1: ViT-Huge 632M"),
@@ -79,6 +80,7 @@ PUBLISHED_ACTIVE = [
     ("mixtral-8x22b", 39e9, 0.01, "Mistral AI Mixtral 8x22B release: 39B active"),
     ("deepseek-moe-16b", 2.8e9, 0.02, "Dai et al. 2024, Sec. 5.1: 2.8B activated (rounded)"),
     ("qwen3-30b-a3b", 3.3e9, 0.02, "Qwen3-30B-A3B: 3.3B activated (vLLM-Ascend Qwen3-30B-A3B tutorial, after the model card)"),
+    ("qwen3-235b-a22b", 22e9, 0.02, "NVIDIA NeMo AutoModel docs, Qwen3 MoE: Qwen3-235B-A22B 22B activated per token"),
 ]
 
 
