@@ -252,7 +252,7 @@ def parse_spec(data: Any, origin: str) -> ModelSpec:
             raise _field_error(origin, key, f"missing (required for arch {arch})",
                                f"add `{key}: <positive integer>`")
     spec = ModelSpec(name=Path(origin).stem, **_with_defaults(arch, values))
-    _check_consistency(spec, origin)
+    _check_consistency(spec, origin, head_dim_given="head_dim" in values)
     return spec
 
 
@@ -310,15 +310,15 @@ def _with_defaults(arch: Arch, values: dict) -> dict:
     return filled
 
 
-def _check_consistency(spec: ModelSpec, origin: str) -> None:
-    if spec.hidden % spec.heads and spec.head_dim == spec.hidden // spec.heads:
+def _check_consistency(spec: ModelSpec, origin: str, head_dim_given: bool) -> None:
+    if spec.hidden % spec.heads and not head_dim_given:
         raise _field_error(origin, "heads", f"{spec.heads} does not divide hidden {spec.hidden}",
                            f"pick heads from the divisors of {spec.hidden}, or give `head_dim` (llama, moe)")
     if spec.heads % spec.kv_heads:
         raise _field_error(origin, "kv_heads", f"{spec.kv_heads} does not divide heads "
                            f"{spec.heads}", f"pick kv_heads from the divisors of {spec.heads}")
     if spec.arch in _ROPE and spec.head_dim % 2:
-        field = "heads" if spec.head_dim == spec.hidden // spec.heads else "head_dim"
+        field = "head_dim" if head_dim_given else "heads"
         raise _field_error(origin, field, f"head dimension {spec.head_dim} is odd, rotary embeddings need "
                            f"it even", "use an even head_dim, or heads that make hidden / heads even")
     if spec.arch == Arch.MOE:
