@@ -15,7 +15,7 @@ from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO, OpTable, OpWork, WorkKin
 from costmodel.hardware import DeviceSpec, NodeSpec
 from planner.graph import Layer, Op, OpKind, Recompute
 from planner.loss_cost import LossKernel, fused_loss_saving, loss_temp_copies
-from planner.parallel_overhead import sync_wait_s, tp_host_s
+from planner.parallel_overhead import blocking_collective_kind, sync_wait_s, tp_host_s
 
 class AttentionKernel(StrEnum):
     """How the attention core runs: fused flash attention (scores never leave on-chip memory), or
@@ -367,14 +367,16 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         tp_exposed_fwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_fwd_s, plan.tp)
         tp_exposed_bwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_bwd_s, plan.tp)
     # Waiting at the layer's collectives counts with the first kind of them the layer has.
-    wait_fwd_s, wait_bwd_s = sync_wait_s(layer, plan, ctx, fwd_s, bwd_s)
     cp_comm_s, ep_comm_s = _cp_comm_s(layer, ctx, attention_fwd_s, attention_bwd_s), _ep_comm_s(layer, ctx)
-    if plan.tp > 1 and plan.collectives:
-        tp_exposed_fwd_s, tp_exposed_bwd_s = tp_exposed_fwd_s + wait_fwd_s, tp_exposed_bwd_s + wait_bwd_s
-    elif ctx.cp > 1:
-        cp_comm_s += wait_fwd_s + wait_bwd_s
-    else:
-        ep_comm_s += wait_fwd_s + wait_bwd_s
+    waited_at = blocking_collective_kind(layer, plan, ctx)
+    if waited_at is not None:
+        wait_fwd_s, wait_bwd_s = sync_wait_s(ctx, fwd_s, bwd_s)
+        if waited_at == "tp":
+            tp_exposed_fwd_s, tp_exposed_bwd_s = tp_exposed_fwd_s + wait_fwd_s, tp_exposed_bwd_s + wait_bwd_s
+        elif waited_at == "cp":
+            cp_comm_s += wait_fwd_s + wait_bwd_s
+        else:
+            ep_comm_s += wait_fwd_s + wait_bwd_s
     recompute_s = {
         Recompute.NONE: 0.0,
         Recompute.SELECTIVE: attention_fwd_s,

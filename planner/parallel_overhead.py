@@ -24,13 +24,22 @@ def tp_host_s(layer: Layer, plan: TpPlan, ctx: LayerContext) -> tuple[float, flo
     return tuple(on_dtensors * t for t in ctx.table.tp_linear_host_s)
 
 
-def sync_wait_s(layer: Layer, plan: TpPlan, ctx: LayerContext, fwd_s: float, bwd_s: float) -> tuple[float, float]:
-    """(forward, backward) seconds the layer's ranks wait for each other at its blocking collectives:
-    the op table's measured `sync_wait_fraction` of the compute between them, which is the layer's
-    whole compute (`fwd_s`, `bwd_s`) once any collective splits it (tensor-parallel collectives,
-    context parallelism's gathers of keys and values, expert parallelism's all-to-alls); 0 without
-    a measurement or a collective."""
+def blocking_collective_kind(layer: Layer, plan: TpPlan, ctx: LayerContext) -> str | None:
+    """The first kind of blocking collective that splits the layer's compute ("tp", "cp" or "ep"):
+    tensor-parallel collectives, context parallelism's gathers of keys and values, expert
+    parallelism's all-to-alls; None when the layer has none."""
+    if plan.tp > 1 and plan.collectives:
+        return "tp"
+    if ctx.cp > 1 and any(op.kind == OpKind.ATTENTION for op in layer.ops):
+        return "cp"
+    if ctx.ep > 1 and layer.expert_params > 0:
+        return "ep"
+    return None
+
+
+def sync_wait_s(ctx: LayerContext, fwd_s: float, bwd_s: float) -> tuple[float, float]:
+    """(forward, backward) seconds a layer's ranks wait for each other at its blocking collectives
+    (`blocking_collective_kind`): the op table's measured `sync_wait_fraction` of the compute between
+    them, which is the layer's whole compute (`fwd_s`, `bwd_s`); 0 without a measurement."""
     fraction = ctx.table.sync_wait_fraction if ctx.table is not None else 0.0
-    synced = ((plan.tp > 1 and bool(plan.collectives)) or (ctx.cp > 1 and any(op.kind == OpKind.ATTENTION for op in layer.ops))
-              or (ctx.ep > 1 and layer.expert_params > 0))
-    return (fraction * fwd_s, fraction * bwd_s) if synced else (0.0, 0.0)
+    return fraction * fwd_s, fraction * bwd_s

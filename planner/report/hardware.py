@@ -120,9 +120,7 @@ def _render_link(link: LinkTier) -> RenderableType:
     _row(table, "efficiency", f"{link.efficiency:g} of the bandwidth reached by collectives")
     for collective, factor in link.collective_factors:
         _row(table, f"{collective} factor", f"{factor:g} x its ring formula (measured)")
-    for entry in filter(None, link.source.split("; ")):
-        field_name, _, text = entry.partition(": ")
-        _row(table, f"source: {field_name}", text)
+    _row(table, "sources", link.source)
     return table
 
 
