@@ -60,6 +60,7 @@ def _add_sweep_args(sub) -> None:
                        help="how the training code fetches ZeRO-3 parameters (as for plan)")
     sweep.add_argument("--dp-sync", dest="dp_sync", choices=["overlapped", "blocking"],
                        help="how the training code synchronises data-parallel states below ZeRO-3 (as for plan)")
+    sweep.add_argument("--elementwise", choices=["eager", "fused"], help="how the training code runs memory-bound ops (as for plan)")
     sweep.add_argument("--out", required=True, help="results file, .csv or .jsonl; re-running resumes it")
     sweep.add_argument("--workers", type=_positive("workers"), help="local worker processes (default: one per CPU)")
     sweep.add_argument("--executor", choices=["local", "ray"], default="local", help="ray: run points as Ray tasks")
@@ -93,6 +94,9 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool) -> None:
                                  "FSDP, DDP, Megatron-Core, behind the backward; blocking: DeepSpeed's pipeline engine "
                                  "with BF16_Optimizer, an fp32 all-reduce after the last backward and the ZeRO-1 "
                                  "gather after the step)")
+        parser.add_argument("--elementwise", default="eager", choices=["eager", "fused"],
+                            help="how the training code runs elementwise ops and norms (eager: one kernel per op; "
+                                 "fused: each chain between GEMMs in one kernel, as torch.compile and Transformer Engine do)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -187,7 +191,7 @@ def _run(args) -> int:
 
         result = planner.evaluate(args.model, args.cluster, _constraints(args), global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype,
                                   attention=args.attention, tp_overlap=args.tp_comm_overlap, loss=args.loss, zero3_fetch=args.zero3_fetch,
-                                  dp_sync=args.dp_sync)
+                                  dp_sync=args.dp_sync, elementwise=args.elementwise)
         if args.json:
             _print_json(estimate_json(result))
         else:
@@ -201,7 +205,7 @@ def _run(args) -> int:
         check_plan_chart_paths(args.timeline, args.memory_chart)
         result = planner.plan(
             args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, attention=args.attention, tp_overlap=args.tp_comm_overlap, loss=args.loss,
-            zero3_fetch=args.zero3_fetch, dp_sync=args.dp_sync, mem_headroom=args.mem_headroom, top=args.top, allow_offload=args.allow_offload, **_constraints(args),
+            zero3_fetch=args.zero3_fetch, dp_sync=args.dp_sync, elementwise=args.elementwise, mem_headroom=args.mem_headroom, top=args.top, allow_offload=args.allow_offload, **_constraints(args),
         )
         if args.out:
             result.save(args.out)
@@ -235,7 +239,7 @@ def _sweep(args, console) -> int:
     from planner.sweeps.spec import load_sweep_spec
 
     keys = ("models", "devices", "cluster_sizes", "clusters", "global_batches", "seq_lens", "dtype", "attention", "loss", "tp_overlap",
-            "zero3_fetch", "dp_sync")
+            "zero3_fetch", "dp_sync", "elementwise")
     spec = load_sweep_spec(args.file, {key: getattr(args, key) for key in keys})
     try:
         summary = sweep(spec, args.out, workers=args.workers, executor=args.executor, address=args.address,

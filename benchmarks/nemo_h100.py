@@ -9,13 +9,15 @@ norms and activations) and at sequence lengths of 4K-8K.
 
 Open choices are filled the same way for every row: FSDP = 1 is ZeRO-3; FSDP = 0 is Megatron's
 distributed optimizer (ZeRO-1), the default of NeMo's performance recipes; recompute is not
-stated and every row is priced without it. Each row ran, so a predicted peak over the device's
+stated and every row is priced without it. Elementwise ops are priced fused, as Transformer Engine runs
+them; `--elementwise eager` prices them op by op, as PyTorch eager runs them. Each row ran, so a predicted peak over the device's
 memory is a memory prediction proven too high; the table shows the peak over capacity.
 
-Usage: python benchmarks/nemo_h100.py
+Usage: python benchmarks/nemo_h100.py [--elementwise eager|fused]
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -48,20 +50,24 @@ ROWS = (
 
 
 def evaluate_row(model: str, gpus: int, global_batch: int, micro_batch: int, seq_len: int, fsdp: int, tp: int, pp: int,
-                 cp: int, vpp: int, dtype: str):
-    """The row's configuration priced without recompute."""
+                 cp: int, vpp: int, dtype: str, elementwise: str = "fused"):
+    """The row's configuration priced without recompute; Transformer Engine fuses the norms, rotary
+    embeddings and SwiGLU, hence fused elementwise kernels by default (`planner.fusion`)."""
     graph = trace(model, seq_len=seq_len)
     cluster = f"h100-sxm:{gpus // GPUS_PER_NODE}x{GPUS_PER_NODE}"
     config = {"dp": gpus // (tp * pp * cp), "tp": tp, "pp": pp, "cp": cp, "vpp": vpp, "micro_batch": micro_batch,
               "zero": 3 if fsdp else 1, "schedule": "interleaved" if vpp > 1 else "1f1b", "recompute": "none"}
-    return evaluate(graph, cluster, config, global_batch=global_batch, dtype=dtype)
+    return evaluate(graph, cluster, config, global_batch=global_batch, dtype=dtype, elementwise=elementwise)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--elementwise", default="fused", choices=["eager", "fused"], help="as `paraplan evaluate`")
+    args = parser.parse_args()
     print(f"{'model':12s} {'GPUs':>5s} {'config':40s} {'pred tok/s/GPU':>14s} {'published':>9s} {'error':>7s} {'mem/cap':>7s}")
     errors = []
     for source, model, gpus, global_batch, micro_batch, seq_len, fsdp, tp, pp, cp, vpp, dtype, published in ROWS:
-        est = evaluate_row(model, gpus, global_batch, micro_batch, seq_len, fsdp, tp, pp, cp, vpp, dtype)
+        est = evaluate_row(model, gpus, global_batch, micro_batch, seq_len, fsdp, tp, pp, cp, vpp, dtype, args.elementwise)
         predicted = est.tokens_per_s / gpus
         errors.append(predicted / published - 1)
         capacity = max(stage["total_bytes"] / stage["capacity_bytes"] for stage in est.memory)

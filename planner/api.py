@@ -81,7 +81,7 @@ def make_config(constraints: dict | ParallelConfig, num_devices: int, global_bat
 
 def evaluate(model, cluster, config: dict | ParallelConfig, *, global_batch: int, seq_len: int | None = None,
              dtype: str = "bf16", attention: str = "flash", tp_overlap: bool = False, loss: str = "torch",
-             zero3_fetch: str = "prefetch", dp_sync: str = "overlapped") -> Estimate:
+             zero3_fetch: str = "prefetch", dp_sync: str = "overlapped", elementwise: str = "eager") -> Estimate:
     """Predict step time, throughput, MFU and per-stage memory of one configuration.
 
     Example::
@@ -96,12 +96,12 @@ def evaluate(model, cluster, config: dict | ParallelConfig, *, global_batch: int
     hardware = _cluster(cluster)
     full = make_config(config, hardware.num_devices, global_batch)
     return Evaluator(graph, hardware, dtype, attention=attention, tp_overlap=tp_overlap, loss=loss,
-                     zero3_fetch=zero3_fetch, dp_sync=dp_sync).estimate(full, global_batch)
+                     zero3_fetch=zero3_fetch, dp_sync=dp_sync, elementwise=elementwise).estimate(full, global_batch)
 
 
 def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype: str = "bf16", attention: str = "flash",
          tp_overlap: bool = False, loss: str = "torch", zero3_fetch: str = "prefetch", dp_sync: str = "overlapped",
-         **constraints) -> Plan:
+         elementwise: str = "eager", **constraints) -> Plan:
     """Search the plan with the highest throughput that fits in memory.
 
     Args:
@@ -119,6 +119,9 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
         dp_sync: how the training code synchronises data-parallel states below ZeRO-3, "overlapped"
             (FSDP, DDP, Megatron-Core) or "blocking" (DeepSpeed's pipeline engine with BF16_Optimizer:
             fp32 all-reduce after the last backward; `planner.state_cost.DpSync`).
+        elementwise: how the training code runs memory-bound ops, "eager" (one kernel per op) or
+            "fused" (each chain between GEMMs in one kernel: torch.compile, Transformer Engine;
+            `planner.fusion`).
         **constraints: fix a choice (tp=8, zero=3, schedule="1f1b", ...), bound one (max_tp=...,
             max_pp=...), mem_headroom (fraction of memory kept free), top (alternatives kept).
 
@@ -131,5 +134,5 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
     graph = model_graph(model, seq_len, dtype=dtype)
     hardware = _cluster(cluster)
     result = search(graph, hardware, global_batch=global_batch, dtype=dtype, attention=attention, tp_overlap=tp_overlap, loss=loss,
-                    zero3_fetch=zero3_fetch, dp_sync=dp_sync, cluster_name=str(cluster if isinstance(cluster, str) else hardware.name), **constraints)
+                    zero3_fetch=zero3_fetch, dp_sync=dp_sync, elementwise=elementwise, cluster_name=str(cluster if isinstance(cluster, str) else hardware.name), **constraints)
     return dataclasses.replace(result, layer_params=tuple(layer.params for layer in graph.layers))

@@ -33,6 +33,7 @@ from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
 from costmodel.profile_loader import load_op_table
 from planner.config import ParallelConfig
 from planner.errors import PlannerError, invalid
+from planner.fusion import ElementwiseKernels
 from planner.graph import LayerKind, ModelGraph, Recompute
 from planner.layer_cost import AttentionKernel, LayerContext, LayerCost, bytes_per_element, price_layer
 from planner.loss_cost import LossKernel
@@ -82,12 +83,13 @@ class Evaluator:
         loss: the cross-entropy kernel the training code uses (`LossKernel`; torch by default).
         zero3_fetch: how the training code fetches ZeRO-3 parameters (`Zero3Fetch`; prefetch by default).
         dp_sync: how the training code syncs data-parallel states below ZeRO-3 (`DpSync`; overlapped by default).
+        elementwise: how the training code runs memory-bound ops (`ElementwiseKernels`; eager by default).
     """
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, dtype: str = "bf16", table: OpTable | None = None,
                  attention: AttentionKernel | str = AttentionKernel.FLASH, tp_overlap: bool = False,
                  loss: LossKernel | str = LossKernel.TORCH, zero3_fetch: Zero3Fetch | str = Zero3Fetch.PREFETCH,
-                 dp_sync: DpSync | str = DpSync.OVERLAPPED):
+                 dp_sync: DpSync | str = DpSync.OVERLAPPED, elementwise: ElementwiseKernels | str = ElementwiseKernels.EAGER):
         if bytes_per_element(base_dtype(graph.dtype)) != bytes_per_element(base_dtype(dtype)):
             raise invalid(f"dtype={dtype!r}: {graph.name} was traced in {graph.dtype}, whose activations differ in size; "
                           f"fix: trace it with dtype={dtype!r}")
@@ -95,6 +97,7 @@ class Evaluator:
         self.loss = _kernel(LossKernel, loss, "loss")
         self.zero3_fetch = _kernel(Zero3Fetch, zero3_fetch, "zero3_fetch")
         self.dp_sync = _kernel(DpSync, dp_sync, "dp_sync")
+        self.elementwise = _kernel(ElementwiseKernels, elementwise, "elementwise")
         self.tp_overlap = tp_overlap
         self.graph = graph
         self.cluster = cluster
@@ -150,12 +153,11 @@ class Evaluator:
                 sequence_parallel=config.sequence_parallel, tp_group=groups.tp, cp_group=groups.cp,
                 ep_group=groups.ep, top_k=self.graph.dims.top_k, hidden=self.graph.dims.hidden,
                 table=self.table_for(device, self.dtype_for(device)), attention=self.attention,
-                tp_overlap=self.tp_overlap, loss=self.loss,
+                tp_overlap=self.tp_overlap, loss=self.loss, elementwise=self.elementwise,
             )
             cost = price_layer(layer, tp_plan_for(layer, config.tp, device, node, ctx.dtype, self.layout_cache, self.graph), ctx)
             self._layer_cache[key] = cost
         return cost
-
 
     def policies(self, config: ParallelConfig, recompute_per_layer: tuple[Recompute, ...] | None = None) -> tuple[Recompute, ...]:
         """Recompute policy per layer: the config's policy on blocks, none on embedding and head."""
@@ -359,9 +361,8 @@ class Evaluator:
         """(p2p to the next stage, exposed data-parallel traffic, optimizer step, memory) of one
         stage from its `layer_table` column sums, its last layer's output and its largest layer."""
         groups = mesh_groups(config, node.devices_per_node)
-        p2p_s = 0.0
-        if config.pp > 1:
-            p2p_s = collective_time_s(Collective.P2P, last_out_bytes / config.seq_split, groups.pp, node, self.cluster.oversubscription)
+        p2p_s = (collective_time_s(Collective.P2P, last_out_bytes / config.seq_split, groups.pp, node, self.cluster.oversubscription)
+                 if config.pp > 1 else 0.0)
         dense, expert = total[COL["dense_params"]], total[COL["expert_params"]]
         dp_s = dp_exposed_s(config, self.precision, node, groups, dense, expert, total[COL["fwd_s"]], total[COL["bwd_s"]],
                            self.cluster.oversubscription, self.dp_sync)

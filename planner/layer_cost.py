@@ -13,8 +13,10 @@ from enum import StrEnum
 from costmodel.comm import Collective, CommGroup, collective_time_s
 from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO, OpTable, OpWork, WorkKind, base_dtype, layer_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
+from planner.fusion import ElementwiseKernels, fused_works
 from planner.graph import Layer, Op, OpKind, Recompute
 from planner.loss_cost import LossKernel, fused_loss_saving, loss_temp_copies
+from planner.op_kinds import VIEW_TARGETS
 from planner.parallel_overhead import blocking_collective_kind, sync_wait_s, tp_host_s
 
 class AttentionKernel(StrEnum):
@@ -101,13 +103,7 @@ class LayerContext:
     attention: AttentionKernel = AttentionKernel.FLASH
     tp_overlap: bool = False
     loss: LossKernel = LossKernel.TORCH
-
-
-# Ops that only reinterpret a tensor's shape or strides: no kernel, no memory traffic.
-VIEW_TARGETS = frozenset({
-    "view", "reshape", "unflatten", "flatten", "transpose", "permute", "t", "unsqueeze", "squeeze",
-    "expand", "getitem", "size", "split", "chunk", "narrow", "select", "slice", "unbind", "detach", "alias",
-})
+    elementwise: ElementwiseKernels = ElementwiseKernels.EAGER
 
 
 def score_elements(op: Op) -> float:
@@ -328,14 +324,14 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         communication of each parallelism.
     """
     if layer.ops:
-        fwd_works: list[OpWork] = []
-        bwd_works: list[OpWork] = []
+        fused, fwd_works, bwd_works = (fused_works(layer.ops, ctx.batch_scale / ctx.cp, lambda op: _split_of(op, plan, ctx))
+                                       if ctx.elementwise == ElementwiseKernels.FUSED else (frozenset(), [], []))
         attention_fwd: list[OpWork] = []
         attention_bwd: list[OpWork] = []
-        op_sac_rerun: list[OpWork] = []
+        op_sac_rerun: list[OpWork] = list(fwd_works)  # op-level checkpointing keeps no elementwise output
         kept = op_sac_kept(layer)
         reads = input_bytes_of(layer)
-        for op in layer.ops:
+        for op in (op for op in layer.ops if op.name not in fused):
             fwd, bwd = _op_works(op, ctx, _split_of(op, plan, ctx), reads[op.name])
             fwd_works += fwd
             bwd_works += bwd

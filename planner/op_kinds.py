@@ -29,6 +29,13 @@ KIND_BY_TARGET = {
 }
 
 
+# Ops that only reinterpret a tensor's shape or strides: no kernel, no memory traffic.
+VIEW_TARGETS = frozenset({
+    "view", "reshape", "unflatten", "flatten", "transpose", "permute", "t", "unsqueeze", "squeeze",
+    "expand", "getitem", "size", "split", "chunk", "narrow", "select", "slice", "unbind", "detach", "alias",
+})
+
+
 def module_target(module: nn.Module) -> str:
     """Functional name of a leaf module: Linear -> linear, CrossEntropyLoss -> cross_entropy."""
     name = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_",

@@ -161,7 +161,7 @@ class _Pass:
 
 def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str = "bf16", attention: str = "flash",
            tp_overlap: bool = False, loss: str = "torch", zero3_fetch: str = "prefetch", dp_sync: str = "overlapped",
-           cluster_name: str = "", **constraints) -> Plan:
+           elementwise: str = "eager", cluster_name: str = "", **constraints) -> Plan:
     """Best plan for `graph` on `cluster` (see the module docstring for how candidates are pruned).
 
     Raises:
@@ -177,7 +177,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     if global_batch < 1:
         raise invalid(f"global_batch={global_batch}: must be a positive integer")
     evaluator = Evaluator(graph, cluster, dtype, attention=attention, tp_overlap=tp_overlap, loss=loss, zero3_fetch=zero3_fetch,
-                          dp_sync=dp_sync)
+                          dp_sync=dp_sync, elementwise=elementwise)
     space = enumerate_degrees(graph, cluster, constraints)
     rejected: list[Rejection] = list(space.rejected)
     reasons: Counter = Counter()

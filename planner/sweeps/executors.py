@@ -52,6 +52,7 @@ class PlanSettings:
     loss: str = "torch"
     zero3_fetch: str = "prefetch"
     dp_sync: str = "overlapped"
+    elementwise: str = "eager"
 
 
 GraphKey = tuple[str, int]  # (model, seq_len)
@@ -68,7 +69,7 @@ def plan_point(point: SweepPoint, graph: ModelGraph, cluster: Cluster, settings:
     try:
         result = plan(graph, cluster, global_batch=point.global_batch, dtype=settings.dtype,
                       attention=settings.attention, tp_overlap=settings.tp_overlap, loss=settings.loss,
-                      zero3_fetch=settings.zero3_fetch, dp_sync=settings.dp_sync,
+                      zero3_fetch=settings.zero3_fetch, dp_sync=settings.dp_sync, elementwise=settings.elementwise,
                       **settings.constraints)
     except Exception as error:  # noqa: BLE001 - a failed point is a row, never the end of a sweep
         row.update(failure(error))

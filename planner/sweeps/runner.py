@@ -113,7 +113,7 @@ def sweep(spec: SweepSpec | str | Path | dict, out: str | Path, *, workers: int 
         raise invalid(f"--workers={workers!r}: must be a positive integer")
     settings = PlanSettings(spec.dtype, spec.attention, spec.constraints, spec.settings,
                             None if plan_dir is None else str(plan_dir), spec.tp_overlap, spec.loss, spec.zero3_fetch,
-                            spec.dp_sync)
+                            spec.dp_sync, spec.elementwise)
     with ResultsFile.open(out) as results, _StopOnSignal() as stop, _progress_bar(progress) as bar:
         todo = _unfinished(spec, results)
         task = bar.add_task("tracing", total=len(spec.points), completed=len(spec.points) - len(todo))

@@ -16,6 +16,7 @@ keys is a point; explicit `points` follow:
     tp_overlap: false                       # optional: TP collectives overlapped with GEMMs (as --tp-comm-overlap)
     zero3_fetch: prefetch                   # optional: prefetch (default) or blocking (as --zero3-fetch)
     dp_sync: overlapped                     # optional: overlapped (default) or blocking (as --dp-sync)
+    elementwise: eager                      # optional: eager (default) or fused (as --elementwise)
     constraints: {zero: 1}                  # optional: fixed choices or bounds, as `paraplan plan` takes
     points:                                 # optional: explicit points
       - {model: llama3-70b, cluster: h100-sxm:8x8, global_batch: 1024, seq_len: 8192}
@@ -46,13 +47,14 @@ from planner.config import TRAINING_DTYPES
 from planner.errors import PlannerError, invalid
 
 GRID_LIST_KEYS = ("models", "devices", "cluster_sizes", "clusters", "global_batches", "seq_lens")
-SETTING_KEYS = ("dtype", "attention", "loss", "tp_overlap", "zero3_fetch", "dp_sync", "constraints")
+SETTING_KEYS = ("dtype", "attention", "loss", "tp_overlap", "zero3_fetch", "dp_sync", "elementwise", "constraints")
 SPEC_KEYS = (*GRID_LIST_KEYS, *SETTING_KEYS, "points")
 POINT_KEYS = ("model", "cluster", "global_batch", "seq_len")
 ATTENTION_KERNELS = ("flash", "unfused")
 LOSS_KERNELS = ("torch", "fused")
 ZERO3_FETCHES = ("prefetch", "blocking")
 DP_SYNCS = ("overlapped", "blocking")
+ELEMENTWISE_KERNELS = ("eager", "fused")
 # Keys `plan` itself takes from a sweep's settings, not from `constraints`.
 RESERVED_CONSTRAINTS = ("top",)
 
@@ -74,7 +76,7 @@ class SweepSpec:
     Attributes:
         points: in order, without repeats.
         clusters: the Cluster behind each point's `cluster` name.
-        dtype, attention, loss, tp_overlap, zero3_fetch, dp_sync, constraints: passed to `planner.plan` for every point.
+        dtype, attention, loss, tp_overlap, zero3_fetch, dp_sync, elementwise, constraints: passed to `planner.plan` for every point.
     """
 
     points: tuple[SweepPoint, ...]
@@ -86,13 +88,15 @@ class SweepSpec:
     loss: str = "torch"
     zero3_fetch: str = "prefetch"
     dp_sync: str = "overlapped"
+    elementwise: str = "eager"
 
     @property
     def settings(self) -> str:
         """The planning settings as one string, stored in each row so a resume can check them."""
         flags = (["tp_overlap=True"] * self.tp_overlap + [f"loss={self.loss}"] * (self.loss != "torch")
                  + [f"zero3_fetch={self.zero3_fetch}"] * (self.zero3_fetch != "prefetch")
-                 + [f"dp_sync={self.dp_sync}"] * (self.dp_sync != "overlapped"))
+                 + [f"dp_sync={self.dp_sync}"] * (self.dp_sync != "overlapped")
+                 + [f"elementwise={self.elementwise}"] * (self.elementwise != "eager"))
         extra = " ".join(flags + [f"{key}={self.constraints[key]}" for key in sorted(self.constraints)])
         return f"dtype={self.dtype} attention={self.attention}" + (f" {extra}" if extra else "")
 
@@ -181,6 +185,7 @@ def _validate(entries: dict[str, _Entry], base: Path) -> SweepSpec:
     tp_overlap = _flag(entries, "tp_overlap")
     zero3_fetch = _choice(entries, "zero3_fetch", ZERO3_FETCHES)
     dp_sync = _choice(entries, "dp_sync", DP_SYNCS)
+    elementwise = _choice(entries, "elementwise", ELEMENTWISE_KERNELS)
     constraints = _constraints(entries.get("constraints"))
     clusters: dict[str, Cluster] = {}
     points = _grid_points(entries, base, clusters)
@@ -190,7 +195,7 @@ def _validate(entries: dict[str, _Entry], base: Path) -> SweepSpec:
         raise invalid("sweep: no points; give models, devices with cluster_sizes (or clusters), global_batches and seq_lens, or points")
     return SweepSpec(points=tuple(dict.fromkeys(points)), clusters=clusters, dtype=dtype, attention=attention,
                      constraints=constraints, tp_overlap=tp_overlap, loss=loss, zero3_fetch=zero3_fetch,
-                     dp_sync=dp_sync)
+                     dp_sync=dp_sync, elementwise=elementwise)
 
 
 def _grid_points(entries: dict[str, _Entry], base: Path, clusters: dict[str, Cluster]) -> list[SweepPoint]:

@@ -1,0 +1,100 @@
+"""Predicted vs published throughput and memory of torchtitan's H100 benchmark tables, held out.
+
+Every row of `benchmarks/llama3_h100_202412_torchtitan.md` in pytorch/torchtitan (@ 31a17bf; torch,
+torchao and torchtitan of December 2024): Llama 3.1 8B, 70B and 405B on Grand Teton hosts of 8
+H100 with 96 GB HBM2e at the default 500 W limit (the `h100-hbm2e` profile), NVLink inside a host,
+400 Gb/s RDMA per GPU between hosts. Each row states its GPUs, local and global batch, activation
+checkpointing, parallel degrees and the techniques used; it publishes tokens per second per GPU
+and the peak memory over all GPUs. None of these rows is in shared/reference or was used to set a
+constant.
+
+Tables 1 and 3 run the same model and configuration in PyTorch eager, under torch.compile, and
+under torch.compile with Float8 linears: the first two rows differ only in how the elementwise ops
+run (`--elementwise eager` vs `fused`, `planner.fusion`), the next in the GEMMs' dtype.
+
+Open choices, the same for every row: FSDP is ZeRO-3 over dp x cp; "selective activation
+checkpointing" is torchtitan's default op-level policy of the time (`selective_op`); pipeline
+micro-batches hold one sequence (torchtitan's default micro-batch size); the interleaved schedule
+runs 2 stages per rank. Float8 is priced as fp8 GEMMs (`--dtype fp8`); AsyncTP as overlapped
+tensor-parallel collectives (`--tp-comm-overlap`).
+
+Usage: python benchmarks/torchtitan_h100.py
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from planner.api import evaluate  # noqa: E402
+from planner.tracing import trace  # noqa: E402
+
+SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @ 31a17bfdb70bab6f62a13d21816a5339b911d6e3"
+DEVICE = "h100-hbm2e"
+GPUS_PER_NODE = 8
+INTERLEAVED_STAGES_PER_RANK = 2
+GIB = 2**30
+
+# (table, zoo model, GPUs, local batch, global batch, sequence length, dp (FSDP), tp, pp, cp, schedule,
+#  recompute, torch.compile, Float8, AsyncTP, published tokens/s/GPU, published memory GiB)
+ROWS = (
+    (1, "llama3-8b", 8, 2, 16, 8192, 8, 1, 1, 1, "1f1b", "selective_op", False, False, False, 5762, 82.4),
+    (1, "llama3-8b", 8, 2, 16, 8192, 8, 1, 1, 1, "1f1b", "selective_op", True, False, False, 6667, 77.0),
+    (1, "llama3-8b", 8, 2, 16, 8192, 8, 1, 1, 1, "1f1b", "selective_op", True, True, False, 8532, 76.8),
+    (2, "llama3-8b", 8, 1, 8, 32768, 8, 1, 1, 1, "1f1b", "full", True, True, False, 3890, 83.9),
+    (2, "llama3-8b", 8, 1, 4, 65536, 4, 1, 1, 2, "1f1b", "full", True, True, False, 2540, 84.2),
+    (2, "llama3-8b", 8, 1, 2, 131072, 2, 1, 1, 4, "1f1b", "full", True, True, False, 1071, 84.0),
+    (2, "llama3-8b", 8, 1, 1, 262144, 1, 1, 1, 8, "1f1b", "full", True, True, False, 548, 84.5),
+    (3, "llama3-8b", 128, 2, 256, 8192, 128, 1, 1, 1, "1f1b", "selective_op", False, False, False, 5605, 67.0),
+    (3, "llama3-8b", 128, 2, 256, 8192, 128, 1, 1, 1, "1f1b", "selective_op", True, False, False, 6514, 62.0),
+    (3, "llama3-8b", 128, 2, 256, 8192, 128, 1, 1, 1, "1f1b", "selective_op", True, True, False, 8380, 61.8),
+    (4, "llama3-70b", 256, 16, 512, 8192, 32, 8, 1, 1, "1f1b", "full", True, True, False, 829, 71.9),
+    (4, "llama3-70b", 256, 16, 512, 8192, 32, 8, 1, 1, "1f1b", "full", True, True, True, 876, 67.6),
+    (5, "llama3-405b", 512, 32, 256, 8192, 8, 8, 8, 1, "1f1b", "full", True, True, True, 100, 82.5),
+    (5, "llama3-405b", 512, 32, 256, 8192, 8, 8, 8, 1, "interleaved", "full", True, True, True, 128, 72.7),
+    (6, "llama3-405b", 512, 8, 64, 32768, 8, 8, 8, 1, "1f1b", "full", True, True, True, 76, 75.3),
+    (6, "llama3-405b", 512, 8, 32, 65536, 4, 8, 8, 2, "1f1b", "full", True, True, True, 47, 75.9),
+    (6, "llama3-405b", 512, 8, 16, 131072, 2, 8, 8, 4, "1f1b", "full", True, True, True, 31, 77.1),
+    (6, "llama3-405b", 512, 8, 8, 262144, 1, 8, 8, 8, "1f1b", "full", True, True, True, 16, 84.9),
+)
+
+
+def evaluate_row(model: str, gpus: int, local_batch: int, global_batch: int, seq_len: int, dp: int, tp: int, pp: int,
+                 cp: int, schedule: str, recompute: str, compiled: bool, float8: bool, async_tp: bool):
+    """The row's configuration priced with the open choices of the module docstring."""
+    nodes = max(1, gpus // GPUS_PER_NODE)
+    config = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": 3, "recompute": recompute, "schedule": schedule,
+              "micro_batch": 1 if pp > 1 else local_batch,
+              "vpp": INTERLEAVED_STAGES_PER_RANK if schedule == "interleaved" else 1}
+    dtype = "fp8" if float8 else "bf16"
+    return evaluate(trace(model, seq_len=seq_len, dtype=dtype), f"{DEVICE}:{nodes}x{min(gpus, GPUS_PER_NODE)}", config,
+                    global_batch=global_batch, dtype=dtype, tp_overlap=async_tp,
+                    elementwise="fused" if compiled else "eager")
+
+
+def techniques(compiled: bool, float8: bool, async_tp: bool) -> str:
+    return "+".join(["compile"] * compiled + ["float8"] * float8 + ["asyncTP"] * async_tp) or "eager"
+
+
+def main() -> None:
+    print(f"{'table':>5s} {'model':11s} {'GPUs':>4s} {'config':34s} {'techniques':22s} {'pred tok/s':>10s} "
+          f"{'published':>9s} {'error':>7s} {'pred GiB':>8s} {'pub GiB':>7s} {'error':>7s}")
+    speed_errors, memory_errors = [], []
+    for table, model, gpus, *setup, published, published_gib in ROWS:
+        est = evaluate_row(model, gpus, *setup)
+        predicted = est.tokens_per_s / gpus
+        speed_errors.append(predicted / published - 1)
+        predicted_gib = est.peak_memory_bytes / GIB
+        memory_errors.append(predicted_gib / published_gib - 1)
+        print(f"{table:5d} {model:11s} {gpus:4d} {est.config.short():34s} {techniques(*setup[-3:]):22s} {predicted:10.0f} "
+              f"{published:9d} {speed_errors[-1]:+7.1%} {predicted_gib:8.1f} {published_gib:7.1f} {memory_errors[-1]:+7.1%}")
+    print(f"\nrows {len(ROWS)}  throughput MAPE {statistics.mean(abs(e) for e in speed_errors):.1%} "
+          f"(mean {statistics.mean(speed_errors):+.1%}, negative: pessimistic)  memory MAPE "
+          f"{statistics.mean(abs(e) for e in memory_errors):.1%} (mean {statistics.mean(memory_errors):+.1%})")
+    print(f"source: {SOURCE}")
+
+
+if __name__ == "__main__":
+    main()
