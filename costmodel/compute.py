@@ -357,13 +357,13 @@ def base_dtype(dtype: str) -> str:
 
 
 def layer_time_s(works: Sequence[OpWork], device: DeviceSpec, dtype: str = "bf16",
-                 table: OpTable | None = None) -> float:
+                 table: OpTable | None = None, cast_traffic_ratio: float = FP8_CAST_TRAFFIC_RATIO) -> float:
     """Sum of `op_time_s` over `works`, resolving the device's rates once (the search's hot path).
 
     Under fp8 (`GEMM_ONLY_DTYPES`) matmul works run at the fp8 peak, at FP8_MATMUL_EFFICIENCY_RATIO of
     the curve taken at the FLOPs that last as long at the base peak (the curve's saturation is a matter
-    of time), and each pays the cast of one operand (FP8_CAST_TRAFFIC_RATIO); attention runs in the
-    base dtype.
+    of time), and each pays the cast of one operand (`cast_traffic_ratio` times its bf16 bytes,
+    FP8_CAST_TRAFFIC_RATIO when the cast runs as its own passes); attention runs in the base dtype.
 
     Raises:
         ProfileError: as `op_time_s`.
@@ -382,7 +382,7 @@ def layer_time_s(works: Sequence[OpWork], device: DeviceSpec, dtype: str = "bf16
             gemm = OpWork(work.kind, work.flops * base_peak / peak, work.bytes, work.key)
             op_s = (_roofline_time_s(gemm, device.name, base_peak, mem_bytes_per_s, curve,
                                      device.matmul_sustained_fraction * FP8_MATMUL_EFFICIENCY_RATIO)
-                    + _roofline_time_s(OpWork(WorkKind.MEMORY, 0.0, FP8_CAST_TRAFFIC_RATIO * work.bytes), device.name,
+                    + _roofline_time_s(OpWork(WorkKind.MEMORY, 0.0, cast_traffic_ratio * work.bytes), device.name,
                                        peak, mem_bytes_per_s, curve, device.matmul_sustained_fraction))
         elif op_s is None:
             op_s = _roofline_time_s(work, device.name, base_peak, mem_bytes_per_s, curve, device.matmul_sustained_fraction)

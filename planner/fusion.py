@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from functools import lru_cache
 
-from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO, OpWork, WorkKind
+from costmodel.compute import FP8_CAST_TRAFFIC_RATIO, MEMORY_BWD_TRAFFIC_RATIO, OpWork, WorkKind
 from planner.graph import Op, OpKind
 from planner.op_kinds import VIEW_TARGETS
 
@@ -29,6 +29,13 @@ from planner.op_kinds import VIEW_TARGETS
 # traced as OTHER (cat, repeat, arange). Matmuls, attention, embedding lookups and the loss keep
 # their own kernels.
 FUSIBLE_KINDS = frozenset({OpKind.ELEMENTWISE, OpKind.NORM, OpKind.OTHER})
+
+# fp8 cast of a GEMM operand under fusion: the amax reduction of dynamic scaling runs inside the
+# kernel that produces the operand (Inductor fuses it into the preceding elementwise kernel, as
+# Transformer Engine fuses it into its norm and activation kernels), leaving one pass that reads
+# the bf16 tensor (2 B per element) and writes fp8 (1 B): 1.5 times the operand's bf16 bytes,
+# against the separate amax read and cast of eager (FP8_CAST_TRAFFIC_RATIO, 2.5).
+FP8_FUSED_CAST_TRAFFIC_RATIO = 1.5
 
 # Work key of a fused region: no measured op table times one, so it is priced by the roofline.
 FUSED_REGION_KEY = "fused_region"
@@ -41,6 +48,11 @@ class ElementwiseKernels(StrEnum):
 
     EAGER = "eager"
     FUSED = "fused"
+
+    @property
+    def cast_traffic_ratio(self) -> float:
+        """Bytes an fp8 GEMM's operand cast moves, in multiples of the operand's bf16 bytes."""
+        return FP8_FUSED_CAST_TRAFFIC_RATIO if self is ElementwiseKernels.FUSED else FP8_CAST_TRAFFIC_RATIO
 
 
 @dataclass(frozen=True)

@@ -310,6 +310,10 @@ def overlapped_tp_comm_s(comm_s: float, gemm_s: float, tp: int) -> float:
     return max(comm_s / tp, comm_s - gemm_s)
 
 
+def _time_s(works: list[OpWork], ctx: LayerContext) -> float:
+    return layer_time_s(works, ctx.device, ctx.dtype, ctx.table, ctx.elementwise.cast_traffic_ratio)
+
+
 def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
     """Seconds and activation bytes of one micro-batch of `layer` under `ctx`.
 
@@ -343,22 +347,22 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
     else:
         fwd_works, bwd_works = _layer_level_works(layer, ctx, plan.tp)
         attention_fwd, attention_bwd, op_sac_rerun = [], [], fwd_works
-    fwd_s = layer_time_s(fwd_works, ctx.device, ctx.dtype, ctx.table)
-    bwd_s = layer_time_s(bwd_works, ctx.device, ctx.dtype, ctx.table)
+    fwd_s = _time_s(fwd_works, ctx)
+    bwd_s = _time_s(bwd_works, ctx)
     # A GPU computes while its host dispatches ahead; a CPU rank's cores do both in turn.
     host_fwd_s, host_bwd_s = tp_host_s(layer, plan, ctx)
     if ctx.device.comm_overlaps_compute:
         fwd_s, bwd_s = max(fwd_s, host_fwd_s), max(bwd_s, host_bwd_s)
     else:
         fwd_s, bwd_s = fwd_s + host_fwd_s, bwd_s + host_bwd_s
-    attention_fwd_s = layer_time_s(attention_fwd, ctx.device, ctx.dtype, ctx.table) if attention_fwd else 0.0
-    attention_bwd_s = layer_time_s(attention_bwd, ctx.device, ctx.dtype, ctx.table) if attention_bwd else 0.0
+    attention_fwd_s = _time_s(attention_fwd, ctx) if attention_fwd else 0.0
+    attention_bwd_s = _time_s(attention_bwd, ctx) if attention_bwd else 0.0
     collective_s = [collective_time_s(kind, size * ctx.batch_scale / ctx.cp, ctx.tp_group, ctx.node)
                     for kind, size, _ in plan.collectives]
     tp_fwd_s = sum(collective_s)
     tp_exposed_fwd_s = tp_exposed_bwd_s = tp_fwd_s
     if ctx.tp_overlap and ctx.device.comm_overlaps_compute and tp_fwd_s > 0:
-        gemm_fwd_s, gemm_bwd_s = (layer_time_s([w for w in works if w.kind == WorkKind.MATMUL], ctx.device, ctx.dtype, ctx.table)
+        gemm_fwd_s, gemm_bwd_s = (_time_s([w for w in works if w.kind == WorkKind.MATMUL], ctx)
                                   for works in (fwd_works, bwd_works))
         tp_exposed_fwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_fwd_s, plan.tp)
         tp_exposed_bwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_bwd_s, plan.tp)
@@ -377,7 +381,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         Recompute.NONE: 0.0,
         Recompute.SELECTIVE: attention_fwd_s,
         Recompute.FULL: fwd_s + tp_exposed_fwd_s,
-        Recompute.SELECTIVE_OP: (layer_time_s(op_sac_rerun, ctx.device, ctx.dtype, ctx.table) if op_sac_rerun else 0.0)
+        Recompute.SELECTIVE_OP: (_time_s(op_sac_rerun, ctx) if op_sac_rerun else 0.0)
                                 + sum(t for t, rerun in zip(collective_s, op_sac_reruns_collectives(layer, plan)) if rerun),
     }[ctx.recompute]
     return LayerCost(

@@ -10,12 +10,12 @@ import json
 import pytest
 
 import cli
-from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO
-from costmodel.profile_loader import load_cluster
+from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO, OpWork, WorkKind, layer_time_s
+from costmodel.profile_loader import load_cluster, load_device
 from planner.api import make_config
 from planner.errors import PlannerError
 from planner.estimate import Evaluator
-from planner.fusion import FUSIBLE_KINDS, fused_regions, fused_works
+from planner.fusion import FUSIBLE_KINDS, ElementwiseKernels, fused_regions, fused_works
 from planner.graph import Op, OpKind
 from planner.op_kinds import VIEW_TARGETS
 from planner.sweeps.executors import PlanSettings, plan_point
@@ -134,3 +134,14 @@ def test_elementwise_is_a_sweep_setting(tmp_path):
     path.write_text(path.read_text().replace("fused", "compiled"))
     with pytest.raises(PlannerError, match=r"elementwise: 'compiled': use one of eager, fused"):
         load_sweep_spec(path)
+
+
+def test_fused_fp8_casts_skip_the_separate_amax_pass():
+    # An fp8 GEMM's operand cast moves 2.5 x its bf16 bytes eager (amax read, then read + fp8 write)
+    # and 1.5 x fused (the amax inside the producing kernel): one bf16 read less, at memory bandwidth.
+    device = load_device("h100-sxm")
+    gemm = OpWork(WorkKind.MATMUL, 1e12, 64 * 2**20)
+    eager, fused = (layer_time_s([gemm], device, "fp8", cast_traffic_ratio=mode.cast_traffic_ratio)
+                    for mode in ElementwiseKernels)
+    assert eager - fused == pytest.approx(gemm.bytes / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency))
+    assert layer_time_s([gemm], device, "bf16", cast_traffic_ratio=1.5) == layer_time_s([gemm], device, "bf16")
