@@ -26,6 +26,7 @@ from __future__ import annotations
 import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,9 +40,28 @@ GPUS_PER_NODE = 8
 INTERLEAVED_STAGES_PER_RANK = 2
 GIB = 2**30
 
-# (table, zoo model, GPUs, local batch, global batch, sequence length, dp (FSDP), tp, pp, cp, schedule,
-#  recompute, torch.compile, Float8, AsyncTP, published tokens/s/GPU, published memory GiB)
-ROWS = (
+
+class Row(NamedTuple):
+    table: int
+    model: str
+    gpus: int
+    local_batch: int
+    global_batch: int
+    seq_len: int
+    dp: int  # FSDP
+    tp: int
+    pp: int
+    cp: int
+    schedule: str
+    recompute: str
+    compiled: bool  # torch.compile
+    float8: bool
+    async_tp: bool
+    published_tokens_per_s: int  # per GPU
+    published_gib: float
+
+
+ROWS = tuple(Row(*row) for row in (
     (1, "llama3-8b", 8, 2, 16, 8192, 8, 1, 1, 1, "1f1b", "selective_op", False, False, False, 5762, 82.4),
     (1, "llama3-8b", 8, 2, 16, 8192, 8, 1, 1, 1, "1f1b", "selective_op", True, False, False, 6667, 77.0),
     (1, "llama3-8b", 8, 2, 16, 8192, 8, 1, 1, 1, "1f1b", "selective_op", True, True, False, 8532, 76.8),
@@ -60,43 +80,42 @@ ROWS = (
     (6, "llama3-405b", 512, 8, 32, 65536, 4, 8, 8, 2, "1f1b", "full", True, True, True, 47, 75.9),
     (6, "llama3-405b", 512, 8, 16, 131072, 2, 8, 8, 4, "1f1b", "full", True, True, True, 31, 77.1),
     (6, "llama3-405b", 512, 8, 8, 262144, 1, 8, 8, 8, "1f1b", "full", True, True, True, 16, 84.9),
-)
+))
 
 
-def evaluate_row(model: str, gpus: int, local_batch: int, global_batch: int, seq_len: int, dp: int, tp: int, pp: int,
-                 cp: int, schedule: str, recompute: str, compiled: bool, float8: bool, async_tp: bool):
+def evaluate_row(row: Row):
     """The row's configuration priced with the open choices of the module docstring."""
-    nodes = max(1, gpus // GPUS_PER_NODE)
-    config = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": 3, "recompute": recompute, "schedule": schedule,
-              "micro_batch": 1 if pp > 1 else local_batch,
-              "vpp": INTERLEAVED_STAGES_PER_RANK if schedule == "interleaved" else 1}
-    dtype = "fp8" if float8 else "bf16"
-    return evaluate(trace(model, seq_len=seq_len, dtype=dtype), f"{DEVICE}:{nodes}x{min(gpus, GPUS_PER_NODE)}", config,
-                    global_batch=global_batch, dtype=dtype, tp_overlap=async_tp,
-                    elementwise="fused" if compiled else "eager")
+    nodes = max(1, row.gpus // GPUS_PER_NODE)
+    config = {"dp": row.dp, "tp": row.tp, "pp": row.pp, "cp": row.cp, "zero": 3, "recompute": row.recompute,
+              "schedule": row.schedule, "micro_batch": 1 if row.pp > 1 else row.local_batch,
+              "vpp": INTERLEAVED_STAGES_PER_RANK if row.schedule == "interleaved" else 1}
+    dtype = "fp8" if row.float8 else "bf16"
+    return evaluate(trace(row.model, seq_len=row.seq_len, dtype=dtype), f"{DEVICE}:{nodes}x{min(row.gpus, GPUS_PER_NODE)}",
+                    config, global_batch=row.global_batch, dtype=dtype, tp_overlap=row.async_tp,
+                    elementwise="fused" if row.compiled else "eager")
 
 
-def techniques(compiled: bool, float8: bool, async_tp: bool) -> str:
-    return "+".join(["compile"] * compiled + ["float8"] * float8 + ["asyncTP"] * async_tp) or "eager"
+def techniques(row: Row) -> str:
+    return "+".join(["compile"] * row.compiled + ["float8"] * row.float8 + ["asyncTP"] * row.async_tp) or "eager"
 
 
 def main() -> None:
     print(f"{'table':>5s} {'model':11s} {'GPUs':>4s} {'config':34s} {'techniques':22s} {'pred tok/s':>10s} "
           f"{'published':>9s} {'error':>7s} {'pred GiB':>8s} {'pub GiB':>7s} {'error':>7s}")
-    speed_errors, memory_errors, pipelined = [], [], []
-    for table, model, gpus, *setup, published, published_gib in ROWS:
-        pipelined.append(setup[5] > 1)  # pp
-        est = evaluate_row(model, gpus, *setup)
-        predicted = est.tokens_per_s / gpus
-        speed_errors.append(predicted / published - 1)
+    speed_errors, memory_errors = [], []
+    for row in ROWS:
+        est = evaluate_row(row)
+        predicted = est.tokens_per_s / row.gpus
+        speed_errors.append(predicted / row.published_tokens_per_s - 1)
         predicted_gib = est.peak_memory_bytes * (1 + ALLOCATOR_FRAGMENTATION_FRACTION) / GIB
-        memory_errors.append(predicted_gib / published_gib - 1)
-        print(f"{table:5d} {model:11s} {gpus:4d} {est.config.short():34s} {techniques(*setup[-3:]):22s} {predicted:10.0f} "
-              f"{published:9d} {speed_errors[-1]:+7.1%} {predicted_gib:8.1f} {published_gib:7.1f} {memory_errors[-1]:+7.1%}")
+        memory_errors.append(predicted_gib / row.published_gib - 1)
+        print(f"{row.table:5d} {row.model:11s} {row.gpus:4d} {est.config.short():34s} {techniques(row):22s} {predicted:10.0f} "
+              f"{row.published_tokens_per_s:9d} {speed_errors[-1]:+7.1%} {predicted_gib:8.1f} {row.published_gib:7.1f} "
+              f"{memory_errors[-1]:+7.1%}")
     print(f"\nrows {len(ROWS)}  throughput MAPE {statistics.mean(abs(e) for e in speed_errors):.1%} "
           f"(mean {statistics.mean(speed_errors):+.1%}, negative: pessimistic)  memory MAPE "
           f"{statistics.mean(abs(e) for e in memory_errors):.1%} (mean {statistics.mean(memory_errors):+.1%})")
-    flat = [abs(e) for e, pp in zip(memory_errors, pipelined) if not pp]
+    flat = [abs(e) for e, row in zip(memory_errors, ROWS) if row.pp == 1]
     print(f"without pipeline parallelism: memory MAPE {statistics.mean(flat):.1%} over {len(flat)} rows, "
           f"{sum(e <= 0.10 for e in flat)} within 10%")
     print(f"source: {SOURCE}")
