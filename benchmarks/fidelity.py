@@ -67,7 +67,8 @@ MODES = {
         "pp2 1f1b": ("gpt", {"pp": 2, "schedule": "1f1b"}), "cp2": ("gpt", {"cp": 2}),
         "dp2 ep2 moe": ("moe", {"dp": 2, "ep": 2, "zero": 0})},
     4: {"dp2 x tp2": ("gpt", {"dp": 2, "tp": 2, "zero": 2}),
-        "pp2 x dp2": ("gpt", {"pp": 2, "dp": 2, "schedule": "1f1b"}), "dp4 zero3": ("gpt", {"dp": 4, "zero": 3})},
+        "pp2 x dp2": ("gpt", {"pp": 2, "dp": 2, "schedule": "1f1b"}), "dp4 zero3": ("gpt", {"dp": 4, "zero": 3}),
+        "pp2 x dp2 z3": ("gpt", {"pp": 2, "dp": 2, "zero": 3, "schedule": "1f1b"})},
 }
 # Degrees a mode leaves out are pinned to 1, so the mode is exactly what its name says.
 PINNED = ("dp", "tp", "pp")
@@ -164,8 +165,8 @@ def fastest_dtype(cluster_path: Path) -> str:
     return max(TRAINING_DTYPES, key=lambda dtype: peaks.get(dtype, 0.0))
 
 
-def run(worlds: list[int], steps: int) -> list[dict]:
-    """Profiles, plans, applies and measures every mode of every world size."""
+def run(worlds: list[int], steps: int, modes: set[str] | None = None) -> list[dict]:
+    """Profiles, plans, applies and measures every mode (of `modes`, when given) of every world size."""
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         specs = {model: Path(scratch) / f"fidelity-{model}.yaml" for model in SPECS}
@@ -174,6 +175,8 @@ def run(worlds: list[int], steps: int) -> list[dict]:
         for world in worlds:
             cluster = Path(scratch) / f"cpu-x{world}.yaml"
             for name, (model, constraints) in MODES[world].items():
+                if modes is not None and name not in modes:
+                    continue
                 spec = specs[model]
                 # Profiled right before each run: on a shared machine the load drifts within minutes.
                 cluster.unlink(missing_ok=True)
@@ -218,10 +221,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="measured steps per mode (after warm-up)")
     parser.add_argument("--worlds", default="2,4", help="comma-separated rank counts, of 2 and 4")
+    parser.add_argument("--modes", help="comma-separated mode names to run (default: all of each world size)")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()
     print(HEADER)
-    rows = run([int(w) for w in args.worlds.split(",")], args.steps)
+    modes = set(args.modes.split(",")) if args.modes else None
+    unknown = modes - {name for world in MODES.values() for name in world} if modes else set()
+    if unknown:
+        parser.error(f"--modes: unknown {', '.join(sorted(unknown))}; use {', '.join(n for w in MODES.values() for n in w)}")
+    rows = run([int(w) for w in args.worlds.split(",")], args.steps, modes)
     machine = (f"{os.cpu_count()} cores, 1/5/15-min load average {' / '.join(f'{x:.1f}' for x in os.getloadavg())} "
                f"at the end (other processes share the cores)")
     print(machine)
