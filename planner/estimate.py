@@ -77,13 +77,12 @@ class Evaluator:
         cluster: the hardware.
         dtype: compute dtype ("bf16", "fp16", "fp8").
         table: measured op times that override the roofline.
-        attention: the attention kernel the training code uses (flash by default).
         tp_overlap: the training code overlaps tensor-parallel collectives with GEMMs (Megatron-Core
             `--tp-comm-overlap`, PyTorch async TP); otherwise they are exposed.
-        loss: the cross-entropy kernel the training code uses (`LossKernel`; torch by default).
-        zero3_fetch: how the training code fetches ZeRO-3 parameters (`Zero3Fetch`; prefetch by default).
-        dp_sync: how the training code syncs data-parallel states below ZeRO-3 (`DpSync`; overlapped by default).
-        elementwise: how the training code runs memory-bound ops (`ElementwiseKernels`; eager by default).
+        attention, loss, zero3_fetch, dp_sync, elementwise: how the training code runs attention,
+            the cross-entropy, ZeRO-3 fetches, data-parallel sync below ZeRO-3 and memory-bound ops
+            (`AttentionKernel`, `LossKernel`, `Zero3Fetch`, `DpSync`, `ElementwiseKernels`; each
+            enum's first member by default).
     """
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, dtype: str = "bf16", table: OpTable | None = None,
