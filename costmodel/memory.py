@@ -13,7 +13,9 @@ The peak of a step is the larger of two moments: the end of the forward (weights
 states, every activation in flight and the loss's temporaries) and the optimizer step (weights,
 gradients, optimizer states). Gradients are alive at the first only when they accumulate over
 micro-batches, or when the framework keeps a persistent gradient buffer (Megatron-LM); PyTorch's
-`zero_grad(set_to_none=True)` frees them between steps.
+`zero_grad(set_to_none=True)` frees them between steps. A ZeRO-3 pipeline stage whose gradient
+sync is deferred to the last micro-batch has a third: the end of a backward, with every parameter
+of the stage gathered (`stage_memory`'s `deferred_grad_sync`).
 """
 from __future__ import annotations
 
@@ -121,6 +123,7 @@ def model_state_bytes(
     grad_bytes_per_param: float | None = None,
     gathered_params: float = 0.0,
     shard_is_master: bool = False,
+    deferred_grad_sync: bool = False,
 ) -> StateBytes:
     """Weights, gradients and optimizer states on one device under a ZeRO stage.
 
@@ -144,6 +147,8 @@ def model_state_bytes(
         shard_is_master: ZeRO-3 with a master-copy optimizer: the sharded parameters are the
             master copy (FSDP2), so no half-precision shard is kept; False is the ZeRO paper's
             (DeepSpeed's) accounting.
+        deferred_grad_sync: the gradients accumulate unsharded over the micro-batches and are
+            reduce-scattered once, after the last (`stage_memory`), so ZeRO-2/3 hold them whole.
 
     Returns:
         `StateBytes(weights_bytes, grads_bytes, optimizer_bytes)`.
@@ -174,7 +179,7 @@ def model_state_bytes(
     sharded_weights = 0.0 if master_only else params * weight_bytes / (shard_group if zero >= 3 else 1)
     return StateBytes(
         weights_bytes=sharded_weights + gathered_params * weight_bytes,
-        grads_bytes=params * grad_bytes / (shard_group if zero >= 2 else 1),
+        grads_bytes=params * grad_bytes / (shard_group if zero >= 2 and not deferred_grad_sync else 1),
         optimizer_bytes=params * per_param.optimizer_bytes / (shard_group if zero >= 1 else 1),
     )
 
@@ -201,6 +206,7 @@ def stage_memory(
     fragmentation_fraction: float = ALLOCATOR_FRAGMENTATION_FRACTION,
     grads_at_peak: bool = True,
     shard_is_master: bool = False,
+    deferred_grad_sync: bool = False,
 ) -> MemoryBreakdown:
     """Peak bytes on one device of one pipeline stage.
 
@@ -244,6 +250,12 @@ def stage_memory(
             micro-batches, or a persistent gradient buffer); otherwise the peak is the larger of
             the forward's end and the optimizer step (module docstring).
         shard_is_master: see `model_state_bytes`.
+        deferred_grad_sync: the stage's data-parallel wrapper reduces the gradients once, after the
+            last micro-batch, and keeps the parameters gathered from each backward to the next
+            forward (`torch.distributed.pipelining`'s stages under FSDP2). ZeRO-2/3 then hold the
+            gradients whole, and a ZeRO-3 backward ends with every parameter of the stage
+            gathered: its peak is the larger of `in_flight` micro-batches' activations with
+            `gathered_params`, and one micro-batch fewer with all parameters gathered.
 
     Returns:
         The per-category breakdown at the peak.
@@ -272,11 +284,11 @@ def stage_memory(
         "weight_bytes_per_param": weight_bytes_per_param,
         "grad_bytes_per_param": grad_bytes_per_param,
         "shard_is_master": shard_is_master,
+        "deferred_grad_sync": deferred_grad_sync,
     }
-    dense = model_state_bytes(
-        (params - expert_params) / tp, zero, dense_shard_group, gathered_params=gathered_params, **precision
-    )
-    experts = model_state_bytes(expert_params / (ep * expert_tp), zero, expert_shard_group, **precision)
+    dense_params, local_experts = (params - expert_params) / tp, expert_params / (ep * expert_tp)
+    dense = model_state_bytes(dense_params, zero, dense_shard_group, gathered_params=gathered_params, **precision)
+    experts = model_state_bytes(local_experts, zero, expert_shard_group, **precision)
     breakdown = MemoryBreakdown(
         weights_bytes=dense.weights_bytes + experts.weights_bytes,
         grads_bytes=dense.grads_bytes + experts.grads_bytes,
@@ -285,6 +297,12 @@ def stage_memory(
         comm_buffers_bytes=comm_buffer_bytes,
         temp_bytes=temp_bytes,
     )
+    if deferred_grad_sync and zero == 3:
+        gathered = (model_state_bytes(dense_params, zero, dense_shard_group, gathered_params=dense_params, **precision),
+                    model_state_bytes(local_experts, zero, expert_shard_group, gathered_params=local_experts, **precision))
+        backward_end = replace(breakdown, weights_bytes=sum(part.weights_bytes for part in gathered),
+                               activations_bytes=activation_bytes_per_microbatch * max(0.0, in_flight - 1))
+        breakdown = max(breakdown, backward_end, key=lambda moment: moment.total_bytes)
     if not grads_at_peak:
         forward_end = replace(breakdown, grads_bytes=0.0)
         optimizer_step = replace(breakdown, activations_bytes=0.0, temp_bytes=0.0)

@@ -215,15 +215,16 @@ class Evaluator:
         copies = self.graph.stage_copy_params[index] if config.pp > 1 else 0
         dense = (layer.params - layer.expert_params + copies) / config.tp
         expert = layer.expert_params / (config.ep * config.tp)
-        states = (memory_model.model_state_bytes(dense, config.zero, config.dp * config.cp, **state),
-                  memory_model.model_state_bytes(expert, config.zero, expert_group.size, **state))
+        gathered = config.zero == 3 and config.pp > 1  # all, at a pipelined backward's end (`stage_memory`)
+        states = (memory_model.model_state_bytes(dense, config.zero, config.dp * config.cp, gathered_params=dense * gathered, **state),
+                  memory_model.model_state_bytes(expert, config.zero, expert_group.size, gathered_params=expert * gathered, **state))
         static, grads = sum(sum(part) for part in states), sum(part.grads_bytes for part in states)
         exposed_fwd_s = exposed_bwd_s = 0.0
         if config.zero == 3:
             windows = (cost.fwd_s, cost.bwd_s + cost.recompute_s) if device.comm_overlaps_compute else (0.0, 0.0)
             exposed_fwd_s, exposed_bwd_s = zero3_exposed_s(self.zero3_fetch, self.precision, dense, expert, groups, expert_group,
                                                            node, self.cluster.oversubscription, *windows,
-                                                           refetch=policy is Recompute.FULL)
+                                                           refetch=policy is Recompute.FULL, pipelined=config.pp > 1)
         fwd = cost.fwd_s + cost.tp_comm_s / 2 + cost.cp_comm_s / 3 + cost.ep_comm_s / 2 + exposed_fwd_s
         exposed = exposed_fwd_s + exposed_bwd_s
         return (
@@ -371,8 +372,7 @@ class Evaluator:
             params=dense + expert, expert_params=expert, activation_bytes_per_microbatch=total[COL["act_bytes"]],
             in_flight=in_flight, zero=config.zero, dense_shard_group=config.dp * config.cp, expert_shard_group=expert_group,
             gathered_params=ZERO3_GATHERED_LAYERS * largest_params if config.zero == 3 else 0.0,
-            temp_bytes=total[COL["temp_bytes"]], grads_at_peak=config.num_microbatches > 1,
-            **state_options(config, self.precision),
+            temp_bytes=total[COL["temp_bytes"]], grads_at_peak=config.num_microbatches > 1, **state_options(config, self.precision),
         )
         return p2p_s, dp_s, optimizer_step_s(config, self.precision, device, dense / dense_shard + expert / expert_shard), breakdown
 

@@ -136,9 +136,11 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
     them out of its buffer once per step (`fsdp2_copy_s`), and the gradients in once per reduction.
     Without data parallelism there is no traffic, but mixed precision still runs through FSDP2, on
     a one-rank mesh (`planner.apply`), and so do its copies. Under `DpSync.BLOCKING` nothing hides
-    the traffic and ZeRO-1 reduces with an all-reduce.
+    the traffic and ZeRO-1 reduces with an all-reduce. ZeRO-3 pipeline stages gather and reduce
+    like ZeRO-2 once per step, and re-gather once per micro-batch (`zero3_exposed_s`); without
+    pipelining ZeRO-3's traffic is all per micro-batch.
     """
-    if config.zero == 3:
+    if config.zero == 3 and config.pp == 1:
         return 0.0
     reductions = config.num_microbatches if config.zero == 2 and config.pp == 1 else 1
     expert_group = expert_data_group(config, node)
@@ -152,7 +154,7 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
     kind = Collective.ALL_REDUCE if config.zero == 0 or (blocking and config.zero == 1) else Collective.REDUCE_SCATTER
     reduce_s = state_collective_s(kind, GRAD_REDUCE_BYTES_PER_PARAM, dense, expert, groups.dp_cp, expert_group, node, oversubscription)
     gather_s = 0.0
-    if config.zero in (1, 2):
+    if config.zero >= 1:
         gather_s = state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, dense, expert, groups.dp_cp,
                                       expert_group, node, oversubscription)
     return reductions * max(0.0, reduce_s - bwd_s) + max(0.0, gather_s - fwd_s) + copies_s
@@ -160,22 +162,35 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
 
 def zero3_exposed_s(fetch: Zero3Fetch, precision: Precision, dense: float, expert: float, groups, expert_group: CommGroup,
                     node: NodeSpec, oversubscription: float, fwd_window_s: float, bwd_window_s: float,
-                    refetch: bool) -> tuple[float, float]:
+                    refetch: bool, pipelined: bool) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's ZeRO-3 traffic per micro-batch that its compute does
     not hide: the all-gather of its `dense` and `expert` parameters and the reduce-scatter of their
     gradients, against its forward and backward (with recompute) compute windows, and under
     prefetch (FSDP2) the buffer copies of its gather in each pass and of its reduction
     (`fsdp2_copy_s`). `refetch`: the layer is recomputed whole, which a blocking fetch gathers again
-    (`Zero3Fetch`)."""
+    (`Zero3Fetch`).
+
+    `pipelined`: the layer is in a pipeline stage of `torch.distributed.pipelining`, which keeps
+    its parameters gathered from each backward to the next forward and defers the reduce-scatter
+    to the step's end. A layer's parameters are then gathered by every forward that follows a
+    forward or starts the step, and by every backward that follows a forward: m + 1 times per step
+    in any schedule (each run of k forwards gathers k times and the backward after it once, plus
+    one for the step's first forward). Here one gather per micro-batch, in the backward; the extra
+    gather and the reduce-scatter are ZeRO-2's once-per-step traffic (`dp_exposed_s`)."""
     gather_s = state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, dense, expert, groups.dp_cp, expert_group,
                                   node, oversubscription)
-    scatter_s = state_collective_s(Collective.REDUCE_SCATTER, GRAD_REDUCE_BYTES_PER_PARAM, dense, expert, groups.dp_cp,
-                                   expert_group, node, oversubscription)
+    scatter_s = 0.0 if pipelined else state_collective_s(Collective.REDUCE_SCATTER, GRAD_REDUCE_BYTES_PER_PARAM, dense,
+                                                         expert, groups.dp_cp, expert_group, node, oversubscription)
     if fetch is Zero3Fetch.BLOCKING:
         fetch_s = max(gather_s, (dense + expert) * precision.weight_bytes / BLOCKING_FETCH_BYTES_PER_S)
+        if pipelined:
+            return 0.0, fetch_s
         return fetch_s, fetch_s * (2 if refetch else 1) + max(0.0, scatter_s - bwd_window_s)
     shard = dense / groups.dp_cp.size + expert / expert_group.size
-    return (max(0.0, gather_s - fwd_window_s) + fsdp2_copy_s(precision, node.device, dense + expert, shard, 1, 0),
+    fwd_copy_s = fsdp2_copy_s(precision, node.device, dense + expert, shard, 1, 0)
+    if pipelined:
+        return 0.0, max(0.0, gather_s - bwd_window_s) + fwd_copy_s
+    return (max(0.0, gather_s - fwd_window_s) + fwd_copy_s,
             max(0.0, gather_s + scatter_s - bwd_window_s) + fsdp2_copy_s(precision, node.device, dense + expert, shard, 1, 1))
 
 
@@ -217,11 +232,14 @@ def state_options(config: ParallelConfig, precision: Precision) -> dict:
     weights and gradients on the device). Data parallelism runs as FSDP2 (what `Plan.apply` uses:
     `replicate` or `fully_shard`), which computes with unsharded parameters apart from its sharded
     ones, so its sharded fp32 parameters are a master copy even in fp32 training (under ZeRO-3 the
-    unsharded ones exist only while gathered)."""
+    unsharded ones exist only while gathered). Pipeline stages defer the gradient sync to the last
+    micro-batch (`zero3_exposed_s`), so their gradients accumulate whole."""
+    deferred = config.pp > 1
     if config.offload_optimizer:
         return {"optimizer": memory_model.Optimizer.ADAM_MIXED_OFFLOAD, "shard_is_master": True,
-                "weight_bytes_per_param": precision.weight_bytes, "grad_bytes_per_param": precision.weight_bytes}
+                "weight_bytes_per_param": precision.weight_bytes, "grad_bytes_per_param": precision.weight_bytes,
+                "deferred_grad_sync": deferred}
     wrapped = config.dp * config.cp > 1
     optimizer = memory_model.Optimizer.ADAM_MIXED if wrapped else precision.optimizer
     return {"optimizer": optimizer, "weight_bytes_per_param": precision.weight_bytes,
-            "grad_bytes_per_param": GRAD_BYTES_PER_PARAM, "shard_is_master": True}
+            "grad_bytes_per_param": GRAD_BYTES_PER_PARAM, "shard_is_master": True, "deferred_grad_sync": deferred}

@@ -20,7 +20,7 @@ from costmodel.profile_loader import load_cluster
 from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError
 from planner.estimate import COL, ZERO3_GATHERED_LAYERS, Evaluator
-from planner.mesh import axis_group, stage_devices
+from planner.mesh import axis_group, mesh_groups, stage_devices
 from planner.graph import LayerKind, Recompute
 from planner.layer_cost import AttentionKernel, op_sac_reruns_collectives, overlapped_tp_comm_s
 from planner.loss_cost import LOSS_TEMP_INPUT_COPIES
@@ -643,6 +643,35 @@ def test_zero2_reduces_gradients_every_micro_batch(gpt350m):
     per_byte_s = gpt350m.params / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
     assert exposed[1] == pytest.approx(reduce_s + gather_s + 17 * per_byte_s, rel=1e-6)
     assert exposed[2] == pytest.approx(4 * reduce_s + gather_s + 47 * per_byte_s, rel=1e-6)
+
+
+def test_pipelined_zero3_gathers_once_per_micro_batch_and_reduces_once_per_step(gpt350m):
+    # torch.distributed.pipelining's stages keep FSDP2's parameters gathered from each backward to the
+    # next forward and reduce the gradients once, after the last micro-batch (planner.state_cost): a
+    # block's exposed ZeRO-3 time per micro-batch is one all-gather of its bf16 weights (2 B per
+    # parameter) and its buffer copies, 4 B per parameter copied out plus, on its half of the
+    # parameters (CPU ranks hide nothing), 4 + 2 B copied in: 7 B. The once-per-step gather and
+    # reduce-scatter are ZeRO-2's. Without pipelining a block also gathers in its forward and
+    # reduce-scatters every micro-batch.
+    cluster = load_cluster("cpu:1x4")
+    device, node = stage_devices(cluster, 2)[0]
+    blocks = [i for i, layer in enumerate(gpt350m.layers) if layer.kind == LayerKind.BLOCK]
+    evaluator = Evaluator(gpt350m, cluster)
+    config = ParallelConfig(dp=2, pp=2, zero=3, micro_batch=1, num_microbatches=4, schedule=Schedule.ONE_F_ONE_B)
+    table = evaluator.layer_table(config, device, node, evaluator.policies(config))
+    group = mesh_groups(config, node.devices_per_node).dp_cp
+    per_byte_s = 1 / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
+    expected_s = [collective_time_s(Collective.ALL_GATHER, 2 * gpt350m.layers[i].params, group, node)
+                  + 7 * gpt350m.layers[i].params * per_byte_s for i in blocks]
+    assert table[blocks, COL["fsdp_exposed_s"]] == pytest.approx(expected_s, rel=1e-9)
+    # the forward finds the parameters its previous backward left gathered (or its gather is the step's extra one)
+    assert table[blocks, COL["fwd_s"]] == pytest.approx(
+        [evaluator.layer_cost(i, config, device, node, Recompute.NONE).fwd_s for i in blocks], rel=1e-12)
+    unpipelined = evaluator.layer_table(dataclasses.replace(config, pp=1, dp=4), device, node, evaluator.policies(config))
+    assert (unpipelined[blocks, COL["fsdp_exposed_s"]] > 2 * table[blocks, COL["fsdp_exposed_s"]]).all()
+    per_step = {zero: evaluator.estimate(dataclasses.replace(config, zero=zero), 8).time_breakdown["dp_comm_exposed_s"]
+                for zero in (2, 3)}
+    assert per_step[3] == pytest.approx(per_step[2], rel=1e-12) and per_step[3] > 0
 
 
 def test_heterogeneous_cluster_v100_stage_is_slower(gpt350m):

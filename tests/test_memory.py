@@ -74,6 +74,31 @@ def test_fsdp2_zero3_keeps_no_half_precision_shard():
     assert fp32.weights_bytes == pytest.approx(8e9 * 4 / 16)
 
 
+def test_deferred_gradient_sync_keeps_zero2_and_zero3_gradients_whole():
+    # 8e9 params over 16 ranks, 2 B gradients: 1 GB sharded, 16 GB when reduced only after the last
+    # micro-batch; ZeRO-1 holds them whole either way.
+    for zero in (2, 3):
+        assert model_state_bytes(8e9, zero, 16).grads_bytes == pytest.approx(1e9)
+        assert model_state_bytes(8e9, zero, 16, deferred_grad_sync=True).grads_bytes == pytest.approx(16e9)
+    assert model_state_bytes(8e9, 1, 16, deferred_grad_sync=True) == model_state_bytes(8e9, 1, 16)
+
+
+@pytest.mark.parametrize("activation_bytes,expected_gb", [(1e9, 63.0), (20e9, 126.0)])
+def test_deferred_zero3_stage_peaks_at_the_larger_of_forward_and_backward_end(activation_bytes, expected_gb):
+    # An 8e9-parameter ZeRO-3 stage over 8 ranks (FSDP2: the fp32 shard is the master copy), fp32
+    # gradients reduced after the last micro-batch, 4 micro-batches in flight, two layers of 0.5e9
+    # gathered. Optimizer 12 B x 1e9 = 12 GB, gradients 4 B x 8e9 = 32 GB, then either
+    #   forward end: 2 gathered layers 2 GB + 4 x activations, or
+    #   backward end: all 8e9 gathered, 16 GB, + 3 x activations (one micro-batch just freed):
+    # 1 GB each: max(50, 63) = 63 GB; 20 GB each: max(126, 120) = 126 GB.
+    kwargs = dict(params=8e9, activation_bytes_per_microbatch=activation_bytes, in_flight=4, zero=3,
+                  dense_shard_group=8, gathered_params=1e9, grad_bytes_per_param=FP32_GRAD_BYTES_PER_PARAM,
+                  shard_is_master=True, context_bytes=0, fragmentation_fraction=0)
+    assert stage_memory(**kwargs, deferred_grad_sync=True).total_bytes == pytest.approx(expected_gb * 1e9)
+    # reduced every micro-batch: gradients sharded, 4 GB, and only the forward end counts
+    assert stage_memory(**kwargs).total_bytes == pytest.approx((2 + 4 + 12) * 1e9 + 4 * activation_bytes)
+
+
 @pytest.mark.parametrize("activation_bytes,peak_moment", [(30e9, "forward end"), (1e9, "optimizer step")])
 def test_without_gradient_accumulation_the_peak_is_the_larger_moment(activation_bytes, peak_moment):
     # 1e9 params, ZeRO-0, fp32 gradients: weights 2 GB, gradients 4 GB, optimizer 12 GB; temporaries 2 GB.

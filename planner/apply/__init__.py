@@ -132,7 +132,9 @@ class AppliedPlan:
         as the plan's memory assumes; under ZeRO-0/1 the whole gradients accumulate (as ZeRO-1 and
         Megatron's distributed optimizer keep them) and are reduced once, after the last. Below
         ZeRO-3 the gathered parameters stay from the first micro-batch to the last one's backward,
-        so they are gathered (and copied out of FSDP2's buffer) once per step, as priced.
+        so they are gathered (and copied out of FSDP2's buffer) once per step, as priced. Pipeline
+        stages run torch's schedule instead, which reduces once, after the last micro-batch, at
+        every ZeRO stage (`planner.apply.data_parallel`).
 
         Returns:
             The mean loss of this rank's slice where `has_loss`, else None.

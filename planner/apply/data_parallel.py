@@ -21,7 +21,9 @@ Gradient reduction with micro-batches: without pipelining, ZeRO-2/3 reduce-scatt
 micro-batch so gradients stay sharded (`AppliedPlan.forward_backward`); ZeRO-0/1 reduce once.
 Below ZeRO-3 the parameters stay gathered until the last micro-batch's backward (no re-gather).
 With pipelining, torch's `PipelineStage` defers the reduction to the last micro-batch, so the
-unsharded gradients of the stage accumulate in between: more gradient memory than ZeRO-2/3 budgets.
+unsharded gradients of the stage accumulate in between, and keeps ZeRO-3 parameters gathered from
+each backward to the next forward; the cost model prices both (`planner.state_cost.zero3_exposed_s`,
+`costmodel.memory.stage_memory`'s `deferred_grad_sync`).
 """
 from __future__ import annotations
 
