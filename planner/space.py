@@ -186,10 +186,15 @@ def recompute_options(constraints: dict, measured: tuple[Recompute, ...]) -> lis
     return list(measured)
 
 
-def zero_options(constraints: dict, dp_cp: int) -> list[int]:
+def zero_options(constraints: dict, dp_cp: int, pp: int) -> list[int]:
+    """The fixed ZeRO stage, else every stage that differs: none without data parallelism, and no
+    ZeRO-2 under pipelining, where it runs as ZeRO-1 (torch's pipeline stages accumulate the whole
+    gradients and reduce them once per step: `planner.state_cost.zero3_exposed_s`)."""
     if "zero" in constraints:
         return [constraints["zero"]]
-    return [0, 1, 2, 3] if dp_cp > 1 else [0]
+    if dp_cp == 1:
+        return [0]
+    return [0, 1, 3] if pp > 1 else [0, 1, 2, 3]
 
 
 def configs_for(degrees: tuple[int, int, int, int, int], graph: ModelGraph, global_batch: int, constraints: dict):
@@ -201,7 +206,7 @@ def configs_for(degrees: tuple[int, int, int, int, int], graph: ModelGraph, glob
     for mb in micro_batches(global_batch // dp, constraints):
         m = global_batch // (dp * mb)
         for schedule, vpp in schedules(pp, len(graph.layers), m, constraints):
-            for zero in zero_options(constraints, dp * cp):
+            for zero in zero_options(constraints, dp * cp, pp):
                 for recompute in policies:
                     yield ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp, micro_batch=mb,
                                          num_microbatches=m, zero=zero, recompute=recompute, schedule=schedule,

@@ -674,6 +674,18 @@ def test_pipelined_zero3_gathers_once_per_micro_batch_and_reduces_once_per_step(
     assert per_step[3] == pytest.approx(per_step[2], rel=1e-12) and per_step[3] > 0
 
 
+@pytest.mark.parametrize("schedule, vpp", [(Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED, 2)])
+def test_pipelined_zero2_prices_as_zero1(gpt350m, schedule, vpp):
+    # torch's pipeline stages accumulate the whole gradients and reduce them once per step at any
+    # ZeRO stage, so ZeRO-2 holds and moves what ZeRO-1 does (the search offers only ZeRO-1).
+    evaluator = Evaluator(gpt350m, load_cluster("a100-80g:2x8"))
+    config = ParallelConfig(dp=4, tp=2, pp=2, vpp=vpp, zero=1, micro_batch=1, num_microbatches=8, schedule=schedule)
+    one, two = (evaluator.estimate(dataclasses.replace(config, zero=zero), 32) for zero in (1, 2))
+    assert (two.step_time_s, two.memory) == (one.step_time_s, one.memory)
+    three = evaluator.estimate(dataclasses.replace(config, zero=3), 32)
+    assert three.memory[0]["grads_bytes"] == one.memory[0]["grads_bytes"]
+
+
 def test_heterogeneous_cluster_v100_stage_is_slower(gpt350m):
     # hetero-a100-v100-8n: 4 A100 nodes then 4 V100 nodes; pp = 2 puts stage 0 on the A100s and
     # stage 1 on the V100s (fp16: V100 has no bf16). A block takes longer on a V100 (125 vs 312

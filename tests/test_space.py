@@ -206,6 +206,7 @@ def test_configs_cover_the_batch_and_respect_schedule_rules(global_batch):
             assert config.devices == cluster.num_devices
             assert config.global_batch == global_batch
             assert config.zero == 0 or dp * cp > 1
+            assert config.zero != 2 or pp == 1  # under pipelining ZeRO-2 runs as ZeRO-1 (test_estimate)
             if config.schedule == Schedule.INTERLEAVED:
                 seen_interleaved = True
                 assert config.vpp in VPP_CHOICES and config.num_microbatches % pp == 0
@@ -228,5 +229,7 @@ def test_fixed_choices_narrow_configs():
     # Interleaved with vpp=2 only: 8 micro-batches per replica, a multiple of pp=4.
     configs = list(configs_for((2, 1, 4, 1, 1), graph, 32, {"micro_batch": 2, "vpp": 2}))
     assert {(c.schedule, c.vpp) for c in configs} == {(Schedule.INTERLEAVED, 2)}
+    # A fixed ZeRO-2 under pipelining is kept (it runs as ZeRO-1, which the search offers instead).
+    assert {c.zero for c in configs_for((2, 1, 4, 1, 1), graph, 32, {"zero": 2})} == {2}
     # A micro-batch that does not divide the per-replica batch yields nothing.
     assert list(configs_for((2, 1, 4, 1, 1), graph, 32, {"micro_batch": 3})) == []
