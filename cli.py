@@ -156,6 +156,12 @@ def _constraints(args) -> dict:
     return {key: getattr(args, key) for key in _CONFIG_KEYS if getattr(args, key, None) is not None}
 
 
+def _training_code(args) -> dict:
+    """The training-code flags of evaluate and plan, as `planner.evaluate`/`planner.plan` take them."""
+    return {"attention": args.attention, "tp_overlap": args.tp_comm_overlap, "loss": args.loss, "zero3_fetch": args.zero3_fetch,
+            "dp_sync": args.dp_sync, "elementwise": args.elementwise}
+
+
 def _print_json(data: dict) -> None:
     print(json.dumps(data, indent=2))
 
@@ -189,9 +195,8 @@ def _run(args) -> int:
         import planner
         from planner.report.estimate import estimate_json, render_estimate
 
-        result = planner.evaluate(args.model, args.cluster, _constraints(args), global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype,
-                                  attention=args.attention, tp_overlap=args.tp_comm_overlap, loss=args.loss, zero3_fetch=args.zero3_fetch,
-                                  dp_sync=args.dp_sync, elementwise=args.elementwise)
+        result = planner.evaluate(args.model, args.cluster, _constraints(args), global_batch=args.global_batch, seq_len=args.seq_len,
+                                  dtype=args.dtype, **_training_code(args))
         if args.json:
             _print_json(estimate_json(result))
         else:
@@ -204,8 +209,8 @@ def _run(args) -> int:
 
         check_plan_chart_paths(args.timeline, args.memory_chart)
         result = planner.plan(
-            args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, attention=args.attention, tp_overlap=args.tp_comm_overlap, loss=args.loss,
-            zero3_fetch=args.zero3_fetch, dp_sync=args.dp_sync, elementwise=args.elementwise, mem_headroom=args.mem_headroom, top=args.top, allow_offload=args.allow_offload, **_constraints(args),
+            args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, **_training_code(args),
+            mem_headroom=args.mem_headroom, top=args.top, allow_offload=args.allow_offload, **_constraints(args),
         )
         if args.out:
             result.save(args.out)

@@ -41,6 +41,7 @@ from planner.models import resolve_model  # noqa: E402
 from planner.space import configs_for, divisors, enumerate_degrees, recompute_options  # noqa: E402
 from planner.stages import split_uniform  # noqa: E402
 from planner.tracing import trace  # noqa: E402
+from planner.training_code import TrainingCode  # noqa: E402
 from planner.zoo.spec import parse_spec  # noqa: E402
 
 DEFAULT_MAX_CASES = 40
@@ -115,7 +116,7 @@ def run_case(job: list[Row]) -> dict:
     graph = trace(resolve_model(parse_spec(first.spec, f"{first.id}.yaml")), seq_len=first.seq_len)
     kernels = {"attention": first.attention, "tp_overlap": first.tp_overlap, "loss": first.loss,
                "zero3_fetch": first.zero3_fetch, "dp_sync": first.dp_sync}
-    evaluator = Evaluator(graph, load_cluster(first.cluster_spec()), **kernels)
+    evaluator = Evaluator(graph, load_cluster(first.cluster_spec()), code=TrainingCode.of(**kernels))
     started = time.perf_counter()
     best = plan(graph, first.cluster_spec(), global_batch=first.global_batch, **kernels)
     out = {"id": first.id, "plan_s": time.perf_counter() - started, "plan": best, "rows": [],

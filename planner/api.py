@@ -91,12 +91,14 @@ def evaluate(model, cluster, config: dict | ParallelConfig, *, global_batch: int
         (4, True)
     """
     from planner.estimate import Evaluator
+    from planner.training_code import TrainingCode
 
     graph = model_graph(model, seq_len, dtype=dtype)
     hardware = _cluster(cluster)
     full = make_config(config, hardware.num_devices, global_batch)
-    return Evaluator(graph, hardware, dtype, attention=attention, tp_overlap=tp_overlap, loss=loss,
-                     zero3_fetch=zero3_fetch, dp_sync=dp_sync, elementwise=elementwise).estimate(full, global_batch)
+    code = TrainingCode.of(attention=attention, tp_overlap=tp_overlap, loss=loss, zero3_fetch=zero3_fetch, dp_sync=dp_sync,
+                           elementwise=elementwise)
+    return Evaluator(graph, hardware, dtype, code=code).estimate(full, global_batch)
 
 
 def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype: str = "bf16", attention: str = "flash",
@@ -130,9 +132,12 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
             message says what would).
     """
     from planner.search import search
+    from planner.training_code import TrainingCode
 
     graph = model_graph(model, seq_len, dtype=dtype)
     hardware = _cluster(cluster)
-    result = search(graph, hardware, global_batch=global_batch, dtype=dtype, attention=attention, tp_overlap=tp_overlap, loss=loss,
-                    zero3_fetch=zero3_fetch, dp_sync=dp_sync, elementwise=elementwise, cluster_name=str(cluster if isinstance(cluster, str) else hardware.name), **constraints)
+    code = TrainingCode.of(attention=attention, tp_overlap=tp_overlap, loss=loss, zero3_fetch=zero3_fetch, dp_sync=dp_sync,
+                           elementwise=elementwise)
+    result = search(graph, hardware, global_batch=global_batch, dtype=dtype, code=code,
+                    cluster_name=str(cluster if isinstance(cluster, str) else hardware.name), **constraints)
     return dataclasses.replace(result, layer_params=tuple(layer.params for layer in graph.layers))

@@ -146,7 +146,7 @@ def tail_bound_s(evaluator: Evaluator, config: ParallelConfig, bound: WorkBound)
     floors = []
     for (device, node), (_, _, dense, expert) in zip(evaluator.device_types(config.pp), bound.type_totals):
         exposed_s = dp_exposed_s(config, evaluator.precision, node, mesh_groups(config, node.devices_per_node), dense, expert, fwd_s, bwd_s,
-                                 evaluator.cluster.oversubscription, evaluator.dp_sync)
+                                 evaluator.cluster.oversubscription, evaluator.code.dp_sync)
         dense_shard, expert_shard = (config.dp * config.cp, expert_data_group(config, node).size) if config.zero >= 1 else (1, 1)
         floors.append(exposed_s + optimizer_step_s(config, evaluator.precision, device, dense / dense_shard + expert / expert_shard))
     return min(floors) / config.pp

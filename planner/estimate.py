@@ -21,7 +21,6 @@ compute, recompute, exposed tensor/context/expert-parallel communication, expose
 from __future__ import annotations
 
 import dataclasses
-from enum import StrEnum
 
 import numpy as np
 
@@ -33,18 +32,17 @@ from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
 from costmodel.profile_loader import load_op_table
 from planner.config import ParallelConfig
 from planner.errors import PlannerError, invalid
-from planner.fusion import ElementwiseKernels
 from planner.graph import LayerKind, ModelGraph, Recompute
-from planner.layer_cost import AttentionKernel, LayerContext, LayerCost, bytes_per_element, price_layer
-from planner.loss_cost import LossKernel
+from planner.layer_cost import LayerContext, LayerCost, bytes_per_element, price_layer
 from planner.mesh import expert_data_group, mesh_groups, stage_devices
 from planner.result import Estimate, StagePlan
 from planner.space import check_config
 from planner.stage_problem import StageProblem
-from planner.state_cost import (DpSync, Zero3Fetch, dp_exposed_s, optimizer_step_s, precision_of, state_options,
-                                 tied_gradient_sum_s, zero3_exposed_s)
+from planner.state_cost import (dp_exposed_s, optimizer_step_s, precision_of, state_options, tied_gradient_sum_s,
+                                 zero3_exposed_s)
 from planner.stages import split_dp
 from planner.tp_plan import tp_plan_for
+from planner.training_code import TrainingCode
 
 # Memory cap standing for "no limit" when a split only balances time (finite, as StageProblem requires).
 UNBOUNDED_BYTES = 1e30
@@ -61,14 +59,6 @@ COLUMNS = ("fwd_s", "bwd_s", "compute_s", "recompute_s", "tp_comm_s", "cp_comm_s
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
 
-def _kernel(kind: type[StrEnum], value, field: str):
-    """`value` as a member of the kernel enum `kind`; PlannerError naming `field` and the choices."""
-    try:
-        return kind(value)
-    except ValueError:
-        raise invalid(f"{field}={value!r}: use one of {', '.join(repr(k.value) for k in kind)}") from None
-
-
 class Evaluator:
     """Prices configurations of one model on one cluster, caching per-layer costs across configs.
 
@@ -79,25 +69,15 @@ class Evaluator:
         table: measured op times that override the roofline.
         tp_overlap: the training code overlaps tensor-parallel collectives with GEMMs (Megatron-Core
             `--tp-comm-overlap`, PyTorch async TP); otherwise they are exposed.
-        attention, loss, zero3_fetch, dp_sync, elementwise: how the training code runs attention,
-            the cross-entropy, ZeRO-3 fetches, data-parallel sync below ZeRO-3 and memory-bound ops
-            (`AttentionKernel`, `LossKernel`, `Zero3Fetch`, `DpSync`, `ElementwiseKernels`; each
-            enum's first member by default).
+        code: the training code's kernels and state synchronisation (`TrainingCode`).
     """
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, dtype: str = "bf16", table: OpTable | None = None,
-                 attention: AttentionKernel | str = AttentionKernel.FLASH, tp_overlap: bool = False,
-                 loss: LossKernel | str = LossKernel.TORCH, zero3_fetch: Zero3Fetch | str = Zero3Fetch.PREFETCH,
-                 dp_sync: DpSync | str = DpSync.OVERLAPPED, elementwise: ElementwiseKernels | str = ElementwiseKernels.EAGER):
+                 code: TrainingCode = TrainingCode()):
         if bytes_per_element(base_dtype(graph.dtype)) != bytes_per_element(base_dtype(dtype)):
             raise invalid(f"dtype={dtype!r}: {graph.name} was traced in {graph.dtype}, whose activations differ in size; "
                           f"fix: trace it with dtype={dtype!r}")
-        self.attention = _kernel(AttentionKernel, attention, "attention")
-        self.loss = _kernel(LossKernel, loss, "loss")
-        self.zero3_fetch = _kernel(Zero3Fetch, zero3_fetch, "zero3_fetch")
-        self.dp_sync = _kernel(DpSync, dp_sync, "dp_sync")
-        self.elementwise = _kernel(ElementwiseKernels, elementwise, "elementwise")
-        self.tp_overlap = tp_overlap
+        self.code = code
         self.graph = graph
         self.cluster = cluster
         self.dtype = dtype
@@ -151,8 +131,8 @@ class Evaluator:
                 batch_scale=config.micro_batch / self.graph.micro_batch, recompute=recompute,
                 sequence_parallel=config.sequence_parallel, tp_group=groups.tp, cp_group=groups.cp,
                 ep_group=groups.ep, top_k=self.graph.dims.top_k, hidden=self.graph.dims.hidden,
-                table=self.table_for(device, self.dtype_for(device)), attention=self.attention,
-                tp_overlap=self.tp_overlap, loss=self.loss, elementwise=self.elementwise,
+                table=self.table_for(device, self.dtype_for(device)), attention=self.code.attention,
+                tp_overlap=self.code.tp_overlap, loss=self.code.loss, elementwise=self.code.elementwise,
             )
             cost = price_layer(layer, tp_plan_for(layer, config.tp, device, node, ctx.dtype, self.layout_cache, self.graph), ctx)
             self._layer_cache[key] = cost
@@ -222,7 +202,7 @@ class Evaluator:
         exposed_fwd_s = exposed_bwd_s = 0.0
         if config.zero == 3:
             windows = (cost.fwd_s, cost.bwd_s + cost.recompute_s) if device.comm_overlaps_compute else (0.0, 0.0)
-            exposed_fwd_s, exposed_bwd_s = zero3_exposed_s(self.zero3_fetch, self.precision, dense, expert, groups, expert_group,
+            exposed_fwd_s, exposed_bwd_s = zero3_exposed_s(self.code.zero3_fetch, self.precision, dense, expert, groups, expert_group,
                                                            node, self.cluster.oversubscription, *windows,
                                                            refetch=policy is Recompute.FULL, pipelined=config.pp > 1)
         fwd = cost.fwd_s + cost.tp_comm_s / 2 + cost.cp_comm_s / 3 + cost.ep_comm_s / 2 + exposed_fwd_s
@@ -365,7 +345,7 @@ class Evaluator:
                  if config.pp > 1 else 0.0)
         dense, expert = total[COL["dense_params"]], total[COL["expert_params"]]
         dp_s = dp_exposed_s(config, self.precision, node, groups, dense, expert, total[COL["fwd_s"]], total[COL["bwd_s"]],
-                           self.cluster.oversubscription, self.dp_sync)
+                           self.cluster.oversubscription, self.code.dp_sync)
         expert_group = expert_data_group(config, node).size
         dense_shard, expert_shard = (config.dp * config.cp, expert_group) if config.zero >= 1 else (1, 1)
         breakdown = memory_model.stage_memory(

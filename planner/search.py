@@ -32,6 +32,7 @@ from planner.graph import ModelGraph, Recompute
 from planner.memory_plan import memory_plan
 from planner.result import Alternative, Plan
 from planner.space import Rejection, check_config, configs_for, enumerate_degrees, why_no_configs
+from planner.training_code import TrainingCode
 
 # Constraint keys `plan` accepts besides the fixed choices; anything else is a typo.
 BOUND_KEYS = {f"{bound}_{axis}" for bound in ("min", "max") for axis in ("tp", "pp", "dp", "cp", "ep")}
@@ -159,9 +160,8 @@ class _Pass:
         return ranked
 
 
-def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str = "bf16", attention: str = "flash",
-           tp_overlap: bool = False, loss: str = "torch", zero3_fetch: str = "prefetch", dp_sync: str = "overlapped",
-           elementwise: str = "eager", cluster_name: str = "", **constraints) -> Plan:
+def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str = "bf16", code: TrainingCode = TrainingCode(),
+           cluster_name: str = "", **constraints) -> Plan:
     """Best plan for `graph` on `cluster` (see the module docstring for how candidates are pruned).
 
     Raises:
@@ -176,8 +176,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     exhaustive = constraints.get("exhaustive", False)
     if global_batch < 1:
         raise invalid(f"global_batch={global_batch}: must be a positive integer")
-    evaluator = Evaluator(graph, cluster, dtype, attention=attention, tp_overlap=tp_overlap, loss=loss, zero3_fetch=zero3_fetch,
-                          dp_sync=dp_sync, elementwise=elementwise)
+    evaluator = Evaluator(graph, cluster, dtype, code=code)
     space = enumerate_degrees(graph, cluster, constraints)
     rejected: list[Rejection] = list(space.rejected)
     reasons: Counter = Counter()

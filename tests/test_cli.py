@@ -5,6 +5,7 @@ what a shell sees (exit status, no traceback).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import subprocess
@@ -277,3 +278,21 @@ def test_console_entry_exit_status_and_no_traceback():
     assert result.stdout == ""
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith("paraplan: tp*pp*cp = 3*1*1 = 3")
+
+
+@pytest.mark.parametrize("command", ["evaluate", "plan", "sweep"])
+def test_training_code_flags_offer_exactly_the_cost_models_choices(command):
+    # The flags list their choices literally (importing the cost model would slow every command's
+    # start); they must stay those TrainingCode accepts, defaults included.
+    from planner.training_code import TrainingCode
+
+    subparsers = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    actions = {action.dest: action for action in subparsers.choices[command]._actions}
+    flags = {"tp_overlap": "tp_overlap" if command == "sweep" else "tp_comm_overlap"}
+    for name, default in TrainingCode().options().items():
+        action = actions[flags.get(name, name)]
+        if isinstance(default, bool):
+            assert action.nargs == 0  # a switch
+            continue
+        assert tuple(action.choices) == TrainingCode.choices(name)
+        assert action.default == (None if command == "sweep" else default)

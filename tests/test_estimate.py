@@ -26,6 +26,7 @@ from planner.layer_cost import AttentionKernel, op_sac_reruns_collectives, overl
 from planner.loss_cost import LOSS_TEMP_INPUT_COPIES
 from planner.state_cost import BLOCKING_FETCH_BYTES_PER_S
 from planner.tracing import trace
+from planner.training_code import TrainingCode
 from planner.tp_plan import tp_plan_for
 
 GIB = 2**30
@@ -124,7 +125,7 @@ def test_block_activations_match_korthikanti_table2(gpt22b, case, tp, sp, recomp
     # The traced block has no dropout (Table 2 counts two s*b*h dropout masks, 2 of the 34), so
     # the model may sit a few percent under the formula; 10% is the stated tolerance.
     b = 4
-    evaluator = Evaluator(gpt22b, load_cluster("a100-80g:1x8"), attention=attention)
+    evaluator = Evaluator(gpt22b, load_cluster("a100-80g:1x8"), code=TrainingCode.of(attention=attention))
     config = ParallelConfig(dp=8 // tp, tp=tp, micro_batch=b, num_microbatches=1, recompute=recompute, sequence_parallel=sp)
     expected = sbh_units * KORTHIKANTI_SEQ * b * 6144
     assert _block_act_bytes(evaluator, config, recompute) == pytest.approx(expected, rel=0.10)
@@ -291,7 +292,7 @@ def test_fused_loss_keeps_half_precision_logits_and_one_gradient(gpt350m, recomp
     # accumulate and every category is alive at the peak.
     config = ParallelConfig(dp=8, micro_batch=8, num_microbatches=2, recompute=recompute)
     logits = 8 * 256 * gpt350m.dims.vocab
-    torch_row, fused_row = (Evaluator(gpt350m, load_cluster("a100-80g:1x8"), loss=loss).estimate(config, 128).memory[0]
+    torch_row, fused_row = (Evaluator(gpt350m, load_cluster("a100-80g:1x8"), code=TrainingCode.of(loss=loss)).estimate(config, 128).memory[0]
                             for loss in ("torch", "fused"))
     assert fused_row["temp_bytes"] == pytest.approx(2 * logits, rel=1e-3)
     assert torch_row["temp_bytes"] == pytest.approx(8 * logits, rel=1e-3)
@@ -300,7 +301,7 @@ def test_fused_loss_keeps_half_precision_logits_and_one_gradient(gpt350m, recomp
 
 def test_unknown_loss_kernel_is_one_line(gpt350m):
     with pytest.raises(PlannerError, match=r"loss='chunked': use one of 'torch', 'fused'"):
-        Evaluator(gpt350m, load_cluster("a100-80g:1x8"), loss="chunked")
+        TrainingCode.of(loss="chunked")
 
 
 def test_blocking_zero3_fetches_stall_compute_at_the_implementation_rate(gpt350m):
@@ -318,7 +319,7 @@ def test_blocking_zero3_fetches_stall_compute_at_the_implementation_rate(gpt350m
         config = ParallelConfig(dp=8, zero=3, micro_batch=4, num_microbatches=2, recompute=recompute)
         exposed = {}
         for fetch in ("prefetch", "blocking"):
-            evaluator = Evaluator(gpt350m, cluster, zero3_fetch=fetch)
+            evaluator = Evaluator(gpt350m, cluster, code=TrainingCode.of(zero3_fetch=fetch))
             exposed[fetch] = evaluator.layer_table(config, device, node, evaluator.policies(config))[blocks, COL["fsdp_exposed_s"]]
         copies_s = [gpt350m.layers[i].params * 14 / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency) for i in blocks]
         assert exposed["prefetch"] == pytest.approx(copies_s, rel=1e-9)
@@ -328,7 +329,7 @@ def test_blocking_zero3_fetches_stall_compute_at_the_implementation_rate(gpt350m
 
 def test_unknown_zero3_fetch_is_one_line(gpt350m):
     with pytest.raises(PlannerError, match=r"zero3_fetch='async': use one of 'prefetch', 'blocking'"):
-        Evaluator(gpt350m, load_cluster("a100-80g:1x8"), zero3_fetch="async")
+        TrainingCode.of(zero3_fetch="async")
 
 
 # MosaicML's llm-foundry benchmark table (published-runs.json, group llmfoundry_mpt): configurations
@@ -343,7 +344,7 @@ def test_published_runs_that_ran_are_predicted_to_fit(spec_dir, name, layers, hi
     path = spec_dir / f"{name}.yaml"
     path.write_text(f"arch: gpt\nlayers: {layers}\nhidden: {hidden}\nheads: {heads}\nvocab: 50368\nmax_seq_len: 2048\n")
     graph = trace(str(path), seq_len=2048)
-    evaluator = Evaluator(graph, load_cluster(f"a100-40g:{gpus // 8}x8"), loss="fused")
+    evaluator = Evaluator(graph, load_cluster(f"a100-40g:{gpus // 8}x8"), code=TrainingCode.of(loss="fused"))
     config = ParallelConfig(dp=gpus, micro_batch=micro_batch, num_microbatches=1, zero=3, recompute=Recompute.NONE)
     estimate = evaluator.estimate(config, gpus * micro_batch)
     assert estimate.fits, f"{name}: {estimate.peak_memory_bytes / 2**30:.1f} GiB predicted on a 40 GB device"
@@ -532,7 +533,7 @@ def test_tp_overlap_hides_tensor_parallel_communication_only(gpt350m):
     cluster = load_cluster("a100-80g:1x8")
     config = ParallelConfig(dp=4, tp=2, num_microbatches=4)
     exposed = Evaluator(gpt350m, cluster).estimate(config, 16).time_breakdown
-    overlapped = Evaluator(gpt350m, cluster, tp_overlap=True).estimate(config, 16).time_breakdown
+    overlapped = Evaluator(gpt350m, cluster, code=TrainingCode.of(tp_overlap=True)).estimate(config, 16).time_breakdown
     assert overlapped["compute_s"] == exposed["compute_s"]
     # With tp = 2 at least one of the two ring steps of every collective stays exposed.
     assert exposed["tp_comm_s"] / 2 <= overlapped["tp_comm_s"] < exposed["tp_comm_s"]
@@ -600,7 +601,7 @@ def test_blocking_dp_sync_exposes_an_all_reduce_and_the_gather(gpt350m):
     device, node = stage_devices(cluster, 1)[0]
     group = axis_group(16, 1, node.devices_per_node)
     config = ParallelConfig(dp=16, zero=1, micro_batch=1, num_microbatches=1)
-    exposed = {sync: Evaluator(gpt350m, cluster, dp_sync=sync).estimate(config, 16).time_breakdown["dp_comm_exposed_s"]
+    exposed = {sync: Evaluator(gpt350m, cluster, code=TrainingCode.of(dp_sync=sync)).estimate(config, 16).time_breakdown["dp_comm_exposed_s"]
                for sync in ("overlapped", "blocking")}
     all_reduce_s = collective_time_s(Collective.ALL_REDUCE, 4 * gpt350m.params, group, node)
     gather_s = collective_time_s(Collective.ALL_GATHER, 2 * gpt350m.params, group, node)

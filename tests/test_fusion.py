@@ -21,6 +21,7 @@ from planner.op_kinds import VIEW_TARGETS
 from planner.sweeps.executors import PlanSettings, plan_point
 from planner.sweeps.spec import load_sweep_spec
 from planner.tracing import trace
+from planner.training_code import TrainingCode
 from planner.zoo.spec import parse_spec
 
 SEQ, BATCH, HIDDEN, FFN, KV_HEADS, HEADS = 128, 2, 256, 768, 2, 4
@@ -97,7 +98,7 @@ def test_fused_kernels_make_a_step_faster_and_change_nothing_else(llama):
     cluster = load_cluster("h100-sxm:1x8")
     config = {"tp": 2, "pp": 1, "micro_batch": 2, "zero": 1, "recompute": "none"}
     full = make_config(config, cluster.num_devices, 64)
-    eager, fused = (Evaluator(llama, cluster, elementwise=mode).estimate(full, 64) for mode in ("eager", "fused"))
+    eager, fused = (Evaluator(llama, cluster, code=TrainingCode.of(elementwise=mode)).estimate(full, 64) for mode in ("eager", "fused"))
     assert fused.time_breakdown["compute_s"] < eager.time_breakdown["compute_s"]
     for key in ("tp_comm_s", "dp_comm_exposed_s", "optimizer_s"):
         assert fused.time_breakdown[key] == pytest.approx(eager.time_breakdown[key])
@@ -106,7 +107,7 @@ def test_fused_kernels_make_a_step_faster_and_change_nothing_else(llama):
 
 def test_an_unknown_elementwise_mode_is_one_line(llama):
     with pytest.raises(PlannerError, match=r"elementwise='compiled': use one of 'eager', 'fused'"):
-        Evaluator(llama, load_cluster("h100-sxm:1x8"), elementwise="compiled")
+        TrainingCode.of(elementwise="compiled")
 
 
 def test_evaluate_takes_the_elementwise_flag(capsys):
@@ -128,7 +129,7 @@ def test_elementwise_is_a_sweep_setting(tmp_path):
     graph = trace("llama2-7b", seq_len=1024)
     point, cluster = spec.points[0], spec.clusters["h100-sxm:1x8"]
     fixed = {"tp": 1, "pp": 1, "micro_batch": 1, "zero": 1, "recompute": "none"}
-    eager_row, fused_row = (plan_point(point, graph, cluster, PlanSettings("bf16", "flash", fixed, "", elementwise=mode))
+    eager_row, fused_row = (plan_point(point, graph, cluster, PlanSettings("bf16", TrainingCode.of(elementwise=mode), fixed, ""))
                             for mode in ("eager", "fused"))
     assert fused_row["step_time_s"] < eager_row["step_time_s"]
     path.write_text(path.read_text().replace("fused", "compiled"))

@@ -22,6 +22,7 @@ from planner.sweeps.executors import PlanSettings, failure, plan_point
 from planner.sweeps.results import COLUMNS, ResultsFile, read_results
 from planner.sweeps.runner import sweep
 from planner.sweeps.spec import SweepPoint, load_sweep_spec, sweep_spec_from_dict
+from planner.training_code import TrainingCode
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = "tests.fixtures.custom_models:tiny_gpt_factory"
@@ -84,14 +85,14 @@ def test_tp_overlap_is_a_sweep_setting(tmp_path):
     path = write(tmp_path, "models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\n"
                            "tp_overlap: true\nconstraints: {tp: 4}\n")
     spec = load_sweep_spec(path)
-    assert spec.tp_overlap and spec.settings == "dtype=bf16 attention=flash tp_overlap=True tp=4"
-    assert load_sweep_spec(path, {"tp_overlap": None}).tp_overlap  # an absent flag keeps the file's value
+    assert spec.code.tp_overlap and spec.settings == "dtype=bf16 attention=flash tp_overlap=True tp=4"
+    assert load_sweep_spec(path, {"tp_overlap": None}).code.tp_overlap  # an absent flag keeps the file's value
     graph = planner.trace("gpt3-125m", seq_len=512)
     cluster = spec.clusters["a100-80g:1x8"]
     point = spec.points[0]
     # tp=4 in one node: the overlapped run exposes less TP communication, so it is faster.
-    exposed = plan_point(point, graph, cluster, PlanSettings("bf16", "flash", {"tp": 4}, "tp=4"))
-    overlapped = plan_point(point, graph, cluster, PlanSettings("bf16", "flash", {"tp": 4}, "tp=4", tp_overlap=True))
+    exposed = plan_point(point, graph, cluster, PlanSettings("bf16", TrainingCode(), {"tp": 4}, "tp=4"))
+    overlapped = plan_point(point, graph, cluster, PlanSettings("bf16", TrainingCode.of(tp_overlap=True), {"tp": 4}, "tp=4"))
     assert overlapped["step_time_s"] < exposed["step_time_s"]
 
 
@@ -99,13 +100,13 @@ def test_loss_kernel_is_a_sweep_setting(tmp_path):
     path = write(tmp_path, "models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\n"
                            "loss: fused\n")
     spec = load_sweep_spec(path)
-    assert spec.loss == "fused" and spec.settings == "dtype=bf16 attention=flash loss=fused"
-    assert load_sweep_spec(path, {"loss": "torch"}).loss == "torch"  # a flag overrides the file
+    assert spec.code.loss == "fused" and spec.settings == "dtype=bf16 attention=flash loss=fused"
+    assert load_sweep_spec(path, {"loss": "torch"}).code.loss == "torch"  # a flag overrides the file
     graph = planner.trace("gpt3-125m", seq_len=512)
     point, cluster = spec.points[0], spec.clusters["a100-80g:1x8"]
     # The same configuration with a fused loss needs less memory on the device holding the loss.
     fixed = {"tp": 1, "pp": 1, "micro_batch": 8, "zero": 0, "recompute": "none"}
-    torch_row, fused_row = (plan_point(point, graph, cluster, PlanSettings("bf16", "flash", fixed, "", loss=loss))
+    torch_row, fused_row = (plan_point(point, graph, cluster, PlanSettings("bf16", TrainingCode.of(loss=loss), fixed, ""))
                             for loss in ("torch", "fused"))
     assert fused_row["peak_memory_bytes"] < torch_row["peak_memory_bytes"]
 
@@ -116,12 +117,12 @@ def test_blocking_state_traffic_is_a_sweep_setting(tmp_path, key, default, zero)
                            f"{key}: blocking\n")
     spec = load_sweep_spec(path)
     assert spec.settings == f"dtype=bf16 attention=flash {key}=blocking"
-    assert getattr(load_sweep_spec(path, {key: None}), key) == "blocking"  # an absent flag keeps the file's value
+    assert getattr(load_sweep_spec(path, {key: None}).code, key) == "blocking"  # an absent flag keeps the file's value
     graph = planner.trace("gpt3-125m", seq_len=512)
     point, cluster = spec.points[0], spec.clusters["a100-80g:1x8"]
     # The same configuration is slower when its fetches (ZeRO-3) or its synchronisation (below) stall compute.
     fixed = {"tp": 1, "pp": 1, "micro_batch": 8, "zero": zero, "recompute": "none"}
-    default_row, blocking_row = (plan_point(point, graph, cluster, PlanSettings("bf16", "flash", fixed, "", **{key: mode}))
+    default_row, blocking_row = (plan_point(point, graph, cluster, PlanSettings("bf16", TrainingCode.of(**{key: mode}), fixed, ""))
                                  for mode in (default, "blocking"))
     assert blocking_row["step_time_s"] > default_row["step_time_s"]
     bad = write(tmp_path, "models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\n"
@@ -217,10 +218,10 @@ def test_row_prices_the_cluster_and_records_failures(reference):
     cluster = spec.clusters["a100-80g:1x8"]
     # dp=8 cannot split a global batch of 12 sequences.
     bad_batch = plan_point(SweepPoint(TINY, "a100-80g:1x8", 12, 128), graph, cluster,
-                           PlanSettings("bf16", "flash", {"dp": 8}, "dp=8"))
+                           PlanSettings("bf16", TrainingCode(), {"dp": 8}, "dp=8"))
     assert bad_batch["status"] == "invalid" and bad_batch["reason"] and bad_batch["tokens_per_s"] is None
     assert bad_batch["cluster_usd_per_hour"] == pytest.approx(8 * price)
-    no_tp3 = plan_point(SweepPoint(TINY, "a100-80g:1x8", 32, 128), graph, cluster, PlanSettings("bf16", "flash", {"tp": 3}, "tp=3"))
+    no_tp3 = plan_point(SweepPoint(TINY, "a100-80g:1x8", 32, 128), graph, cluster, PlanSettings("bf16", TrainingCode(), {"tp": 3}, "tp=3"))
     assert no_tp3["status"] == "invalid" and "tp=3" in no_tp3["reason"]
     assert failure(PlannerError(PlannerErrorKind.INSUFFICIENT_MEMORY, "no plan fits")) == {"status": "infeasible", "reason": "no plan fits"}
     assert failure(ZeroDivisionError("division by zero")) == {"status": "error", "reason": "ZeroDivisionError: division by zero"}

@@ -26,6 +26,7 @@ from planner.errors import PlannerError, PlannerErrorKind, invalid
 from planner.graph import ModelGraph
 from planner.sweeps.results import COLUMN_TYPES, PointStatus
 from planner.sweeps.spec import SweepPoint
+from planner.training_code import TrainingCode
 
 # Seconds between checks of the stop flag while waiting for a worker.
 POLL_S = 0.2
@@ -44,15 +45,10 @@ class PlanSettings:
     """What every point of one sweep is planned with (see `SweepSpec`)."""
 
     dtype: str
-    attention: str
+    code: TrainingCode
     constraints: dict
     settings: str
     plan_dir: str | None = None
-    tp_overlap: bool = False
-    loss: str = "torch"
-    zero3_fetch: str = "prefetch"
-    dp_sync: str = "overlapped"
-    elementwise: str = "eager"
 
 
 GraphKey = tuple[str, int]  # (model, seq_len)
@@ -67,9 +63,7 @@ def plan_point(point: SweepPoint, graph: ModelGraph, cluster: Cluster, settings:
     started = time.perf_counter()
     row = base_row(point, cluster, settings)
     try:
-        result = plan(graph, cluster, global_batch=point.global_batch, dtype=settings.dtype,
-                      attention=settings.attention, tp_overlap=settings.tp_overlap, loss=settings.loss,
-                      zero3_fetch=settings.zero3_fetch, dp_sync=settings.dp_sync, elementwise=settings.elementwise,
+        result = plan(graph, cluster, global_batch=point.global_batch, dtype=settings.dtype, **settings.code.options(),
                       **settings.constraints)
     except Exception as error:  # noqa: BLE001 - a failed point is a row, never the end of a sweep
         row.update(failure(error))

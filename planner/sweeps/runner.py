@@ -111,9 +111,7 @@ def sweep(spec: SweepSpec | str | Path | dict, out: str | Path, *, workers: int 
         raise invalid(f"--address {address}: only with --executor ray")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise invalid(f"--workers={workers!r}: must be a positive integer")
-    settings = PlanSettings(spec.dtype, spec.attention, spec.constraints, spec.settings,
-                            None if plan_dir is None else str(plan_dir), spec.tp_overlap, spec.loss, spec.zero3_fetch,
-                            spec.dp_sync, spec.elementwise)
+    settings = PlanSettings(spec.dtype, spec.code, spec.constraints, spec.settings, None if plan_dir is None else str(plan_dir))
     with ResultsFile.open(out) as results, _StopOnSignal() as stop, _progress_bar(progress) as bar:
         todo = _unfinished(spec, results)
         task = bar.add_task("tracing", total=len(spec.points), completed=len(spec.points) - len(todo))

@@ -45,16 +45,13 @@ from costmodel.profile_files import PROFILE_SUFFIXES
 from costmodel.profile_loader import load_cluster, load_device
 from planner.config import TRAINING_DTYPES
 from planner.errors import PlannerError, invalid
+from planner.training_code import TrainingCode
 
 GRID_LIST_KEYS = ("models", "devices", "cluster_sizes", "clusters", "global_batches", "seq_lens")
-SETTING_KEYS = ("dtype", "attention", "loss", "tp_overlap", "zero3_fetch", "dp_sync", "elementwise", "constraints")
+CODE_KEYS = tuple(TrainingCode().options())
+SETTING_KEYS = ("dtype", *CODE_KEYS, "constraints")
 SPEC_KEYS = (*GRID_LIST_KEYS, *SETTING_KEYS, "points")
 POINT_KEYS = ("model", "cluster", "global_batch", "seq_len")
-ATTENTION_KERNELS = ("flash", "unfused")
-LOSS_KERNELS = ("torch", "fused")
-ZERO3_FETCHES = ("prefetch", "blocking")
-DP_SYNCS = ("overlapped", "blocking")
-ELEMENTWISE_KERNELS = ("eager", "fused")
 # Keys `plan` itself takes from a sweep's settings, not from `constraints`.
 RESERVED_CONSTRAINTS = ("top",)
 
@@ -76,29 +73,21 @@ class SweepSpec:
     Attributes:
         points: in order, without repeats.
         clusters: the Cluster behind each point's `cluster` name.
-        dtype, attention, loss, tp_overlap, zero3_fetch, dp_sync, elementwise, constraints: passed to `planner.plan` for every point.
+        dtype, code, constraints: passed to `planner.plan` for every point.
     """
 
     points: tuple[SweepPoint, ...]
     clusters: dict[str, Cluster] = field(compare=False)
     dtype: str = "bf16"
-    attention: str = "flash"
+    code: TrainingCode = TrainingCode()
     constraints: dict = field(default_factory=dict)
-    tp_overlap: bool = False
-    loss: str = "torch"
-    zero3_fetch: str = "prefetch"
-    dp_sync: str = "overlapped"
-    elementwise: str = "eager"
 
     @property
     def settings(self) -> str:
         """The planning settings as one string, stored in each row so a resume can check them."""
-        flags = (["tp_overlap=True"] * self.tp_overlap + [f"loss={self.loss}"] * (self.loss != "torch")
-                 + [f"zero3_fetch={self.zero3_fetch}"] * (self.zero3_fetch != "prefetch")
-                 + [f"dp_sync={self.dp_sync}"] * (self.dp_sync != "overlapped")
-                 + [f"elementwise={self.elementwise}"] * (self.elementwise != "eager"))
+        flags = [f"{key}={value}" for key, value in self.code.changed().items() if key != "attention"]
         extra = " ".join(flags + [f"{key}={self.constraints[key]}" for key in sorted(self.constraints)])
-        return f"dtype={self.dtype} attention={self.attention}" + (f" {extra}" if extra else "")
+        return f"dtype={self.dtype} attention={self.code.attention.value}" + (f" {extra}" if extra else "")
 
 
 @dataclass(frozen=True)
@@ -180,12 +169,7 @@ def _validate(entries: dict[str, _Entry], base: Path) -> SweepSpec:
             hint = f"did you mean {near[0]}?" if near else f"use {', '.join(SPEC_KEYS)}"
             raise invalid(f"{entry.where}: unknown key; {hint}")
     dtype = _choice(entries, "dtype", TRAINING_DTYPES)
-    attention = _choice(entries, "attention", ATTENTION_KERNELS)
-    loss = _choice(entries, "loss", LOSS_KERNELS)
-    tp_overlap = _flag(entries, "tp_overlap")
-    zero3_fetch = _choice(entries, "zero3_fetch", ZERO3_FETCHES)
-    dp_sync = _choice(entries, "dp_sync", DP_SYNCS)
-    elementwise = _choice(entries, "elementwise", ELEMENTWISE_KERNELS)
+    code = TrainingCode.of(**{key: _choice(entries, key, TrainingCode.choices(key)) for key in CODE_KEYS})
     constraints = _constraints(entries.get("constraints"))
     clusters: dict[str, Cluster] = {}
     points = _grid_points(entries, base, clusters)
@@ -193,9 +177,7 @@ def _validate(entries: dict[str, _Entry], base: Path) -> SweepSpec:
         points += _explicit_points(entries["points"], base, clusters)
     if not points:
         raise invalid("sweep: no points; give models, devices with cluster_sizes (or clusters), global_batches and seq_lens, or points")
-    return SweepSpec(points=tuple(dict.fromkeys(points)), clusters=clusters, dtype=dtype, attention=attention,
-                     constraints=constraints, tp_overlap=tp_overlap, loss=loss, zero3_fetch=zero3_fetch,
-                     dp_sync=dp_sync, elementwise=elementwise)
+    return SweepSpec(points=tuple(dict.fromkeys(points)), clusters=clusters, dtype=dtype, code=code, constraints=constraints)
 
 
 def _grid_points(entries: dict[str, _Entry], base: Path, clusters: dict[str, Cluster]) -> list[SweepPoint]:
@@ -318,21 +300,16 @@ def _cluster(where: str, spelling: str, base: Path, clusters: dict[str, Cluster]
     return name
 
 
-def _choice(entries: dict[str, _Entry], key: str, allowed: tuple[str, ...]) -> str:
+def _choice(entries: dict[str, _Entry], key: str, allowed: tuple) -> str | bool:
+    """The key's value, one of `allowed` (strings, or False and True for a flag); the first when absent."""
     if key not in entries:
         return allowed[0]
     entry = entries[key]
-    if entry.value not in allowed:
+    if allowed == (False, True):
+        if not isinstance(entry.value, bool):
+            raise invalid(f"{entry.where}: {entry.value!r}: use true or false")
+    elif entry.value not in allowed:
         raise invalid(f"{entry.where}: {entry.value!r}: use one of {', '.join(allowed)}")
-    return entry.value
-
-
-def _flag(entries: dict[str, _Entry], key: str) -> bool:
-    if key not in entries:
-        return False
-    entry = entries[key]
-    if not isinstance(entry.value, bool):
-        raise invalid(f"{entry.where}: {entry.value!r}: use true or false")
     return entry.value
 
 

@@ -1,0 +1,82 @@
+"""How the user's training code runs the parts a parallel configuration does not decide.
+
+Two programs with the same model and configuration can differ in their kernels and in how they
+synchronise model states; the cost model prices whichever the user names. `TrainingCode` holds
+those choices, each with PyTorch's or FSDP2's behaviour (what `Plan.apply` runs) as its default:
+
+| field | choices (default first) | priced in |
+|-------|-------------------------|-----------|
+| attention | flash, unfused | `planner.layer_cost.AttentionKernel` |
+| tp_overlap | False, True | tensor-parallel collectives overlapped with GEMMs (`planner.layer_cost`) |
+| loss | torch, fused | `planner.loss_cost.LossKernel` |
+| zero3_fetch | prefetch, blocking | `planner.state_cost.Zero3Fetch` |
+| dp_sync | overlapped, blocking | `planner.state_cost.DpSync` |
+| elementwise | eager, fused | `planner.fusion.ElementwiseKernels` |
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from enum import StrEnum
+
+from planner.errors import invalid
+from planner.fusion import ElementwiseKernels
+from planner.layer_cost import AttentionKernel
+from planner.loss_cost import LossKernel
+from planner.state_cost import DpSync, Zero3Fetch
+
+
+@dataclass(frozen=True)
+class TrainingCode:
+    """The training code's kernels and state synchronisation (module docstring)."""
+
+    attention: AttentionKernel = AttentionKernel.FLASH
+    tp_overlap: bool = False
+    loss: LossKernel = LossKernel.TORCH
+    zero3_fetch: Zero3Fetch = Zero3Fetch.PREFETCH
+    dp_sync: DpSync = DpSync.OVERLAPPED
+    elementwise: ElementwiseKernels = ElementwiseKernels.EAGER
+
+    @classmethod
+    def of(cls, **choices) -> TrainingCode:
+        """The training code with `choices` (field names; enum values or their strings) and the
+        defaults for the rest.
+
+        Raises:
+            PlannerError: INVALID_INPUT naming the field and its choices, for an unknown field or value.
+        """
+        names = [f.name for f in fields(cls)]
+        values = {}
+        for name, value in choices.items():
+            if name not in names:
+                raise invalid(f"{name}: not a training-code choice; use {', '.join(names)}")
+            default = getattr(cls, name)
+            if isinstance(default, bool):
+                if not isinstance(value, bool):
+                    raise invalid(f"{name}={value!r}: use true or false")
+                values[name] = value
+                continue
+            kind = type(default)
+            try:
+                values[name] = kind(value)
+            except ValueError:
+                raise invalid(f"{name}={value!r}: use one of {', '.join(repr(k.value) for k in kind)}") from None
+        return cls(**values)
+
+    def options(self) -> dict[str, str | bool]:
+        """Every field as plain values, in field order: the keyword arguments of `planner.plan`."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+
+    def changed(self) -> dict[str, str | bool]:
+        """`options` that differ from the defaults."""
+        default = TrainingCode().options()
+        return {name: value for name, value in self.options().items() if value != default[name]}
+
+    @classmethod
+    def choices(cls, name: str) -> tuple[str | bool, ...]:
+        """The plain values field `name` takes, its default first."""
+        default = getattr(cls, name)
+        return (False, True) if isinstance(default, bool) else tuple(kind.value for kind in type(default))
+
+
+def _plain(value: StrEnum | bool) -> str | bool:
+    return value if isinstance(value, bool) else value.value

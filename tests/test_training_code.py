@@ -1,0 +1,32 @@
+"""planner.training_code: the training code's choices, validated once for every entry point."""
+from __future__ import annotations
+
+import pytest
+
+from planner.errors import PlannerError
+from planner.state_cost import DpSync
+from planner.training_code import TrainingCode
+
+
+def test_strings_become_the_cost_models_enums_and_round_trip():
+    code = TrainingCode.of(dp_sync="blocking", tp_overlap=True)
+    assert code.dp_sync is DpSync.BLOCKING
+    assert code.changed() == {"tp_overlap": True, "dp_sync": "blocking"}
+    assert TrainingCode.of(**code.options()) == code
+    assert TrainingCode.of() == TrainingCode() and TrainingCode().changed() == {}
+
+
+def test_choices_list_the_default_first():
+    for name, default in TrainingCode().options().items():
+        assert TrainingCode.choices(name)[0] == default
+    assert TrainingCode.choices("attention") == ("flash", "unfused")
+
+
+@pytest.mark.parametrize("choices, message", [
+    ({"attention": "xformers"}, r"^attention='xformers': use one of 'flash', 'unfused'$"),
+    ({"tp_overlap": "yes"}, r"^tp_overlap='yes': use true or false$"),
+    ({"fetch": "blocking"}, r"^fetch: not a training-code choice; use attention, tp_overlap, loss, zero3_fetch, dp_sync, elementwise$"),
+])
+def test_bad_choices_are_one_line(choices, message):
+    with pytest.raises(PlannerError, match=message):
+        TrainingCode.of(**choices)
