@@ -207,6 +207,7 @@ def stage_memory(
     grads_at_peak: bool = True,
     shard_is_master: bool = False,
     deferred_grad_sync: bool = False,
+    chunks: int = 1,
 ) -> MemoryBreakdown:
     """Peak bytes on one device of one pipeline stage.
 
@@ -255,7 +256,9 @@ def stage_memory(
             forward (`torch.distributed.pipelining`'s stages under FSDP2). ZeRO-2/3 then hold the
             gradients whole, and a ZeRO-3 backward ends with every parameter of the stage
             gathered: its peak is the larger of `in_flight` micro-batches' activations with
-            `gathered_params`, and one micro-batch fewer with all parameters gathered.
+            `gathered_params`, and one chunk's micro-batch fewer with all parameters gathered.
+        chunks: model chunks on the device (interleaved schedules); a backward frees one chunk's
+            micro-batch, `1 / chunks` of `in_flight`'s unit.
 
     Returns:
         The per-category breakdown at the peak.
@@ -274,7 +277,7 @@ def stage_memory(
         in_flight=in_flight, comm_buffer_bytes=comm_buffer_bytes, temp_bytes=temp_bytes, context_bytes=context_bytes,
         fragmentation_fraction=fragmentation_fraction,
     )
-    for name, degree in (("tp", tp), ("ep", ep), ("expert_tp", expert_tp)):
+    for name, degree in (("tp", tp), ("ep", ep), ("expert_tp", expert_tp), ("chunks", chunks)):
         if not isinstance(degree, int) or degree < 1:
             raise ValueError(f"{name}={degree!r}: must be a positive integer")
     if expert_params > params:
@@ -301,7 +304,7 @@ def stage_memory(
         gathered = (model_state_bytes(dense_params, zero, dense_shard_group, gathered_params=dense_params, **precision),
                     model_state_bytes(local_experts, zero, expert_shard_group, gathered_params=local_experts, **precision))
         backward_end = replace(breakdown, weights_bytes=sum(part.weights_bytes for part in gathered),
-                               activations_bytes=activation_bytes_per_microbatch * max(0.0, in_flight - 1))
+                               activations_bytes=activation_bytes_per_microbatch * max(0.0, in_flight - 1 / chunks))
         breakdown = max(breakdown, backward_end, key=lambda moment: moment.total_bytes)
     if not grads_at_peak:
         forward_end = replace(breakdown, grads_bytes=0.0)

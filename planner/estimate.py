@@ -352,7 +352,8 @@ class Evaluator:
             params=dense + expert, expert_params=expert, activation_bytes_per_microbatch=total[COL["act_bytes"]],
             in_flight=in_flight, zero=config.zero, dense_shard_group=config.dp * config.cp, expert_shard_group=expert_group,
             gathered_params=ZERO3_GATHERED_LAYERS * largest_params if config.zero == 3 else 0.0,
-            temp_bytes=total[COL["temp_bytes"]], grads_at_peak=config.num_microbatches > 1, **state_options(config, self.precision),
+            temp_bytes=total[COL["temp_bytes"]], grads_at_peak=config.num_microbatches > 1, chunks=config.vpp,
+            **state_options(config, self.precision),
         )
         return p2p_s, dp_s, optimizer_step_s(config, self.precision, device, dense / dense_shard + expert / expert_shard), breakdown
 

@@ -95,6 +95,10 @@ def test_deferred_zero3_stage_peaks_at_the_larger_of_forward_and_backward_end(ac
                   dense_shard_group=8, gathered_params=1e9, grad_bytes_per_param=FP32_GRAD_BYTES_PER_PARAM,
                   shard_is_master=True, context_bytes=0, fragmentation_fraction=0)
     assert stage_memory(**kwargs, deferred_grad_sync=True).total_bytes == pytest.approx(expected_gb * 1e9)
+    # two interleaved chunks per device: a backward frees half a micro-batch of the device's layers
+    backward_end_gb = (16 + 32 + 12) + 3.5 * activation_bytes / 1e9
+    assert stage_memory(**kwargs, deferred_grad_sync=True, chunks=2).total_bytes == pytest.approx(
+        max(expected_gb, backward_end_gb) * 1e9)
     # reduced every micro-batch: gradients sharded, 4 GB, and only the forward end counts
     assert stage_memory(**kwargs).total_bytes == pytest.approx((2 + 4 + 12) * 1e9 + 4 * activation_bytes)
 
