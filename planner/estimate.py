@@ -67,8 +67,6 @@ class Evaluator:
         cluster: the hardware.
         dtype: compute dtype ("bf16", "fp16", "fp8").
         table: measured op times that override the roofline.
-        tp_overlap: the training code overlaps tensor-parallel collectives with GEMMs (Megatron-Core
-            `--tp-comm-overlap`, PyTorch async TP); otherwise they are exposed.
         code: the training code's kernels and state synchronisation (`TrainingCode`).
     """
 

@@ -199,8 +199,9 @@ def tied_gradient_sum_s(config: ParallelConfig, copied_params: float, node: Node
     copies of `copied_params` parameters (`planner.apply.tied`): an all-reduce of their fp32 gradients
     (split by tp, and by dp x cp under ZeRO-2/3) over two ranks (pp-1) stages apart, exposed after
     the schedule. Under ZeRO-1 Megatron-LM and DeepSpeed sum the whole gradients, as priced;
-    `Plan.apply`'s ZeRO-1 (FSDP2) has reduce-scattered them by then and sums its shard. Rank i of the first stage pairs with rank i + (pp-1) x tp x cp x dp: every pair
-    shares a node when the whole pipeline does, and otherwise at least one pair crosses nodes."""
+    `Plan.apply`'s ZeRO-1 (FSDP2) has reduce-scattered them by then and sums its shard. Rank i of
+    the first stage pairs with rank i + (pp-1) x tp x cp x dp: every pair shares a node when the
+    whole pipeline does, and otherwise at least one pair crosses nodes."""
     if config.pp == 1 or not copied_params:
         return 0.0
     shards = config.tp * (config.dp * config.cp if config.zero >= 2 else 1)
