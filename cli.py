@@ -61,6 +61,8 @@ def _add_sweep_args(sub) -> None:
     sweep.add_argument("--dp-sync", dest="dp_sync", choices=["overlapped", "blocking"],
                        help="how the training code synchronises data-parallel states below ZeRO-3 (as for plan)")
     sweep.add_argument("--elementwise", choices=["eager", "fused"], help="how the training code runs memory-bound ops (as for plan)")
+    sweep.add_argument("--pp-buffers", dest="pp_buffers", choices=["preallocated", "transient"],
+                       help="how the training code's pipeline holds received tensors (as for plan)")
     sweep.add_argument("--out", required=True, help="results file, .csv or .jsonl; re-running resumes it")
     sweep.add_argument("--workers", type=_positive("workers"), help="local worker processes (default: one per CPU)")
     sweep.add_argument("--executor", choices=["local", "ray"], default="local", help="ray: run points as Ray tasks")
@@ -97,6 +99,9 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool) -> None:
         parser.add_argument("--elementwise", default="eager", choices=["eager", "fused"],
                             help="how the training code runs elementwise ops and norms (eager: one kernel per op; "
                                  "fused: each chain between GEMMs in one kernel, as torch.compile and Transformer Engine do)")
+        parser.add_argument("--pp-buffers", default="preallocated", choices=["preallocated", "transient"],
+                            help="how the training code's pipeline holds received tensors (preallocated: a buffer per "
+                                 "micro-batch, torch.distributed.pipelining and Plan.apply; transient: Megatron-LM, DeepSpeed)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -159,7 +164,7 @@ def _constraints(args) -> dict:
 def _training_code(args) -> dict:
     """The training-code flags of evaluate and plan, as `planner.evaluate`/`planner.plan` take them."""
     return {"attention": args.attention, "tp_overlap": args.tp_comm_overlap, "loss": args.loss, "zero3_fetch": args.zero3_fetch,
-            "dp_sync": args.dp_sync, "elementwise": args.elementwise}
+            "dp_sync": args.dp_sync, "elementwise": args.elementwise, "pp_buffers": args.pp_buffers}
 
 
 def _print_json(data: dict) -> None:
@@ -244,7 +249,7 @@ def _sweep(args, console) -> int:
     from planner.sweeps.spec import load_sweep_spec
 
     keys = ("models", "devices", "cluster_sizes", "clusters", "global_batches", "seq_lens", "dtype", "attention", "loss", "tp_overlap",
-            "zero3_fetch", "dp_sync", "elementwise")
+            "zero3_fetch", "dp_sync", "elementwise", "pp_buffers")
     spec = load_sweep_spec(args.file, {key: getattr(args, key) for key in keys})
     try:
         summary = sweep(spec, args.out, workers=args.workers, executor=args.executor, address=args.address,

@@ -49,6 +49,8 @@ FILL_RULES = {
     "dp_sync": "blocking for BLOOM (Megatron-DeepSpeed's pipeline engine with DeepSpeed's BF16_Optimizer, which the "
                "run names: fp32 gradients all-reduced after the last backward, ZeRO-1 parameters gathered after the "
                "step); overlapped otherwise",
+    "pp_buffers": "transient for every row: the pipelined runs used Megatron-LM, Megatron-DeepSpeed or Alpa, which "
+                  "hold received tensors only while in flight, not torch.distributed.pipelining",
     "loss": "fused for llm-foundry's MPT runs (ComposerMPTCausalLM's default loss_fn is 'fused_crossentropy', "
             "flash-attn's xentropy kernel); torch (fp32 logits, F.cross_entropy) otherwise",
 }
@@ -101,6 +103,7 @@ class Row:
     zero3_fetch: str = "prefetch"
     nic: str | None = None
     dp_sync: str = "overlapped"
+    pp_buffers: str = "transient"
 
     def cluster_spec(self) -> str | dict:
         """The cluster to evaluate on: the `DEVICE:NODESxGPUS` shorthand, as a cluster mapping with the

@@ -81,8 +81,10 @@ def make_config(constraints: dict | ParallelConfig, num_devices: int, global_bat
 
 def evaluate(model, cluster, config: dict | ParallelConfig, *, global_batch: int, seq_len: int | None = None,
              dtype: str = "bf16", attention: str = "flash", tp_overlap: bool = False, loss: str = "torch",
-             zero3_fetch: str = "prefetch", dp_sync: str = "overlapped", elementwise: str = "eager") -> Estimate:
-    """Predict step time, throughput, MFU and per-stage memory of one configuration.
+             zero3_fetch: str = "prefetch", dp_sync: str = "overlapped", elementwise: str = "eager",
+             pp_buffers: str = "preallocated") -> Estimate:
+    """Predict step time, throughput, MFU and per-stage memory of one configuration (the training-code
+    choices as for `plan`).
 
     Example::
 
@@ -97,13 +99,13 @@ def evaluate(model, cluster, config: dict | ParallelConfig, *, global_batch: int
     hardware = _cluster(cluster)
     full = make_config(config, hardware.num_devices, global_batch)
     code = TrainingCode.of(attention=attention, tp_overlap=tp_overlap, loss=loss, zero3_fetch=zero3_fetch, dp_sync=dp_sync,
-                           elementwise=elementwise)
+                           elementwise=elementwise, pp_buffers=pp_buffers)
     return Evaluator(graph, hardware, dtype, code=code).estimate(full, global_batch)
 
 
 def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype: str = "bf16", attention: str = "flash",
          tp_overlap: bool = False, loss: str = "torch", zero3_fetch: str = "prefetch", dp_sync: str = "overlapped",
-         elementwise: str = "eager", **constraints) -> Plan:
+         elementwise: str = "eager", pp_buffers: str = "preallocated", **constraints) -> Plan:
     """Search the plan with the highest throughput that fits in memory.
 
     Args:
@@ -124,6 +126,9 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
         elementwise: how the training code runs memory-bound ops, "eager" (one kernel per op) or
             "fused" (each chain between GEMMs in one kernel: torch.compile, Transformer Engine;
             `planner.fusion`).
+        pp_buffers: how the training code's pipeline holds received tensors, "preallocated" (a
+            buffer per micro-batch: torch.distributed.pipelining, `Plan.apply`) or "transient"
+            (Megatron-LM, DeepSpeed; `planner.pipeline_buffers`).
         **constraints: fix a choice (tp=8, zero=3, schedule="1f1b", ...), bound one (max_tp=...,
             max_pp=...), mem_headroom (fraction of memory kept free), top (alternatives kept).
 
@@ -137,7 +142,7 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
     graph = model_graph(model, seq_len, dtype=dtype)
     hardware = _cluster(cluster)
     code = TrainingCode.of(attention=attention, tp_overlap=tp_overlap, loss=loss, zero3_fetch=zero3_fetch, dp_sync=dp_sync,
-                           elementwise=elementwise)
+                           elementwise=elementwise, pp_buffers=pp_buffers)
     result = search(graph, hardware, global_batch=global_batch, dtype=dtype, code=code,
                     cluster_name=str(cluster if isinstance(cluster, str) else hardware.name), **constraints)
     return dataclasses.replace(result, layer_params=tuple(layer.params for layer in graph.layers))

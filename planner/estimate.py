@@ -35,6 +35,7 @@ from planner.errors import PlannerError, invalid
 from planner.graph import LayerKind, ModelGraph, Recompute
 from planner.layer_cost import LayerContext, LayerCost, bytes_per_element, price_layer
 from planner.mesh import expert_data_group, mesh_groups, stage_devices
+from planner.pipeline_buffers import recv_buffer_bytes
 from planner.result import Estimate, StagePlan
 from planner.space import check_config
 from planner.stage_problem import StageProblem
@@ -293,8 +294,10 @@ class Evaluator:
             total = rows.sum(axis=0).tolist()  # Python floats: the Estimate must serialise (JSON, YAML)
             sums.append(total)
             in_flight = pipeline.in_flight_microbatches(str(config.schedule), config.pp, stage, m, config.vpp) if config.pp > 1 else 1.0
+            recv_bytes = recv_buffer_bytes(self.code.pp_buffers, boundaries, tables[device.name][:, COL["out_bytes"]], stage,
+                                           config.pp, m, config.seq_split)
             key = (device.name, tuple(total), float(rows[-1, COL["out_bytes"]]),
-                   float((rows[:, COL["dense_params"]] + rows[:, COL["expert_params"]]).max()), in_flight)
+                   float((rows[:, COL["dense_params"]] + rows[:, COL["expert_params"]]).max()), in_flight, recv_bytes)
             if key not in priced:
                 priced[key] = self._stage_costs(config, device, node, *key[1:])
             stage_p2p_s, stage_dp_s, stage_optimizer_s, breakdown = priced[key]
@@ -335,9 +338,10 @@ class Evaluator:
         return self._assemble(config, global_batch, step_s, pipe_s, time_breakdown, breakdowns, tuple(stage_plans), headroom)
 
     def _stage_costs(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, total: tuple, last_out_bytes: float,
-                     largest_params: float, in_flight: float) -> tuple:
+                     largest_params: float, in_flight: float, recv_bytes: float) -> tuple:
         """(p2p to the next stage, exposed data-parallel traffic, optimizer step, memory) of one
-        stage from its `layer_table` column sums, its last layer's output and its largest layer."""
+        stage from its `layer_table` column sums, its last layer's output, its largest layer and its
+        pipeline receive buffers."""
         groups = mesh_groups(config, node.devices_per_node)
         p2p_s = (collective_time_s(Collective.P2P, last_out_bytes / config.seq_split, groups.pp, node, self.cluster.oversubscription)
                  if config.pp > 1 else 0.0)
@@ -350,7 +354,7 @@ class Evaluator:
             params=dense + expert, expert_params=expert, activation_bytes_per_microbatch=total[COL["act_bytes"]],
             in_flight=in_flight, zero=config.zero, dense_shard_group=config.dp * config.cp, expert_shard_group=expert_group,
             gathered_params=ZERO3_GATHERED_LAYERS * largest_params if config.zero == 3 else 0.0,
-            temp_bytes=total[COL["temp_bytes"]], grads_at_peak=config.num_microbatches > 1, chunks=config.vpp,
+            temp_bytes=total[COL["temp_bytes"]], grads_at_peak=config.num_microbatches > 1, chunks=config.vpp, comm_buffer_bytes=recv_bytes,
             **state_options(config, self.precision),
         )
         return p2p_s, dp_s, optimizer_step_s(config, self.precision, device, dense / dense_shard + expert / expert_shard), breakdown

@@ -12,6 +12,7 @@ those choices, each with PyTorch's or FSDP2's behaviour (what `Plan.apply` runs)
 | zero3_fetch | prefetch, blocking | `planner.state_cost.Zero3Fetch` |
 | dp_sync | overlapped, blocking | `planner.state_cost.DpSync` |
 | elementwise | eager, fused | `planner.fusion.ElementwiseKernels` |
+| pp_buffers | preallocated, transient | `planner.pipeline_buffers.PipeBuffers` |
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from planner.errors import invalid
 from planner.fusion import ElementwiseKernels
 from planner.layer_cost import AttentionKernel
 from planner.loss_cost import LossKernel
+from planner.pipeline_buffers import PipeBuffers
 from planner.state_cost import DpSync, Zero3Fetch
 
 
@@ -35,6 +37,7 @@ class TrainingCode:
     zero3_fetch: Zero3Fetch = Zero3Fetch.PREFETCH
     dp_sync: DpSync = DpSync.OVERLAPPED
     elementwise: ElementwiseKernels = ElementwiseKernels.EAGER
+    pp_buffers: PipeBuffers = PipeBuffers.PREALLOCATED
 
     @classmethod
     def of(cls, **choices) -> TrainingCode:

@@ -165,9 +165,12 @@ def _train(plan: Plan, spec_path: str) -> dict:
         for name, p in module.named_parameters():
             local_numel += (p.to_local() if isinstance(p, DTensor) else p).numel()
             params[_clean(name)] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+    recv_buffers = [r.buffer for stage in applied.stages
+                    for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()) for r in infos
+                    if getattr(r, "buffer", None) is not None]
     return {"losses": losses, "params": params, "local_numel": local_numel, "kept_outputs": kept_outputs,
             "recomputed": {k: str(v) for k, v in applied.recomputed.items()}, "collectives": counter.calls,
-            "fsdp_ranges": counter.fsdp}
+            "fsdp_ranges": counter.fsdp, "recv_bytes": sum(b.numel() * b.element_size() for b in recv_buffers)}
 
 
 def _worker(rank: int, world: int, port: int, cases: list[tuple[str, str, str]], out_dir: str) -> None:
@@ -212,6 +215,7 @@ def _run(world: int, cases: list[tuple[str, Plan, Path]]) -> dict[str, dict]:
                         "collectives": [r["collectives"] for r in results],
                         "fsdp_ranges": [r["fsdp_ranges"] for r in results],
                         "local_numel": [r["local_numel"] for r in results],
+                        "recv_bytes": [r["recv_bytes"] for r in results],
                         "kept_outputs": max(r["kept_outputs"] for r in results)}
     return merged
 
@@ -351,6 +355,17 @@ def test_last_stage_keeps_no_microbatch_outputs(trained, case):
     # The memory model holds one micro-batch's logits on the last stage under 1F1B; torch's
     # schedules keep every micro-batch's output until the step ends unless told not to.
     assert trained[case][2]["kept_outputs"] == 0
+
+
+@pytest.mark.parametrize("case", ["pp_1f1b", "pp_interleaved"])
+def test_stages_hold_the_receive_buffers_the_memory_model_counts(trained, case):
+    # torch.distributed.pipelining keeps a receive buffer per micro-batch for each chunk's input and
+    # for its output gradient (planner.pipeline_buffers); the plan's memory counts exactly those bytes.
+    plan, _, result = trained[case]
+    assert plan.config.num_microbatches > plan.config.pp
+    for stage, measured in enumerate(result["recv_bytes"]):
+        assert measured > 0
+        assert plan.estimate.memory[stage]["comm_buffers_bytes"] == pytest.approx(measured, rel=1e-9)
 
 
 def test_pipeline_1f1b_with_fewer_microbatches_than_stages(trained):

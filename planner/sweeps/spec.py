@@ -17,6 +17,7 @@ keys is a point; explicit `points` follow:
     zero3_fetch: prefetch                   # optional: prefetch (default) or blocking (as --zero3-fetch)
     dp_sync: overlapped                     # optional: overlapped (default) or blocking (as --dp-sync)
     elementwise: eager                      # optional: eager (default) or fused (as --elementwise)
+    pp_buffers: preallocated                # optional: preallocated (default) or transient (as --pp-buffers)
     constraints: {zero: 1}                  # optional: fixed choices or bounds, as `paraplan plan` takes
     points:                                 # optional: explicit points
       - {model: llama3-70b, cluster: h100-sxm:8x8, global_batch: 1024, seq_len: 8192}

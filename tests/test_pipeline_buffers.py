@@ -1,0 +1,47 @@
+"""planner.pipeline_buffers: the receive buffers torch.distributed.pipelining keeps per stage."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from costmodel.profile_loader import load_cluster
+from planner.config import ParallelConfig, Schedule
+from planner.estimate import Evaluator
+from planner.pipeline_buffers import PipeBuffers, recv_buffer_bytes
+from planner.tracing import trace
+from planner.training_code import TrainingCode
+
+# Layer i's output is 10 * (i + 1) bytes per micro-batch: distinct, so each term is traceable.
+OUT_BYTES = [10.0 * (i + 1) for i in range(12)]
+
+
+def test_each_chunk_receives_its_input_and_its_output_gradient_for_every_micro_batch():
+    # 4 chunks of 3 layers on 2 devices (interleaved): device 0 holds chunks 0 and 2, device 1
+    # chunks 1 and 3. Chunk 0 receives only the gradient of layer 2's output (30 B); chunk 2 the
+    # output of layer 5 (60) and the gradient of layer 8's (90); chunk 1 layer 2's output (30) and
+    # layer 5's gradient (60); chunk 3, the last, only layer 8's output (90). 8 micro-batches, the
+    # sequence split 2 ways.
+    boundaries = (0, 3, 6, 9, 12)
+    device0 = recv_buffer_bytes(PipeBuffers.PREALLOCATED, boundaries, OUT_BYTES, 0, 2, 8, 2)
+    device1 = recv_buffer_bytes(PipeBuffers.PREALLOCATED, boundaries, OUT_BYTES, 1, 2, 8, 2)
+    assert (device0, device1) == (8 * (30 + 60 + 90) / 2, 8 * (30 + 60 + 90) / 2)
+    one_chunk = recv_buffer_bytes(PipeBuffers.PREALLOCATED, (0, 6, 12), OUT_BYTES, 1, 2, 4, 1)
+    assert one_chunk == 4 * 60  # the last stage receives the first's output, no gradient
+    assert recv_buffer_bytes(PipeBuffers.TRANSIENT, boundaries, OUT_BYTES, 0, 2, 8, 2) == 0.0
+    assert recv_buffer_bytes(PipeBuffers.PREALLOCATED, (0, 12), OUT_BYTES, 0, 1, 8, 1) == 0.0
+
+
+def test_preallocated_buffers_grow_with_the_micro_batch_count_and_only_under_pipelining():
+    graph = trace("gpt3-350m", seq_len=256)
+    cluster = load_cluster("a100-80g:1x8")
+    config = ParallelConfig(dp=2, tp=2, pp=2, micro_batch=1, num_microbatches=8, schedule=Schedule.ONE_F_ONE_B)
+    memory = {kind: [row["comm_buffers_bytes"] for row in Evaluator(graph, cluster, code=TrainingCode(pp_buffers=kind))
+                     .estimate(config, 16).memory] for kind in PipeBuffers}
+    assert memory[PipeBuffers.TRANSIENT] == [0.0, 0.0]
+    boundary = graph.layers[0].out_bytes / config.seq_split  # every block's output has the embedding's size
+    assert memory[PipeBuffers.PREALLOCATED] == pytest.approx([8 * boundary, 8 * boundary], rel=1e-9)
+    doubled = Evaluator(graph, cluster).estimate(dataclasses.replace(config, num_microbatches=16), 32).memory
+    assert [row["comm_buffers_bytes"] for row in doubled] == pytest.approx([16 * boundary] * 2, rel=1e-9)
+    flat = Evaluator(graph, cluster).estimate(dataclasses.replace(config, pp=1, dp=4), 32).memory
+    assert flat[0]["comm_buffers_bytes"] == 0.0
