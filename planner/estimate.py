@@ -35,7 +35,7 @@ from planner.errors import PlannerError, invalid
 from planner.graph import LayerKind, ModelGraph, Recompute
 from planner.layer_cost import LayerContext, LayerCost, bytes_per_element, price_layer
 from planner.mesh import expert_data_group, mesh_groups, stage_devices
-from planner.pipeline_buffers import recv_buffer_bytes
+from planner.pipeline_buffers import chunk_recv_bytes, recv_buffer_bytes
 from planner.result import Estimate, StagePlan
 from planner.space import check_config
 from planner.stage_problem import StageProblem
@@ -47,6 +47,8 @@ from planner.training_code import TrainingCode
 
 # Memory cap standing for "no limit" when a split only balances time (finite, as StageProblem requires).
 UNBOUNDED_BYTES = 1e30
+# Memory cap of a chunk with no room left (positive, as StageProblem requires): no layer fits under it.
+NO_ROOM_BYTES = 1.0
 
 # FSDP keeps the unsharded parameters of the layer it computes and of the one it prefetches
 # (FSDP2 default forward prefetch of one layer).
@@ -225,7 +227,9 @@ class Evaluator:
             own = self.layer_table(config, device, node, policy_sets[0])
             speeds.append(ref_total / float(own[:, COL["fwd_s"]].sum() + own[:, COL["bwd_s"]].sum()))
             usable = device.mem_bytes * (1 - headroom) / (1 + memory_model.ALLOCATOR_FRAGMENTATION_FRACTION)
-            caps.append(max(0.0, (usable - memory_model.CUDA_CONTEXT_BYTES) / config.vpp))
+            boundary = float(own[:-1, COL["out_bytes"]].max(initial=0.0))  # the cuts are not known yet: the largest
+            recv = chunk_recv_bytes(self.code.pp_buffers, chunk, chunks, boundary, boundary, config.num_microbatches, config.seq_split)
+            caps.append(max(NO_ROOM_BYTES, (usable - memory_model.CUDA_CONTEXT_BYTES) / config.vpp - recv))
             in_flight.append(pipeline.in_flight_microbatches(str(config.schedule), config.pp, stage, config.num_microbatches, config.vpp)
                              if config.pp > 1 else 1.0)
         column = lambda name: np.stack([ref[:, COL[name]] for ref in refs], axis=1)  # noqa: E731

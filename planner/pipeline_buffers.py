@@ -42,9 +42,17 @@ def recv_buffer_bytes(kind: PipeBuffers, boundaries: Sequence[int], out_bytes: S
         num_microbatches: micro-batches per step.
         seq_split: ways a boundary activation's sequence is split (cp, times tp under sequence parallelism).
     """
-    if kind is PipeBuffers.TRANSIENT or pp == 1:
-        return 0.0
     chunks = len(boundaries) - 1
-    per_microbatch = sum(out_bytes[boundaries[chunk] - 1] * (chunk > 0) + out_bytes[boundaries[chunk + 1] - 1] * (chunk < chunks - 1)
-                         for chunk in range(stage, chunks, pp))
-    return num_microbatches * per_microbatch / seq_split
+    return sum(chunk_recv_bytes(kind, chunk, chunks, out_bytes[boundaries[chunk] - 1], out_bytes[boundaries[chunk + 1] - 1],
+                                num_microbatches, seq_split)
+               for chunk in range(stage, chunks, pp))
+
+
+def chunk_recv_bytes(kind: PipeBuffers, chunk: int, chunks: int, in_bytes: float, out_bytes: float, num_microbatches: int,
+                     seq_split: int) -> float:
+    """Bytes of one chunk's receive buffers: its input (`in_bytes` per micro-batch, unless it is the
+    model's first chunk) and its output's gradient (`out_bytes`, unless it is the last), for every
+    micro-batch, the sequence split `seq_split` ways."""
+    if kind is PipeBuffers.TRANSIENT or chunks == 1:
+        return 0.0
+    return num_microbatches * (in_bytes * (chunk > 0) + out_bytes * (chunk < chunks - 1)) / seq_split

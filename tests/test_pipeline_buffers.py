@@ -45,3 +45,27 @@ def test_preallocated_buffers_grow_with_the_micro_batch_count_and_only_under_pip
     assert [row["comm_buffers_bytes"] for row in doubled] == pytest.approx([16 * boundary] * 2, rel=1e-9)
     flat = Evaluator(graph, cluster).estimate(dataclasses.replace(config, pp=1, dp=4), 32).memory
     assert flat[0]["comm_buffers_bytes"] == 0.0
+
+
+def test_the_stage_split_leaves_room_for_the_receive_buffers():
+    # The split runs before its cuts are known, so each chunk's memory cap is lowered by its buffers
+    # at the largest boundary a cut can have (a block's output; the head's logits are never sent).
+    graph = trace("gpt3-350m", seq_len=256)
+    cluster = load_cluster("a100-80g:1x8")
+    config = ParallelConfig(dp=2, tp=2, pp=2, micro_batch=1, num_microbatches=8, schedule=Schedule.ONE_F_ONE_B)
+    caps = {}
+    for kind in PipeBuffers:
+        evaluator = Evaluator(graph, cluster, code=TrainingCode(pp_buffers=kind))
+        caps[kind] = evaluator.stage_problem(config, [evaluator.policies(config)]).mem_cap_bytes
+    boundary = graph.layers[0].out_bytes / config.seq_split
+    assert caps[PipeBuffers.TRANSIENT] - caps[PipeBuffers.PREALLOCATED] == pytest.approx([8 * boundary] * 2, rel=1e-9)
+
+
+def test_buffers_that_fill_a_device_make_the_plan_not_fit_instead_of_failing():
+    # gpt3-1.3b at 4096 tokens, 512 micro-batches of one sequence over 8 stages x 3 chunks: each chunk
+    # keeps 2 x 512 x 16 MiB = 16 GiB of buffers, more than its third of a 40 GB device.
+    graph = trace("gpt3-1.3b", seq_len=4096)
+    config = ParallelConfig(pp=8, vpp=3, micro_batch=1, num_microbatches=512, schedule=Schedule.INTERLEAVED)
+    estimate = Evaluator(graph, load_cluster("a100-40g:1x8")).estimate(config, 512)
+    assert not estimate.fits
+    assert max(row["comm_buffers_bytes"] for row in estimate.memory) > 40e9
