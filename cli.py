@@ -246,10 +246,9 @@ def _sweep(args, console) -> int:
     from planner.report.sweep_report import render_sweep_summary
     from planner.sweeps.results import read_results
     from planner.sweeps.runner import SweepInterrupted, sweep
-    from planner.sweeps.spec import load_sweep_spec
+    from planner.sweeps.spec import CODE_KEYS, GRID_LIST_KEYS, load_sweep_spec
 
-    keys = ("models", "devices", "cluster_sizes", "clusters", "global_batches", "seq_lens", "dtype", "attention", "loss", "tp_overlap",
-            "zero3_fetch", "dp_sync", "elementwise", "pp_buffers")
+    keys = (*GRID_LIST_KEYS, "dtype", *CODE_KEYS)  # the flags that override the sweep file's keys
     spec = load_sweep_spec(args.file, {key: getattr(args, key) for key in keys})
     try:
         summary = sweep(spec, args.out, workers=args.workers, executor=args.executor, address=args.address,
