@@ -33,7 +33,7 @@ LAUNCH_OVERHEAD_S = 5e-6
 # Matmul efficiency curve used when a device profile has none: (op FLOPs, fraction of peak).
 # Source: Calculon (calculon-ai/calculon, systems/a100_80g.json, matrix.gflops_efficiency.float16):
 # >=1 GFLOP 0.60, >=16 GFLOP 0.90, >=128 GFLOP 0.95. Calculon steps between thresholds; we
-# interpolate in log10(FLOPs) and clamp outside the points.
+# interpolate as a power law between the points and clamp outside them.
 DEFAULT_MATMUL_EFFICIENCY_CURVE: tuple[tuple[float, float], ...] = (
     (1e9, 0.60),
     (16e9, 0.90),
@@ -142,19 +142,24 @@ def peak_flops_per_s(device: DeviceSpec, dtype: str) -> float:
 
 @lru_cache(maxsize=256)
 def _log_curve(curve: tuple[tuple[float, float], ...], owner: str) -> tuple[np.ndarray, np.ndarray]:
-    """Validates a (size, value) curve and returns (log10(size), value) arrays for np.interp."""
-    sizes = [size for size, _ in curve]
-    if not curve or min(sizes) <= 0 or any(b <= a for a, b in zip(sizes, sizes[1:])):
-        raise ProfileError(f"{owner}: points must be non-empty with sizes > 0 and strictly ascending, got {curve}")
-    return np.log10(sizes), np.array([value for _, value in curve])
+    """Validates a (size, value) curve and returns (log10(size), log10(value)) arrays for np.interp."""
+    sizes, values = [size for size, _ in curve], [value for _, value in curve]
+    if not curve or min(sizes) <= 0 or any(b <= a for a, b in zip(sizes, sizes[1:])) or min(values) <= 0:
+        raise ProfileError(f"{owner}: points must be non-empty with sizes > 0, strictly ascending, and values > 0, got {curve}")
+    return np.log10(sizes), np.log10(values)
 
 
-def _interp_log10(x: float, curve: tuple[tuple[float, float], ...], owner: str) -> float:
-    """Value of `curve` at `x`, linear in log10(x), clamped to the end values outside the curve."""
-    log_sizes, values = _log_curve(curve, owner)
+def _interp_log_log(x: float, curve: tuple[tuple[float, float], ...], owner: str) -> float:
+    """Value of `curve` (a rate or an efficiency) at size `x`: a power law between neighbouring
+    points (linear in log-log), clamped to the end values outside the curve.
+
+    Between two points whose times (size / value) do not fall with size, the time does not fall
+    either: time grows as size^(1 - k) where the value grows as size^k, k <= 1.
+    """
+    log_sizes, log_values = _log_curve(curve, owner)
     if x <= 0:
-        return float(values[0])
-    return float(np.interp(math.log10(x), log_sizes, values))
+        return float(10 ** log_values[0])
+    return float(10 ** np.interp(math.log10(x), log_sizes, log_values))
 
 
 @lru_cache(maxsize=256)
@@ -176,14 +181,14 @@ def _device_curve(device: DeviceSpec) -> tuple[tuple[float, float], ...]:
 def matmul_efficiency(device: DeviceSpec, flops: float) -> float:
     """Achievable fraction of peak for a GEMM of `flops` FLOPs on `device`.
 
-    Interpolates `device.matmul_efficiency` linearly in log10(flops) and clamps at its end points;
+    Interpolates `device.matmul_efficiency` as a power law of flops and clamps at its end points;
     uses DEFAULT_MATMUL_EFFICIENCY_CURVE when the device has no curve.
 
     Raises:
         ProfileError: the curve is empty, has a size <= 0, is not strictly ascending, or has an
             efficiency outside (0, 1].
     """
-    return device.matmul_sustained_fraction * _interp_log10(flops, _device_curve(device), f"device {device.name} matmul_efficiency")
+    return device.matmul_sustained_fraction * _interp_log_log(flops, _device_curve(device), f"device {device.name} matmul_efficiency")
 
 
 @lru_cache(maxsize=_CACHE_SIZE)
@@ -192,7 +197,7 @@ def _roofline_time_s(work: OpWork, device_name: str, peak_flops_per_s: float, me
     """Roofline time of `work`; every argument that changes the answer is part of the cache key."""
     compute_s = 0.0
     if work.kind is not WorkKind.MEMORY and work.flops > 0:
-        efficiency = sustained * _interp_log10(work.flops, curve, f"device {device_name} matmul_efficiency")
+        efficiency = sustained * _interp_log_log(work.flops, curve, f"device {device_name} matmul_efficiency")
         compute_s = work.flops / (peak_flops_per_s * efficiency * _EFFICIENCY_RATIO[work.kind])
     return max(compute_s, work.bytes / mem_bytes_per_s) + LAUNCH_OVERHEAD_S
 
@@ -206,8 +211,8 @@ class OpTable:
         dtype: dtype they were measured in.
         times_s_by_key: measured time of an op, by `OpWork.key`.
         matmul_times_s: (FLOPs, measured time) of GEMMs, strictly ascending in FLOPs; a matmul
-            without a key match is priced at the achieved FLOP/s interpolated in log10(FLOPs)
-            between its nearest measured sizes (clamped outside them).
+            without a key match is priced at the achieved FLOP/s interpolated as a power law of
+            FLOPs between its nearest measured sizes (clamped outside them).
         attention_times_s: (forward FLOPs, forward time, backward time) of causal fused attention
             over one head of one sequence (4·s²·d, the full score matrix as the trace counts it, no
             causal halving), strictly ascending in FLOPs. An attention work is priced at the achieved
@@ -276,7 +281,7 @@ class OpTable:
         rates = self._curves.get(work.kind)
         if rates and work.flops > 0:
             size = work.unit_flops or work.flops
-            return work.flops / _interp_log10(size, rates, f"op table for {self.device} {work.kind}")
+            return work.flops / _interp_log_log(size, rates, f"op table for {self.device} {work.kind}")
         return None
 
     def to_dict(self) -> dict:

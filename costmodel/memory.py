@@ -109,7 +109,7 @@ class MemoryBreakdown:
         """The categories and `total_bytes`, in bytes (JSON-ready)."""
         # direct field reads: `asdict` deep-copies and is a measurable share of a search
         out = {f.name: float(getattr(self, f.name)) for f in fields(self)}
-        out["total_bytes"] = self.total_bytes
+        out["total_bytes"] = float(self.total_bytes)
         return out
 
 

@@ -228,13 +228,14 @@ def _loss_temp_bytes(layer: Layer, plan: TpPlan, ctx: LayerContext) -> float:
     return temp
 
 
-def _cp_comm_s(layer: Layer, ctx: LayerContext, attention_fwd_s: float, attention_bwd_s: float) -> float:
-    """Exposed ring exchange of K and V (forward) and of dK and dV (backward) under context parallelism."""
+def _cp_comm_s(layer: Layer, ctx: LayerContext, attention_fwd_s: float, attention_bwd_s: float) -> tuple[float, float]:
+    """Exposed ring exchange under context parallelism: of K and V in the forward, and of K, V, dK
+    and dV in the backward."""
     if ctx.cp == 1:
-        return 0.0
+        return 0.0, 0.0
     if not ctx.device.comm_overlaps_compute:
         attention_fwd_s = attention_bwd_s = 0.0  # nothing hides the ring
-    exposed = 0.0
+    fwd_s = bwd_s = 0.0
     for op in layer.ops:
         if op.kind != OpKind.ATTENTION:
             continue
@@ -242,18 +243,18 @@ def _cp_comm_s(layer: Layer, ctx: LayerContext, attention_fwd_s: float, attentio
         kv_heads = op.attrs.get("kv_heads", heads) or heads
         kv_bytes = 2 * op.out_bytes * kv_heads / heads * ctx.batch_scale / ctx.tp
         ring_s = collective_time_s(Collective.ALL_GATHER, kv_bytes, ctx.cp_group, ctx.node)
-        exposed += max(0.0, ring_s - attention_fwd_s) + max(0.0, 2 * ring_s - attention_bwd_s)
-    return exposed
+        fwd_s += max(0.0, ring_s - attention_fwd_s)
+        bwd_s += max(0.0, 2 * ring_s - attention_bwd_s)
+    return fwd_s, bwd_s
 
 
-def _ep_comm_s(layer: Layer, ctx: LayerContext) -> float:
-    """Exposed all-to-all dispatch and combine of an MoE layer, forward and backward."""
+def _ep_fwd_comm_s(layer: Layer, ctx: LayerContext) -> float:
+    """Exposed all-to-all dispatch and combine of an MoE layer's forward (its backward runs both again)."""
     if ctx.ep == 1 or layer.expert_params == 0:
         return 0.0
     tokens = ctx.batch_scale * layer_tokens(layer) / (ctx.cp * (ctx.tp if ctx.sequence_parallel else 1))
     per_rank_bytes = tokens * ctx.top_k * ctx.hidden * bytes_per_element(base_dtype(ctx.dtype))
-    one_s = collective_time_s(Collective.ALL_TO_ALL, per_rank_bytes, ctx.ep_group, ctx.node)
-    return 4 * one_s
+    return 2 * collective_time_s(Collective.ALL_TO_ALL, per_rank_bytes, ctx.ep_group, ctx.node)
 
 
 def layer_tokens(layer: Layer) -> float:
@@ -367,7 +368,9 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         tp_exposed_fwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_fwd_s, plan.tp)
         tp_exposed_bwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_bwd_s, plan.tp)
     # Waiting at the layer's collectives counts with the first kind of them the layer has.
-    cp_comm_s, ep_comm_s = _cp_comm_s(layer, ctx, attention_fwd_s, attention_bwd_s), _ep_comm_s(layer, ctx)
+    cp_fwd_s, cp_bwd_s = _cp_comm_s(layer, ctx, attention_fwd_s, attention_bwd_s)
+    ep_fwd_s = _ep_fwd_comm_s(layer, ctx)
+    cp_comm_s, ep_comm_s = cp_fwd_s + cp_bwd_s, 2 * ep_fwd_s
     waited_at = blocking_collective_kind(layer, plan, ctx)
     if waited_at is not None:
         wait_fwd_s, wait_bwd_s = sync_wait_s(ctx, fwd_s, bwd_s)
@@ -380,7 +383,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
     recompute_s = {
         Recompute.NONE: 0.0,
         Recompute.SELECTIVE: attention_fwd_s,
-        Recompute.FULL: fwd_s + tp_exposed_fwd_s,
+        Recompute.FULL: fwd_s + tp_exposed_fwd_s + cp_fwd_s + ep_fwd_s,  # the forward, its collectives included
         Recompute.SELECTIVE_OP: (_time_s(op_sac_rerun, ctx) if op_sac_rerun else 0.0)
                                 + sum(t for t, rerun in zip(collective_s, op_sac_reruns_collectives(layer, plan)) if rerun),
     }[ctx.recompute]

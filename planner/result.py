@@ -214,7 +214,8 @@ class Plan:
         if path.suffix in (".yaml", ".yml"):
             import yaml
 
-            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+            # through JSON: the same content as a .json plan, numpy scalars as plain numbers
+            path.write_text(yaml.safe_dump(json.loads(self.to_json()), sort_keys=False))
         elif path.suffix == ".json":
             path.write_text(self.to_json())
         else:

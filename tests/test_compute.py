@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
@@ -20,11 +21,13 @@ from costmodel.compute import (
     op_time_s,
 )
 from costmodel.errors import ProfileError
+from costmodel.profile_files import list_devices
+from costmodel.profile_loader import load_device
 from costmodel.hardware import DeviceSpec, LinkTier
 
 LINK = LinkTier("test-link", "nvswitch", bw_bytes_per_s=400e9, latency_s=1e-6)
 NIC = LinkTier("test-nic", "ib", bw_bytes_per_s=50e9, latency_s=5e-6)
-# Efficiency 0.5 at 1 GFLOP rising to 0.9 at 100 GFLOP (log-linear in between).
+# Efficiency 0.5 at 1 GFLOP rising to 0.9 at 100 GFLOP (a power law of FLOPs in between).
 DEVICE = DeviceSpec(name="test-gpu", peak_flops_per_s={"bf16": 1e15, "fp32": 5e14}, mem_bytes=80e9,
                     mem_bw_bytes_per_s=2.5e12, mem_bw_efficiency=0.8, devices_per_node=8, intra_link=LINK,
                     nic=NIC, matmul_efficiency=((1e9, 0.5), (1e11, 0.9)))
@@ -55,7 +58,7 @@ def test_roofline_flat_above_and_linear_below_ridge(intensity):
 
 @pytest.mark.parametrize(("flops", "expected"), [
     (1e9, 0.5), (1e11, 0.9),          # the curve points exactly
-    (1e10, 0.7),                      # log10 midpoint -> mean of 0.5 and 0.9
+    (1e10, (0.5 * 0.9) ** 0.5),       # log10 midpoint -> geometric mean (a power law between points)
     (1e8, 0.5), (1e13, 0.9), (0.0, 0.5),   # clamped outside
 ])
 def test_efficiency_interpolation(flops, expected):
@@ -66,7 +69,7 @@ def test_default_curve_when_device_has_none():
     # DEFAULT_MATMUL_EFFICIENCY_CURVE (Calculon A100): 0.6 at 1e9, 0.9 at 16e9; 4e9 is the log midpoint.
     bare = dataclasses.replace(DEVICE, matmul_efficiency=())
     assert matmul_efficiency(bare, 16e9) == pytest.approx(0.9)
-    assert matmul_efficiency(bare, 4e9) == pytest.approx(0.75)
+    assert matmul_efficiency(bare, 4e9) == pytest.approx((0.6 * 0.9) ** 0.5)
 
 
 @given(st.lists(st.floats(1.0, 1e15, allow_nan=False), min_size=2, max_size=2))
@@ -75,11 +78,23 @@ def test_efficiency_monotone(flops_pair):
     assert matmul_efficiency(DEVICE, small) <= matmul_efficiency(DEVICE, large)
 
 
+@pytest.mark.parametrize("name", list_devices())
+def test_a_bigger_matmul_never_takes_less_time(name):
+    # Between curve points the efficiency is a power law of FLOPs, so a GEMM's time cannot fall
+    # where the curve's own points do not (every built-in curve's time rises point to point).
+    device = load_device(name)
+    for dtype in device.peak_flops_per_s:
+        sizes = np.logspace(3, 15, 601)
+        times = [op_time_s(OpWork(WorkKind.MATMUL, flops, 0.0), device, dtype) for flops in sizes]
+        assert all(b >= a for a, b in zip(times, times[1:])), (name, dtype)
+
+
 def test_matmul_uses_efficiency_and_dtype_peak():
-    # 1e10 FLOPs at efficiency 0.7: bf16 1e10 / (1e15 * 0.7); fp32 peak is half -> twice the time.
+    # 1e10 FLOPs at efficiency sqrt(0.5 * 0.9): bf16 1e10 / (1e15 * that); fp32 peak is half -> twice the time.
     work = OpWork(WorkKind.MATMUL, flops=1e10, bytes=1e6)
-    assert op_time_s(work, DEVICE) == pytest.approx(1e10 / 0.7e15 + LAUNCH_OVERHEAD_S)
-    assert op_time_s(work, DEVICE, "fp32") == pytest.approx(2e10 / 0.7e15 + LAUNCH_OVERHEAD_S)
+    efficiency = (0.5 * 0.9) ** 0.5
+    assert op_time_s(work, DEVICE) == pytest.approx(1e10 / (1e15 * efficiency) + LAUNCH_OVERHEAD_S)
+    assert op_time_s(work, DEVICE, "fp32") == pytest.approx(2e10 / (1e15 * efficiency) + LAUNCH_OVERHEAD_S)
 
 
 FP8_DEVICE = dataclasses.replace(DEVICE, name="fp8-gpu", peak_flops_per_s={"bf16": 1e15, "fp8": 2e15})
@@ -87,10 +102,10 @@ FP8_DEVICE = dataclasses.replace(DEVICE, name="fp8-gpu", peak_flops_per_s={"bf16
 
 def test_fp8_gemm_runs_at_fp8_peak_and_pays_its_cast():
     # 2e10 FLOPs at the fp8 peak 2e15 last as long as 1e10 FLOPs at the bf16 peak, where the curve
-    # gives 0.7; fp8 reaches FP8_MATMUL_EFFICIENCY_RATIO of that. The cast moves 2.5 x 1e6 bytes at
+    # gives sqrt(0.5 * 0.9); fp8 reaches FP8_MATMUL_EFFICIENCY_RATIO of that. The cast moves 2.5 x 1e6 bytes at
     # 2.5e12 * 0.8 = 2e12 B/s, one more kernel.
     work = OpWork(WorkKind.MATMUL, flops=2e10, bytes=1e6)
-    gemm_s = 2e10 / (2e15 * 0.7 * FP8_MATMUL_EFFICIENCY_RATIO) + LAUNCH_OVERHEAD_S
+    gemm_s = 2e10 / (2e15 * (0.5 * 0.9) ** 0.5 * FP8_MATMUL_EFFICIENCY_RATIO) + LAUNCH_OVERHEAD_S
     cast_s = FP8_CAST_TRAFFIC_RATIO * 1e6 / 2e12 + LAUNCH_OVERHEAD_S
     assert op_time_s(work, FP8_DEVICE, "fp8") == pytest.approx(gemm_s + cast_s)
     assert op_time_s(work, FP8_DEVICE, "fp8") < op_time_s(work, FP8_DEVICE, "bf16")
@@ -142,7 +157,7 @@ def test_table_key_overrides_roofline():
 
 
 @pytest.mark.parametrize(("flops", "expected_s"), [
-    (1e10, 1e10 / 1.5e14),   # log10 midpoint: achieved rate (1e14 + 2e14) / 2
+    (1e10, 1e10 / (1e14 * 2e14) ** 0.5),   # log10 midpoint: the geometric mean of the achieved rates
     (1e11, 5e-4),            # a measured point
     (1e12, 1e12 / 2e14),     # beyond the largest: its rate
 ])

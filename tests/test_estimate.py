@@ -400,6 +400,20 @@ def test_optimizer_step_time_follows_the_states_each_device_updates(tiny_moe, ze
         assert results[0].time_breakdown["optimizer_s"] == pytest.approx(results[1].time_breakdown["optimizer_s"], rel=1e-9, abs=0)
 
 
+def test_full_recompute_runs_the_forward_all_to_alls_again(tiny_moe):
+    # An MoE layer's forward dispatches and combines its tokens (two all-to-alls) and its backward
+    # runs both again: ep_comm_s is four all-to-alls. Full recompute reruns the forward, so its
+    # time grows by the forward's two over the same layers without expert parallelism, whose
+    # compute is the same (every device runs its tokens through top_k experts either way).
+    evaluator = Evaluator(tiny_moe, load_cluster("a100-80g:2x8"))
+    costs = {(ep, policy): evaluator.estimate(ParallelConfig(dp=16, ep=ep, num_microbatches=1, recompute=policy), 16).time_breakdown
+             for ep in (1, 8) for policy in (Recompute.NONE, Recompute.FULL)}
+    all_to_all_s = costs[8, Recompute.NONE]["ep_comm_s"]
+    assert all_to_all_s > 0 and costs[8, Recompute.FULL]["ep_comm_s"] == pytest.approx(all_to_all_s, rel=1e-9)
+    rerun_s = {ep: costs[ep, Recompute.FULL]["recompute_s"] for ep in (1, 8)}
+    assert rerun_s[8] - rerun_s[1] == pytest.approx(all_to_all_s / 2, rel=1e-6)
+
+
 # --- 2. Properties -----------------------------------------------------------------------------
 
 RECOMPUTE = st.sampled_from(list(Recompute))

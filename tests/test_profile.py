@@ -123,11 +123,12 @@ def test_measured_op_table_overrides_the_roofline(tmp_path):
     memory = OpWork(WorkKind.MEMORY, 0.0, 1e6)  # the table has no memory-bound entry: roofline
     assert op_time_s(memory, device, "fp32", table) == op_time_s(memory, device, "fp32")
     # Attention at a measured size: its forward and backward times; between the two measured sizes
-    # (1e8 FLOPs at 50 GFLOP/s, 1e9 at 100 GFLOP/s) the rate is interpolated in log10(FLOPs).
+    # (1e8 FLOPs at 50 GFLOP/s, 1e9 at 100 GFLOP/s) the rate is a power law of FLOPs: at the log
+    # midpoint, the geometric mean of the two rates.
     assert op_time_s(OpWork(WorkKind.ATTENTION, 1e8, 0.0), device, "fp32", table) == pytest.approx(2e-3)
     assert op_time_s(OpWork(WorkKind.ATTENTION_BWD, 2e8, 0.0), device, "fp32", table) == pytest.approx(5e-3)
     middle = 10 ** 8.5
-    assert op_time_s(OpWork(WorkKind.ATTENTION, middle, 0.0), device, "fp32", table) == pytest.approx(middle / 75e9)
+    assert op_time_s(OpWork(WorkKind.ATTENTION, middle, 0.0), device, "fp32", table) == pytest.approx(middle / (50e9 * 100e9) ** 0.5)
     # Eight heads of the smaller measured size run at that size's rate, not at the rate of their total.
     heads = OpWork(WorkKind.ATTENTION, 8e8, 0.0, unit_flops=1e8)
     assert op_time_s(heads, device, "fp32", table) == pytest.approx(8 * 2e-3)
