@@ -79,10 +79,13 @@ def tp_plan_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype
     if tp == 1 or not layer.ops:
         return TpPlan(tp)
     layout = layout_for(layer, tp, device, node, dtype, cache, graph)
+    # The layout is kept by signature, so it may have been solved on another layer of the same
+    # structure: its choices (in op order, the boundary last) name that layer's ops.
+    own = dict(zip((choice.name for choice in layout.choices), (op.name for op in layer.ops)))
     return TpPlan(
         tp=tp,
-        split_ops=frozenset(choice.name for choice in layout.choices if choice.strategy.compute_shards > 1),
-        collectives=tuple((Collective(str(call.kind)), call.bytes, call.producer) for call in layout.collectives),
+        split_ops=frozenset(own[choice.name] for choice in layout.choices if choice.strategy.compute_shards > 1 and choice.name in own),
+        collectives=tuple((Collective(str(call.kind)), call.bytes, own.get(call.producer, call.producer)) for call in layout.collectives),
     )
 
 

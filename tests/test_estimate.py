@@ -187,6 +187,25 @@ def test_model_states_match_korthikanti_figure1(spec_dir, model):
     assert states == pytest.approx(FIG1_PARAMS_OPTIMIZER_GIB[model] * GIB, rel=0.03)
 
 
+def test_a_block_prices_the_same_whichever_block_of_its_structure_is_priced_first(gpt350m):
+    # Identical blocks share one tensor-parallel layout, solved on whichever block asks first. With
+    # block 0 without recompute and the rest under full recompute, block 1 is the first block priced
+    # under full recompute; it must split the same matmuls as block 0, whose layout it reuses.
+    evaluator = Evaluator(gpt350m, load_cluster("a100-80g:1x8"))
+    device, node = stage_devices(evaluator.cluster, 1)[0]
+    config = ParallelConfig(dp=4, tp=2, num_microbatches=1, recompute=Recompute.FULL)
+    uniform = evaluator.policies(config)
+    first_block = next(i for i, layer in enumerate(gpt350m.layers) if layer.kind == LayerKind.BLOCK)
+    mixed = tuple(Recompute.NONE if i == first_block else policy for i, policy in enumerate(uniform))
+    mixed_first = evaluator.layer_table(config, device, node, mixed)
+    after_uniform = Evaluator(gpt350m, evaluator.cluster)
+    after_uniform.layer_table(config, device, node, uniform)
+    assert (after_uniform.layer_table(config, device, node, mixed) == mixed_first).all()
+    # The forward does not depend on the recompute policy.
+    fwd = mixed_first[:, COL["fwd_s"]]
+    assert fwd[first_block + 1] == pytest.approx(fwd[first_block], rel=1e-12)
+
+
 # --- 1c. ZeRO divisions ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
