@@ -9,6 +9,7 @@ import json
 import sys
 
 from planner.config import TRAINING_DTYPES
+from planner.errors import invalid
 
 
 class _Parser(argparse.ArgumentParser):
@@ -81,25 +82,25 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool) -> None:
         parser.add_argument("--cluster", required=True, help="cluster name, cluster file, or DEVICE:NODESxGPUS")
         parser.add_argument("--global-batch", type=_positive("global-batch"), required=True, help="sequences per optimizer step")
         parser.add_argument("--dtype", default="bf16", choices=TRAINING_DTYPES)
-        parser.add_argument("--attention", default="flash", choices=["flash", "unfused"],
+        parser.add_argument("--attention", choices=["flash", "unfused"],
                             help="attention kernel of the training code (unfused: scores materialised, pre-FlashAttention)")
-        parser.add_argument("--loss", default="torch", choices=["torch", "fused"],
+        parser.add_argument("--loss", choices=["torch", "fused"],
                             help="cross-entropy kernel of the training code (torch: fp32 logits and F.cross_entropy; "
                                  "fused: one kernel over the half-precision logits, e.g. flash-attn's xentropy)")
-        parser.add_argument("--tp-comm-overlap", action="store_true",
+        parser.add_argument("--tp-comm-overlap", action="store_const", const=True,
                             help="the training code overlaps tensor-parallel collectives with GEMMs (Megatron-Core --tp-comm-overlap, async TP)")
-        parser.add_argument("--zero3-fetch", default="prefetch", choices=["prefetch", "blocking"],
+        parser.add_argument("--zero3-fetch", choices=["prefetch", "blocking"],
                             help="how the training code fetches ZeRO-3 parameters (prefetch: FSDP, overlapped with compute; "
                                  "blocking: DeepSpeed ZeRO-3 of spring 2021, each fetch stalls compute)")
-        parser.add_argument("--dp-sync", default="overlapped", choices=["overlapped", "blocking"],
+        parser.add_argument("--dp-sync", choices=["overlapped", "blocking"],
                             help="how the training code synchronises data-parallel states below ZeRO-3 (overlapped: "
                                  "FSDP, DDP, Megatron-Core, behind the backward; blocking: DeepSpeed's pipeline engine "
                                  "with BF16_Optimizer, an fp32 all-reduce after the last backward and the ZeRO-1 "
                                  "gather after the step)")
-        parser.add_argument("--elementwise", default="eager", choices=["eager", "fused"],
+        parser.add_argument("--elementwise", choices=["eager", "fused"],
                             help="how the training code runs elementwise ops and norms (eager: one kernel per op; "
                                  "fused: each chain between GEMMs in one kernel, as torch.compile and Transformer Engine do)")
-        parser.add_argument("--pp-buffers", default="preallocated", choices=["preallocated", "transient"],
+        parser.add_argument("--pp-buffers", choices=["preallocated", "transient"],
                             help="how the training code's pipeline holds received tensors (preallocated: a buffer per "
                                  "micro-batch, torch.distributed.pipelining and Plan.apply; transient: Megatron-LM, DeepSpeed)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -134,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="training dtype the model is traced in (activation bytes follow it)")
     evaluate = sub.add_parser("evaluate", help="predict one parallel configuration")
     _add_model_args(evaluate, needs_batch=True)
-    _add_config_args(evaluate, required=True)
+    _add_config_args(evaluate, required=False)
+    evaluate.add_argument("--plan", metavar="FILE", help="price a saved plan (.json/.yaml from `plan --out`) as planned: its degrees, "
+                                                      "stage split, per-layer recompute and training code; instead of --tp/--pp/...")
     plan = sub.add_parser("plan", help="search the best plan")
     _add_model_args(plan, needs_batch=True)
     _add_config_args(plan, required=False)
@@ -162,9 +165,27 @@ def _constraints(args) -> dict:
 
 
 def _training_code(args) -> dict:
-    """The training-code flags of evaluate and plan, as `planner.evaluate`/`planner.plan` take them."""
-    return {"attention": args.attention, "tp_overlap": args.tp_comm_overlap, "loss": args.loss, "zero3_fetch": args.zero3_fetch,
-            "dp_sync": args.dp_sync, "elementwise": args.elementwise, "pp_buffers": args.pp_buffers}
+    """The training-code flags given to evaluate or plan, as `planner.evaluate`/`planner.plan` take them
+    (a flag not given keeps the default, or a saved plan's choice)."""
+    given = {"attention": args.attention, "tp_overlap": args.tp_comm_overlap, "loss": args.loss, "zero3_fetch": args.zero3_fetch,
+             "dp_sync": args.dp_sync, "elementwise": args.elementwise, "pp_buffers": args.pp_buffers}
+    return {key: value for key, value in given.items() if value is not None}
+
+
+def _evaluated_config(args):
+    """The configuration `evaluate` prices: the degrees given, or a saved plan (`--plan`)."""
+    degrees = _constraints(args)
+    if args.plan is None:
+        missing = [f"--{key}" for key in ("tp", "pp") if key not in degrees]
+        if missing:
+            raise invalid(f"evaluate: {' and '.join(missing)} required; give the degrees, or --plan FILE to price a saved plan")
+        return degrees
+    if degrees:
+        flags = ", ".join(f"--{key.replace('_', '-')}" for key in degrees)
+        raise invalid(f"evaluate --plan: {flags} also given; a plan fixes its own degrees, so drop them (or drop --plan)")
+    from planner.result import Plan
+
+    return Plan.load(args.plan)
 
 
 def _print_json(data: dict) -> None:
@@ -200,7 +221,7 @@ def _run(args) -> int:
         import planner
         from planner.report.estimate import estimate_json, render_estimate
 
-        result = planner.evaluate(args.model, args.cluster, _constraints(args), global_batch=args.global_batch, seq_len=args.seq_len,
+        result = planner.evaluate(args.model, args.cluster, _evaluated_config(args), global_batch=args.global_batch, seq_len=args.seq_len,
                                   dtype=args.dtype, **_training_code(args))
         if args.json:
             _print_json(estimate_json(result))
@@ -211,8 +232,11 @@ def _run(args) -> int:
         import planner
         from planner.report.plan import render_plan
         from planner.report.plan_charts import check_plan_chart_paths, save_plan_charts
+        from planner.result import check_plan_path
 
         check_plan_chart_paths(args.timeline, args.memory_chart)
+        if args.out:
+            check_plan_path(args.out)
         result = planner.plan(
             args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, **_training_code(args),
             mem_headroom=args.mem_headroom, top=args.top, allow_offload=args.allow_offload, **_constraints(args),

@@ -8,7 +8,7 @@ from costmodel.hardware import Cluster
 from costmodel.profile_loader import load_cluster
 from planner.config import ParallelConfig, Schedule
 from planner.errors import invalid
-from planner.graph import ModelGraph
+from planner.graph import ModelGraph, Recompute
 from planner.result import Estimate, Plan
 
 # Keys `make_config` reads; anything else is a typo, reported rather than ignored.
@@ -79,12 +79,16 @@ def make_config(constraints: dict | ParallelConfig, num_devices: int, global_bat
     )
 
 
-def evaluate(model, cluster, config: dict | ParallelConfig, *, global_batch: int, seq_len: int | None = None,
-             dtype: str = "bf16", attention: str = "flash", tp_overlap: bool = False, loss: str = "torch",
-             zero3_fetch: str = "prefetch", dp_sync: str = "overlapped", elementwise: str = "eager",
-             pp_buffers: str = "preallocated") -> Estimate:
-    """Predict step time, throughput, MFU and per-stage memory of one configuration (the training-code
-    choices as for `plan`).
+def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_batch: int, seq_len: int | None = None,
+             dtype: str | None = None, attention: str | None = None, tp_overlap: bool | None = None, loss: str | None = None,
+             zero3_fetch: str | None = None, dp_sync: str | None = None, elementwise: str | None = None,
+             pp_buffers: str | None = None) -> Estimate:
+    """Predict step time, throughput, MFU and per-stage memory of one configuration.
+
+    `config` is the degrees a user gives (`make_config`), a ParallelConfig, or a Plan: a plan is
+    priced as it was planned, with its stage split and per-layer recompute, and its dtype,
+    sequence length and training code unless given here. The training-code choices are as for
+    `plan`; a choice left None is the plan's, else `TrainingCode`'s default (dtype: bf16).
 
     Example::
 
@@ -95,12 +99,29 @@ def evaluate(model, cluster, config: dict | ParallelConfig, *, global_batch: int
     from planner.estimate import Evaluator
     from planner.training_code import TrainingCode
 
-    graph = model_graph(model, seq_len, dtype=dtype)
+    planned = config if isinstance(config, Plan) else None
+    given = {"attention": attention, "tp_overlap": tp_overlap, "loss": loss, "zero3_fetch": zero3_fetch, "dp_sync": dp_sync,
+             "elementwise": elementwise, "pp_buffers": pp_buffers}
+    code = TrainingCode.of(**{**(planned.training_code if planned else {}), **{k: v for k, v in given.items() if v is not None}})
+    dtype = dtype or (planned.dtype if planned else "bf16")
+    graph = model_graph(model, seq_len or (planned.seq_len if planned else None), dtype=dtype)
     hardware = _cluster(cluster)
-    full = make_config(config, hardware.num_devices, global_batch)
-    code = TrainingCode.of(attention=attention, tp_overlap=tp_overlap, loss=loss, zero3_fetch=zero3_fetch, dp_sync=dp_sync,
-                           elementwise=elementwise, pp_buffers=pp_buffers)
-    return Evaluator(graph, hardware, dtype, code=code).estimate(full, global_batch)
+    evaluator = Evaluator(graph, hardware, dtype, code=code)
+    if planned is None:
+        return evaluator.estimate(make_config(config, hardware.num_devices, global_batch), global_batch)
+    names = tuple(layer.name for layer in graph.layers)
+    if names != planned.layer_names:
+        raise invalid(f"plan: made for a model of {len(planned.layer_names)} layers ({planned.model}), not this one of "
+                      f"{len(names)}; evaluate it with the model it was planned for")
+    boundaries, chunks = planned.boundaries(), planned.config.pp * planned.config.vpp
+    if len(boundaries) != chunks + 1:
+        raise invalid(f"plan stages: their layers form {len(boundaries) - 1} contiguous runs, pp*vpp = {chunks} expected; re-plan")
+    policies = planned.recompute_per_layer()
+    unknown = sorted(set(policies) - {str(p) for p in Recompute})
+    if unknown:
+        raise invalid(f"plan memory_plan.recompute: unknown policy {unknown[0]!r}; use one of {', '.join(str(p) for p in Recompute)}")
+    return evaluator.estimate(planned.config, global_batch, boundaries=boundaries,
+                              recompute_per_layer=tuple(Recompute(p) for p in policies))
 
 
 def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype: str = "bf16", attention: str = "flash",

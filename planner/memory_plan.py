@@ -19,7 +19,6 @@ from planner.stage_ilp import split_ilp
 MEMORY_ILP_TIME_LIMIT_S = 5.0
 MEMORY_ILP_REL_GAP = 1e-3
 
-POLICY_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 
 
 def _uniform(evaluator: Evaluator, policy: Recompute) -> tuple[Recompute, ...]:
@@ -27,15 +26,16 @@ def _uniform(evaluator: Evaluator, policy: Recompute) -> tuple[Recompute, ...]:
 
 
 def refine_recompute(evaluator: Evaluator, config: ParallelConfig, estimate: Estimate, global_batch: int,
-                     headroom: float) -> tuple[Estimate, dict]:
-    """Per-layer recompute choices that beat the uniform policy of `config`, when any do."""
+                     headroom: float, fixed: bool = False) -> tuple[Estimate, dict]:
+    """Per-layer recompute choices that beat the uniform policy of `config`, when any do and the
+    policy was not `fixed` by the user."""
+    if fixed:
+        return estimate, {"method": "uniform", "status": "fixed by the constraints"}
     if config.recompute == Recompute.NONE:
         return estimate, {"method": "uniform", "status": "not needed"}
-    if config.recompute not in POLICY_ORDER:
-        return estimate, {"method": "uniform", "status": f"{config.recompute} is kept uniform"}
-    order = POLICY_ORDER
+    order = evaluator.graph.recompute_policies
     if config.schedule == Schedule.ZERO_BUBBLE and config.pp > 1:
-        order = tuple(p for p in POLICY_ORDER if p in ZERO_BUBBLE_RECOMPUTE)
+        order = tuple(p for p in order if p in ZERO_BUBBLE_RECOMPUTE)
     policy_sets = [_uniform(evaluator, p) for p in order]
     problem = evaluator.stage_problem(config, policy_sets, headroom)
     try:
@@ -52,9 +52,10 @@ def refine_recompute(evaluator: Evaluator, config: ParallelConfig, estimate: Est
 
 
 def memory_plan(evaluator: Evaluator, config: ParallelConfig, estimate: Estimate, global_batch: int,
-                headroom: float) -> tuple[dict, Estimate]:
-    """The memory plan (recompute per layer, ZeRO stage, offload, headroom per stage) and the refined estimate."""
-    estimate, solver = refine_recompute(evaluator, config, estimate, global_batch, headroom)
+                headroom: float, recompute_fixed: bool = False) -> tuple[dict, Estimate]:
+    """The memory plan (recompute per layer, ZeRO stage, offload, headroom per stage) and the
+    refined estimate; a `recompute_fixed` policy stays uniform."""
+    estimate, solver = refine_recompute(evaluator, config, estimate, global_batch, headroom, recompute_fixed)
     per_layer = solver.get("per_layer") or [str(p) for p in _uniform(evaluator, config.recompute)]
     recompute = {str(p): [evaluator.graph.layers[i].name for i, q in enumerate(per_layer) if q == str(p)] for p in Recompute}
     stages = [

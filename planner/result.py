@@ -9,6 +9,15 @@ from planner.config import ParallelConfig
 from planner.errors import invalid
 
 SCHEMA_VERSION = 1
+PLAN_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+def check_plan_path(path: str | Path) -> Path:
+    """`path` as a Path when it names a plan file format; PlannerError otherwise."""
+    path = Path(path)
+    if path.suffix not in PLAN_SUFFIXES:
+        raise invalid(f"--out {path}: unknown extension; use .json, .yaml or .yml")
+    return path
 
 
 @dataclass(frozen=True)
@@ -143,10 +152,24 @@ class Plan:
     rejected: tuple[dict, ...] = ()
     layer_names: tuple[str, ...] = ()
     layer_params: tuple[int, ...] = ()  # parameters per layer, aligned with layer_names (apply checks the model)
+    training_code: dict = field(default_factory=dict)  # `TrainingCode.options()` the plan was priced with
 
     @property
     def stages(self) -> tuple[StagePlan, ...]:
         return self.estimate.stages
+
+    def boundaries(self) -> tuple[int, ...]:
+        """The layer cut points of the plan's pp * vpp chunks (chunk c runs on stage c % pp): each
+        contiguous run of a stage's layers is a chunk."""
+        index = {name: i for i, name in enumerate(self.layer_names)}
+        starts = sorted(index[name] for stage in self.stages for k, name in enumerate(stage.layer_names)
+                        if k == 0 or index[name] != index[stage.layer_names[k - 1]] + 1)
+        return (*starts, len(self.layer_names))
+
+    def recompute_per_layer(self) -> tuple[str, ...]:
+        """The recompute policy of each layer, as the memory plan names them."""
+        policy = {name: p for p, names in self.memory_plan.get("recompute", {}).items() for name in names}
+        return tuple(policy.get(name, str(self.config.recompute)) for name in self.layer_names)
 
     def to_dict(self) -> dict:
         out = {
@@ -168,6 +191,7 @@ class Plan:
         out["rejected"] = list(self.rejected)
         out["layer_names"] = list(self.layer_names)
         out["layer_params"] = list(self.layer_params)
+        out["training_code"] = dict(self.training_code)
         return out
 
     def to_json(self) -> str:
@@ -197,6 +221,7 @@ class Plan:
             rejected=tuple(data.get("rejected", [])),
             layer_names=tuple(data.get("layer_names", [])),
             layer_params=tuple(data.get("layer_params", [])),
+            training_code=data.get("training_code", {}),
         )
 
     def apply(self, model, **options):
@@ -210,24 +235,34 @@ class Plan:
         return cls.from_dict(json.loads(text))
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
+        """Writes the plan to a .json or .yaml file, creating its folder."""
+        path = check_plan_path(path)
+        text = self.to_json()
         if path.suffix in (".yaml", ".yml"):
             import yaml
 
-            # through JSON: the same content as a .json plan, numpy scalars as plain numbers
-            path.write_text(yaml.safe_dump(json.loads(self.to_json()), sort_keys=False))
-        elif path.suffix == ".json":
-            path.write_text(self.to_json())
-        else:
-            raise invalid(f"--out {path}: unknown extension; use .json, .yaml or .yml")
+            text = yaml.safe_dump(json.loads(text), sort_keys=False)  # numpy scalars as plain numbers
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        except OSError as error:
+            raise invalid(f"--out {path}: cannot write ({error.strerror}); pick a writable path") from None
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
+        """Reads a plan written by `save`.
+
+        Raises:
+            PlannerError: INVALID_INPUT when the file is missing or is not a plan.
+        """
         path = Path(path)
         if not path.exists():
             raise invalid(f"plan file {path}: not found")
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
+        import yaml
 
-            return cls.from_dict(yaml.safe_load(path.read_text()))
-        return cls.from_json(path.read_text())
+        try:
+            data = yaml.safe_load(path.read_text()) if path.suffix in (".yaml", ".yml") else json.loads(path.read_text())
+            return cls.from_dict(data)
+        except (ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError) as error:
+            raise invalid(f"plan file {path}: not a paraplan plan ({type(error).__name__}: {error}); "
+                          f"write one with `paraplan plan --out`") from None

@@ -192,7 +192,8 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
                             rejected[len(space.rejected):] or rejected)
 
     best_s, best_config, best_estimate = ranked[0]
-    plan_memory, best_estimate = memory_plan(evaluator, best_config, best_estimate, global_batch, headroom)
+    plan_memory, best_estimate = memory_plan(evaluator, best_config, best_estimate, global_batch, headroom,
+                                             recompute_fixed="recompute" in constraints)
     for r in rejected:
         key = _reason_key(r.reason)
         reasons[key] += 1
@@ -226,6 +227,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
         ),
         rejected=tuple(example for group in examples.values() for example in group),
         layer_names=tuple(layer.name for layer in graph.layers),
+        training_code=code.options(),
     )
 
 

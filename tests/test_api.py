@@ -8,7 +8,8 @@ import planner
 from costmodel.profile_loader import load_cluster
 from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, PlannerErrorKind
-from planner.graph import Recompute
+from planner.graph import LayerKind, Recompute
+from planner.result import Plan
 
 SMALL = "gpt3-125m"  # 12 layers, 12 heads, no experts: 14 pipeline layers with embedding and head
 NODE = "a100-80g:1x8"
@@ -120,3 +121,38 @@ def test_plan_says_what_would_fit_when_nothing_does():
     assert error.value.kind == PlannerErrorKind.INSUFFICIENT_MEMORY
     assert error.value.exit_code == 3
     assert "devices" in error.value.message
+
+
+@pytest.fixture(scope="module")
+def gpipe_plan():
+    # gpt3-1.3b on four 24 GB A10Gs with GPipe's 8 micro-batches of 8 in flight: the search picks
+    # full recompute and the per-layer ILP then lightens it on some blocks (tp=2 on the winner).
+    graph = planner.trace("gpt3-1.3b", seq_len=2048)
+    return graph, planner.plan(graph, "a10g:1x4", global_batch=64, micro_batch=8, pp=2, schedule="gpipe")
+
+
+def test_a_saved_plan_evaluates_to_its_own_estimate(gpipe_plan, tmp_path):
+    graph, plan = gpipe_plan
+    blocks = {policy for policy, layer in zip(plan.recompute_per_layer(), graph.layers) if layer.kind == LayerKind.BLOCK}
+    assert "full" in blocks and len(blocks) > 1
+    path = tmp_path / "plan.yaml"
+    plan.save(path)
+    again = planner.evaluate(graph, "a10g:1x4", Plan.load(path), global_batch=64)
+    assert again.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-12)
+    assert again.peak_memory_bytes == pytest.approx(plan.estimate.peak_memory_bytes, rel=1e-12)
+    assert [stage.layer_names for stage in again.stages] == [stage.layer_names for stage in plan.stages]
+    # Its config alone prices full recompute on every block, which the per-layer plan beats.
+    assert planner.evaluate(graph, "a10g:1x4", plan.config, global_batch=64).step_time_s > plan.estimate.step_time_s
+
+
+def test_a_fixed_recompute_policy_is_kept_on_every_block(gpipe_plan):
+    graph, _ = gpipe_plan
+    plan = planner.plan(graph, "a10g:1x4", global_batch=64, micro_batch=8, pp=2, schedule="gpipe", recompute="full")
+    assert {policy for policy, layer in zip(plan.recompute_per_layer(), graph.layers) if layer.kind == LayerKind.BLOCK} == {"full"}
+    assert plan.estimate.step_time_s == pytest.approx(planner.evaluate(graph, "a10g:1x4", plan.config, global_batch=64).step_time_s, rel=1e-12)
+
+
+def test_a_plan_evaluates_only_on_the_model_it_was_made_for(gpipe_plan, small_graph):
+    _, plan = gpipe_plan
+    with pytest.raises(PlannerError, match="plan: made for a model of 26 layers"):
+        planner.evaluate(small_graph, "a10g:1x4", plan, global_batch=64)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import subprocess
 import sys
@@ -194,6 +195,23 @@ def test_plan_out_round_trips(capsys, tmp_path, suffix):
     assert Plan.load(path) == Plan.from_json(out)
 
 
+def test_evaluate_prices_a_saved_plan_as_planned(capsys, tmp_path):
+    # The plan is written into a folder that does not exist yet; evaluate --plan takes its degrees,
+    # stages and per-layer recompute, and the training code it was planned with (--elementwise fused).
+    path = tmp_path / "new" / "plan.json"
+    code, out, _ = run(["plan", *RUN_ARGS, "--elementwise", "fused", "--out", str(path), "--json"], capsys)
+    assert code == 0
+    planned = json.loads(out)
+    assert planned["training_code"]["elementwise"] == "fused"
+    code, out, _ = run(["evaluate", *RUN_ARGS, "--plan", str(path), "--json"], capsys)
+    assert code == 0
+    priced = json.loads(out)
+    for key in ("step_time_s", "peak_memory_bytes", "config", "memory"):
+        assert priced[key] == planned[key]
+    code, out, _ = run(["evaluate", *RUN_ARGS, "--plan", str(path), "--elementwise", "eager", "--json"], capsys)
+    assert code == 0 and json.loads(out)["step_time_s"] > planned["step_time_s"]
+
+
 def test_tables_render_without_json(capsys):
     code, out, _ = run(["evaluate", *RUN_ARGS, "--tp", "2", "--pp", "2"], capsys)
     assert code == 0 and "step time" in out and "Memory per device" in out
@@ -228,6 +246,7 @@ def bad_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
     (root / "cluster.yaml").write_text("name: x\ngroups: [1, 2\n")
     (root / "typo.yaml").write_text("arch: gpt\nlayers: 2\nhidden: 64\nhaeds: 4\nvocab: 128\n")
+    (root / "truncated.json").write_text('{"schema_version": 1, "model": ')
     return root
 
 
@@ -249,6 +268,10 @@ BAD_INPUT = [
                   "--tp", "1", "--pp", "1"], "did you mean `heads`", id="spec file with a typo key"),
     pytest.param(["hardware", "h100-sxn"], "h100-sxn", id="unknown hardware name"),
     pytest.param(["plan", *RUN_ARGS, "--out", "{bad}/plan.txt"], "plan.txt", id="unknown plan file extension"),
+    pytest.param(["evaluate", *RUN_ARGS, "--tp", "2"], "--pp required", id="evaluate without degrees or a plan"),
+    pytest.param(["evaluate", *RUN_ARGS, "--plan", "{bad}/truncated.json"], "not a paraplan plan", id="malformed plan file"),
+    pytest.param(["evaluate", *RUN_ARGS, "--plan", "{bad}/none.json", "--tp", "2", "--micro-batch", "2"], "--tp, --micro-batch also given",
+                 id="a plan and degrees together"),
 ]
 
 
@@ -283,7 +306,9 @@ def test_console_entry_exit_status_and_no_traceback():
 @pytest.mark.parametrize("command", ["evaluate", "plan", "sweep"])
 def test_training_code_flags_offer_exactly_the_cost_models_choices(command):
     # The flags list their choices literally (importing the cost model would slow every command's
-    # start); they must stay those TrainingCode accepts, defaults included.
+    # start); they must stay those TrainingCode accepts. A flag not given is None, so `evaluate
+    # --plan` keeps the plan's choice, and `planner.plan` then takes TrainingCode's default.
+    from planner.api import plan
     from planner.training_code import TrainingCode
 
     subparsers = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
@@ -295,4 +320,5 @@ def test_training_code_flags_offer_exactly_the_cost_models_choices(command):
             assert action.nargs == 0  # a switch
             continue
         assert tuple(action.choices) == TrainingCode.choices(name)
-        assert action.default == (None if command == "sweep" else default)
+        assert action.default is None
+        assert inspect.signature(plan).parameters[name].default == default
