@@ -66,6 +66,9 @@ def make_config(constraints: dict | ParallelConfig, num_devices: int, global_bat
     if num_devices % model_parallel:
         raise invalid(f"tp*pp*cp = {tp}*{pp}*{cp} = {model_parallel}: must divide the cluster's {num_devices} devices")
     dp = values.get("dp", num_devices // model_parallel)
+    if dp * model_parallel != num_devices:
+        raise invalid(f"dp*tp*pp*cp = {dp}*{tp}*{pp}*{cp} = {dp * model_parallel}: must equal the cluster's {num_devices} devices; "
+                      f"drop dp to fill them")
     micro_batch = values.get("micro_batch", 1)
     if global_batch % (dp * micro_batch):
         raise invalid(f"global_batch={global_batch}: must be a multiple of dp*micro_batch = {dp}*{micro_batch}")

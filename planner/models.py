@@ -103,6 +103,7 @@ def _spec_source(spec: ModelSpec, example_inputs: Any) -> ModelSource:
         example_inputs=functools.partial(zoo_example_inputs, spec),
         dims=spec.dims,
         default_seq_len=spec.default_seq_len,
+        fixed_by="its image patches plus the class token" if spec.num_patches else "",
     )
 
 
@@ -111,8 +112,12 @@ def _module_source(module: nn.Module, name: str, example_inputs: Any) -> ModelSo
     def build(seq_len: int | None = None) -> nn.Module:
         return module
 
-    return ModelSource(name=name, build=build,
-                       example_inputs=_inputs_for_module(module, name, example_inputs))
+    if example_inputs is None:
+        return ModelSource(name=name, build=build, example_inputs=_inputs_for_module(module, name, example_inputs))
+    given = _checked_inputs(example_inputs, f"model `{name}`: example_inputs")
+    return ModelSource(name=name, build=build, example_inputs=_inputs_for_module(module, name, given),
+                       default_seq_len=_token_seq_len(given), fixed_by="set by the example inputs given with it",
+                       fixed_micro_batch=_batch_of(given))
 
 
 def _inputs_for_module(module: nn.Module, name: str,
@@ -162,8 +167,10 @@ def _factory_source(ref: str, example_inputs: Any) -> ModelSource:
         default_seq_len = probe.get("seq_len", _SOURCE_DEFAULT_SEQ_LEN)
     else:
         default_seq_len = _token_seq_len(returned_inputs)
-    return ModelSource(name=ref, build=build, example_inputs=make_inputs,
-                       default_seq_len=default_seq_len)
+    fixed = make_inputs is fixed_inputs
+    return ModelSource(name=ref, build=build, example_inputs=make_inputs, default_seq_len=default_seq_len,
+                       fixed_by="set by the example inputs its factory returns; it takes no seq_len=" if fixed else "",
+                       fixed_micro_batch=_batch_of(returned_inputs) if fixed else 0)
 
 
 def _load_factory(ref: str) -> Callable:
@@ -245,6 +252,12 @@ def _zeros_like_inputs(inputs: tuple, device: torch.device) -> tuple:
     """Zero tensors with the shapes and dtypes of `inputs` on `device`; non-tensors unchanged."""
     return tuple(torch.zeros(x.shape, dtype=x.dtype, device=device)
                  if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
+def _batch_of(inputs: tuple) -> int:
+    """The batch (first) dimension of fixed inputs' first tensor; 0 when it has none."""
+    first = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
+    return int(first.shape[0]) if first is not None and first.dim() >= 1 else 0
 
 
 def _token_seq_len(inputs: tuple) -> int:

@@ -27,6 +27,10 @@ class ModelSource:
         example_inputs: (micro_batch, seq_len, device) -> tuple of input tensors for forward.
         dims: architecture facts when known (zoo and spec models); zeros when unknown.
         default_seq_len: sequence length used when the user gives none.
+        fixed_by: what fixes the inputs' sequence length at `default_seq_len` whatever is asked
+            (a ViT's image size, a factory's own example inputs); "" when the inputs follow it.
+        fixed_micro_batch: sequences in the fixed inputs, whatever is asked; 0 when the inputs
+            follow the requested micro-batch.
     """
 
     name: str
@@ -34,3 +38,5 @@ class ModelSource:
     example_inputs: Callable[[int, int, torch.device], tuple]
     dims: ModelDims = ModelDims()
     default_seq_len: int = 2048
+    fixed_by: str = ""
+    fixed_micro_batch: int = 0

@@ -2,7 +2,8 @@
 
 Degrees: tp divides the heads and stays inside a node (tp is innermost on the mesh, so a group
 spanning nodes would run every per-layer collective over the NICs) unless `allow_tp_across_nodes`;
-pp divides the devices left and never exceeds the layers; cp divides the sequence and is only
+pp divides the devices left and never exceeds the layers; 2*cp divides the sequence (the
+load-balanced split cuts it into 2*cp chunks, each rank taking one from each end) and cp is only
 offered from `CP_MIN_SEQ_LEN` tokens (below it attention is a small share of the work);
 ep divides the experts and dp*cp; dp is what is left. Micro-batches divide the per-replica batch.
 `check_config` says why a given configuration (the user's, or one of these) cannot exist.
@@ -95,7 +96,7 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) ->
         tp_options.append(tp)
     tp_options = _fixed(constraints, "tp", tp_options, space, "tensor parallelism",
                         f" ({per_node} devices per node, {dims.heads} attention heads)" if dims.heads else "")
-    cp_all = [c for c in divisors(devices) if graph.seq_len % c == 0 and c <= 32]
+    cp_all = [c for c in divisors(devices) if (c == 1 or graph.seq_len % (2 * c) == 0) and c <= 32]
     cp_options = [c for c in cp_all if c == 1 or graph.seq_len >= CP_MIN_SEQ_LEN]
     if len(cp_options) < len(cp_all) and "cp" not in constraints:
         space.rejected.append(Rejection("cp>1", f"seq_len={graph.seq_len} is below {CP_MIN_SEQ_LEN}; context parallelism would only add traffic"))
@@ -116,7 +117,7 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) ->
                 for ep in _ep_options(graph, dp, constraints, space):
                     space.degrees.append((dp, tp, pp, cp, ep))
     if not space.degrees:
-        raise PlannerError_no_degrees(space, constraints)
+        raise no_degrees_error(space, constraints)
     return space
 
 
@@ -144,11 +145,14 @@ def _ep_options(graph: ModelGraph, dp: int, constraints: dict, space: Space) -> 
                   f" with dp={dp} ({experts} experts; ep divides both)")
 
 
-def PlannerError_no_degrees(space: Space, constraints: dict) -> PlannerError:
+def no_degrees_error(space: Space, constraints: dict) -> PlannerError:
+    """Why no degree tuple is left: the rejections of the fixed values themselves first."""
     from planner.errors import invalid
 
     fixed = {k: v for k, v in constraints.items() if k in ("tp", "pp", "dp", "cp", "ep")}
-    about_fixed = [r for r in space.rejected if r.what.split("=")[0] in fixed] or space.rejected
+    named = {f"{k}={v}" for k, v in fixed.items()}
+    about_fixed = ([r for r in space.rejected if r.what in named]
+                   or [r for r in space.rejected if r.what.split("=")[0] in fixed] or space.rejected)
     reasons = "; ".join(list(dict.fromkeys(f"{r.what}: {r.reason}" for r in about_fixed))[-3:])
     return invalid(f"no parallel degrees fit the constraints {fixed}: {reasons}")
 
@@ -258,8 +262,9 @@ def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, gl
         raise invalid(f"tp={config.tp}: the model was traced at module level (no op graph), so only tp=1 is supported")
     if config.ep > 1 and (not dims.experts or dims.experts % config.ep):
         raise invalid(f"ep={config.ep}: must divide the model's {dims.experts} experts" if dims.experts else f"ep={config.ep}: the model has no experts; use ep=1")
-    if graph.seq_len % config.cp:
-        raise invalid(f"cp={config.cp}: must divide seq_len={graph.seq_len}")
+    if config.cp > 1 and graph.seq_len % (2 * config.cp):
+        raise invalid(f"cp={config.cp}: the load-balanced split cuts the sequence into 2*cp = {2 * config.cp} chunks, "
+                      f"which must divide seq_len={graph.seq_len}; pick another cp or a seq_len multiple of {2 * config.cp}")
     chunks = config.pp * config.vpp
     if chunks > len(graph.layers):
         raise invalid(f"pp*vpp={chunks}: more pipeline chunks than the model's {len(graph.layers)} layers")

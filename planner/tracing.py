@@ -65,7 +65,7 @@ NOTE_REASON_CHARS = 160
 
 _META = torch.device("meta")
 _CPU = torch.device("cpu")
-_EXPORT_LOGGERS = ("torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes")
+_EXPORT_LOGGERS = ("torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes", "torch._subclasses.fake_tensor")
 _TOKEN_ACTIVATION_RANK = 3  # (batch, sequence, hidden)
 
 
@@ -95,7 +95,10 @@ def trace(source: ModelSource | str | nn.Module | ModelSpec, *, seq_len: int | N
                                   or value < 1):
             raise invalid(f"{field}={value!r}: must be a positive integer")
     resolved = _resolve(source)
-    return _trace_cached(source, seq_len or resolved.default_seq_len, micro_batch, dtype)
+    if resolved.fixed_by and seq_len not in (None, resolved.default_seq_len):
+        raise invalid(f"seq_len={seq_len}: model `{resolved.name}` has a fixed sequence length of {resolved.default_seq_len} "
+                      f"tokens ({resolved.fixed_by}); leave --seq-len out or give {resolved.default_seq_len}")
+    return _trace_cached(source, seq_len or resolved.default_seq_len, resolved.fixed_micro_batch or micro_batch, dtype)
 
 
 def _resolve(source: ModelSource | str | nn.Module | ModelSpec) -> ModelSource:

@@ -10,6 +10,7 @@ import torch.fx
 
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.models import list_models, resolve_model
+from planner.tracing import trace
 from planner.zoo import zoo_specs
 from planner.zoo.spec import Arch, parse_spec
 
@@ -67,6 +68,20 @@ def test_vit_inputs_are_images_and_seq_len_is_patches_plus_class_token():
     assert source.default_seq_len == (224 // 14) ** 2 + 1
     (images,) = source.example_inputs(4, 999, META)
     assert images.shape == (4, 3, 224, 224) and images.dtype == torch.get_default_dtype()
+
+
+def test_fixed_input_shapes_are_traced_as_they_are():
+    # A ViT's sequence is its patches plus the class token, and a factory that takes no seq_len=
+    # returns its own inputs: another --seq-len is refused, and fixed inputs of 2 sequences are
+    # measured as a micro-batch of 2, so the FLOPs per sequence match the same model traced one
+    # sequence at a time by the factory that takes seq_len= and micro_batch=.
+    for model, fixed in (("vit-l-16", 197), (f"{FIXTURES}:fixed_tiny_gpt_factory", 64)):
+        with pytest.raises(PlannerError, match=f"seq_len=100: model .* has a fixed sequence length of {fixed} tokens"):
+            trace(model, seq_len=100)
+    fixed = trace(f"{FIXTURES}:fixed_tiny_gpt_factory", micro_batch=1)
+    fresh = trace(f"{FIXTURES}:tiny_gpt_factory", seq_len=64, micro_batch=1)
+    assert (fixed.seq_len, fixed.micro_batch, fresh.micro_batch) == (64, 2, 1)
+    assert fixed.fwd_flops / fixed.micro_batch == pytest.approx(fresh.fwd_flops / fresh.micro_batch, rel=1e-9)
 
 
 def test_unknown_name_lists_three_nearest():

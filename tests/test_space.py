@@ -47,7 +47,7 @@ def expected_degrees(dims: ModelDims, num_layers: int, seq_len: int, devices: in
             continue
         dp = devices // (tp * cp * pp)
         tp_ok = tp <= per_node and dims.heads % tp == 0 and (tp == 1 or dims.kv_heads % tp == 0 or tp % dims.kv_heads == 0)
-        cp_ok = seq_len % cp == 0 and cp <= CP_MAX and (cp == 1 or seq_len >= CP_MIN_SEQ_LEN)
+        cp_ok = (cp == 1 or seq_len % (2 * cp) == 0) and cp <= CP_MAX and (cp == 1 or seq_len >= CP_MIN_SEQ_LEN)
         if not (tp_ok and cp_ok and pp <= num_layers):
             continue
         eps = [e for e in divisors(dp) if dims.experts % e == 0] if dims.experts else [1]  # groups inside dp

@@ -217,8 +217,8 @@ def parse_spec_text(text: str, origin: str) -> ModelSpec:
     except (yaml.YAMLError, ValueError, OverflowError, RecursionError) as exc:
         # PyYAML raises ValueError/OverflowError for scalars it resolves but cannot construct
         # (e.g. the timestamp "2001-13-45").
-        raise invalid(f"{origin}: not valid YAML/JSON ({_one_line(exc)}); "
-                      f"fix: write one `key: value` mapping per line") from None
+        shape = '{"key": value, ...}' if str(origin).endswith(".json") else "one `key: value` per line"
+        raise invalid(f"{origin}: not valid YAML/JSON ({_one_line(exc)}); fix: write a mapping, {shape}") from None
     return parse_spec(data, origin)
 
 
