@@ -371,7 +371,8 @@ class Evaluator:
         memory, fits = [], True
         for plan, (device, breakdown) in zip(stage_plans, breakdowns):
             fits &= breakdown.total_bytes <= device.mem_bytes * (1 - headroom)
-            memory.append({"stage": plan.index, "device": device.name, "capacity_bytes": device.mem_bytes, **breakdown.to_dict()})
+            memory.append({"stage": plan.index, "device": device.name, "dtype": self.dtype_for(device),  # fp16 where bf16 is missing
+                           "capacity_bytes": device.mem_bytes, **breakdown.to_dict()})
         return Estimate(
             step_time_s=step_s,
             tokens_per_s=global_batch * graph.seq_len / step_s,

@@ -740,6 +740,7 @@ def test_heterogeneous_cluster_v100_stage_is_slower(gpt350m):
     assert [row["capacity_bytes"] for row in estimate.memory] == [g.node.device.mem_bytes for g in cluster.groups]
     (a100, a100_node), (v100, v100_node) = stage_devices(cluster, 2)
     assert evaluator.dtype_for(v100) == "fp16"
+    assert [row["dtype"] for row in estimate.memory] == ["bf16", "fp16"]  # the output says so
     policies = evaluator.policies(config)
     block = next(i for i, layer in enumerate(gpt350m.layers) if layer.kind == LayerKind.BLOCK)
 

@@ -49,7 +49,9 @@ def memory_table(estimate: Estimate) -> Table:
         other = sum(row.get(part, 0.0) for part in ("comm_buffers_bytes", "temp_bytes", "overhead_bytes"))
         values = (row["weights_bytes"], row["grads_bytes"], row["optimizer_bytes"], row["activations_bytes"], other, row["total_bytes"])
         table.add_row(str(row["stage"]), *(f"{v / GIB:.1f}" for v in values), bar(row["total_bytes"] / row["capacity_bytes"], 10))
-    table.caption = "other = communication buffers + temporaries + CUDA context and allocator fragmentation"
+    priced = ", ".join(dict.fromkeys(f"{row['dtype']} on {row['device']}" for row in estimate.memory if "dtype" in row))
+    table.caption = ("other = communication buffers + temporaries + CUDA context and allocator fragmentation"
+                     + (f"; priced in {priced}" if priced else ""))
     return table
 
 
