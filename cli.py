@@ -54,7 +54,7 @@ def _add_sweep_args(sub) -> None:
     sweep.add_argument("--seq-lens", type=_listed("seq-lens", positive=True), help="comma-separated sequence lengths")
     sweep.add_argument("--dtype", choices=TRAINING_DTYPES)
     sweep.add_argument("--attention", choices=["flash", "unfused"])
-    sweep.add_argument("--loss", choices=["torch", "fused"])
+    sweep.add_argument("--loss", choices=["torch", "inplace", "fused"])
     sweep.add_argument("--tp-comm-overlap", dest="tp_overlap", action="store_const", const=True,
                        help="TP collectives overlapped with GEMMs (Megatron-Core --tp-comm-overlap, async TP)")
     sweep.add_argument("--zero3-fetch", dest="zero3_fetch", choices=["prefetch", "blocking"],
@@ -84,8 +84,9 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool) -> None:
         parser.add_argument("--dtype", default="bf16", choices=TRAINING_DTYPES)
         parser.add_argument("--attention", choices=["flash", "unfused"],
                             help="attention kernel of the training code (unfused: scores materialised, pre-FlashAttention)")
-        parser.add_argument("--loss", choices=["torch", "fused"],
+        parser.add_argument("--loss", choices=["torch", "inplace", "fused"],
                             help="cross-entropy kernel of the training code (torch: fp32 logits and F.cross_entropy; "
+                                 "inplace: fp32 logits worked in place, Megatron's vocab-parallel cross-entropy; "
                                  "fused: one kernel over the half-precision logits, e.g. flash-attn's xentropy)")
         parser.add_argument("--tp-comm-overlap", action="store_const", const=True,
                             help="the training code overlaps tensor-parallel collectives with GEMMs (Megatron-Core --tp-comm-overlap, async TP)")

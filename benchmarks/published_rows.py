@@ -24,7 +24,8 @@ FILL_RULES = {
            "(STATED_NICS: BLOOM's 4 Omni-Path links per 8-GPU node -> opa-4x100g-8gpu; Alpa's 25 Gbps between "
            "p3.16xlarge nodes -> eth-25g-8gpu); the device's usual NIC otherwise",
     "device": "the profile of the row's GPU: h100-hbm2e when an H100 row says HBM2e (torchtitan's lower-TDP parts), "
-              "else h100-sxm; a100-40g or a100-80g by the stated memory; v100-32g",
+              "else h100-sxm; a100-40g or a100-80g, v100-16g or v100-32g by the stated memory; any other built-in device "
+              "by its name (`DEVICE_PATTERNS`)",
     "micro_batch": "1 when the source gives none (Megatron's default for its large-model runs); for Megatron-LM "
                    "2020 each replica's whole batch (global / dp: no gradient accumulation before the 2021 "
                    "pipeline schedules)",
@@ -52,7 +53,9 @@ FILL_RULES = {
     "pp_buffers": "transient for every row: the pipelined runs used Megatron-LM, Megatron-DeepSpeed or Alpa, which "
                   "hold received tensors only while in flight, not torch.distributed.pipelining",
     "loss": "fused for llm-foundry's MPT runs (ComposerMPTCausalLM's default loss_fn is 'fused_crossentropy', "
-            "flash-attn's xentropy kernel); torch (fp32 logits, F.cross_entropy) otherwise",
+            "flash-attn's xentropy kernel); inplace for the runs of Megatron-LM code (Megatron-LM, Megatron-Core, "
+            "Megatron-DeepSpeed: vocab_parallel_cross_entropy works in place on the fp32 logits); torch (fp32 logits, "
+            "F.cross_entropy) otherwise",
 }
 
 # Fields a group's source leaves out that its own figures pin down (FILL_RULES).
@@ -72,6 +75,10 @@ BLOCKING_DP_SYNC_GROUPS = ("bloom",)
 
 # Groups whose training code computes the cross-entropy with a fused kernel over half-precision logits.
 FUSED_LOSS_GROUPS = ("llmfoundry_mpt",)
+# Groups that ran Megatron-LM's model code, whose vocab-parallel cross-entropy works in place on the fp32
+# logits (`planner.loss_cost.LossKernel.INPLACE`); Alpa's priced rows are its Megatron-LM baselines.
+INPLACE_LOSS_GROUPS = ("megatron2020_tp_scaling", "megatron2021_weak", "megatron2021_zero3_vs_ptd", "megatron_core_h100",
+                       "korthikanti2022_table5", "korthikanti2022_abstract", "bloom", "alpa_osdi22")
 
 # Groups whose software predates fused (flash) attention: the score tensor is materialised.
 UNFUSED_ATTENTION_GROUPS = ("megatron2020_tp_scaling", "megatron2021_weak", "megatron2021_zero3_vs_ptd",
@@ -120,15 +127,21 @@ def _stated_nic(interconnect: str | None) -> str | None:
     return next((link for pattern, link in STATED_NICS if re.search(pattern, interconnect or "")), None)
 
 
+# (substrings of the row's GPU name with spaces and punctuation removed, built-in device); the first
+# entry whose substrings all occur wins, so a name containing another's comes first (GB200 before
+# B200, L40S before L4).
+DEVICE_PATTERNS = (
+    (("gb200",), "gb200"), (("b200",), "b200"), (("h200",), "h200"), (("h800",), "h800"), (("h100", "pcie"), "h100-pcie"),
+    (("h100", "hbm2e"), "h100-hbm2e"), (("h100",), "h100-sxm"), (("a100", "40g"), "a100-40g"), (("a100",), "a100-80g"),
+    (("v100", "16g"), "v100-16g"), (("v100",), "v100-32g"), (("mi300x",), "mi300x"), (("mi250x",), "mi250x"), (("l40s",), "l40s"), (("l4",), "l4"),
+    (("a10g",), "a10g"), (("4090",), "rtx-4090"),
+)
+
+
 def _device(gpu: str) -> str | None:
-    g = gpu.lower()
-    if "h100" in g:
-        return "h100-hbm2e" if "hbm2e" in g else "h100-sxm"
-    if "a100" in g:
-        return "a100-40g" if "40" in g else "a100-80g"
-    if "v100" in g:
-        return "v100-32g"
-    return None
+    """The built-in device profile of a row's GPU name ("A100-SXM4-40GB", "H100 (SXM, 80GB assumed)"), or None."""
+    name = re.sub(r"[^a-z0-9]", "", gpu.lower())
+    return next((device for parts, device in DEVICE_PATTERNS if all(part in name for part in parts)), None)
 
 
 def _recompute(text) -> str:
@@ -156,7 +169,12 @@ def _spec(model: dict) -> dict:
             "ffn_hidden": ffn, "vocab": model.get("vocab") or 51200}
     if model.get("kv_heads"):
         spec["kv_heads"] = model["kv_heads"]
-    if not llama:
+    moe = model.get("moe") or {}
+    experts = moe.get("num_experts") or moe.get("experts")
+    if experts:  # every block a mixture of `experts` SwiGLU experts, as the zoo's moe arch builds it
+        spec.update(arch="moe", experts=experts, top_k=moe.get("top_k") or moe.get("topk") or 2,
+                    moe_ffn_hidden=moe.get("moe_ffn_hidden") or moe.get("expert_ffn_hidden") or ffn)
+    elif not llama:
         spec["max_seq_len"] = model.get("seq_len") or 2048
     return spec
 
@@ -219,10 +237,12 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
         open_choices = tuple(key for key, value in (("zero", zero_stage), ("recompute", plan.get("recompute"))) if value is None)
         if plan.get("vpp") and plan["vpp"] > 1:
             config["vpp"] = plan["vpp"]
+        if isinstance(plan.get("ep"), int) and plan["ep"] > 1:
+            config["ep"] = plan["ep"]
         attention = "unfused" if run["group"] in UNFUSED_ATTENTION_GROUPS else "flash"
         tp_overlap = "--tp-comm-overlap" in flags or "asynctp" in run["id"].lower()
         dtype = "fp8" if "fp8" in str(run.get("precision", "")).lower() else "bf16"
-        loss = "fused" if run["group"] in FUSED_LOSS_GROUPS else "torch"
+        loss = "fused" if run["group"] in FUSED_LOSS_GROUPS else "inplace" if run["group"] in INPLACE_LOSS_GROUPS else "torch"
         zero3_fetch = "blocking" if run["group"] in BLOCKING_ZERO3_GROUPS else "prefetch"
         rows.append(Row(run["id"], run["group"], _spec(model), seq, cluster, config, gb, step[0], step[1],
                         bool(run.get("unverified")), attention, open_choices, tp_overlap, dtype, loss, zero3_fetch,

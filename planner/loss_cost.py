@@ -1,7 +1,7 @@
 """What the training code's cross-entropy keeps on the device: saved bytes and temporaries.
 
 The trace measures the zoo's loss, which upcasts the logits to fp32 and calls `F.cross_entropy`
-(as Megatron-LM and torchtitan do). A fused kernel changes what that loss keeps; `layer_cost`
+(as torchtitan does). A fused kernel changes what that loss keeps; `layer_cost`
 applies these rules to the layer holding the loss.
 """
 from __future__ import annotations
@@ -13,12 +13,15 @@ from planner.graph import Layer, Op, OpKind, Recompute
 
 class LossKernel(StrEnum):
     """How the cross-entropy runs: "torch" upcasts the logits to fp32 and calls `F.cross_entropy`
-    (Megatron-LM, torchtitan, the zoo's models: what the trace measures); "fused" is one kernel over
-    the half-precision logits that keeps them and a log-sum-exp per row for backward and writes a
-    half-precision logits gradient (flash-attn's xentropy `CrossEntropyLoss`, the default
-    `fused_crossentropy` loss of llm-foundry's MPT)."""
+    (torchtitan, the zoo's models: what the trace measures); "inplace" upcasts them too but works
+    in place on that fp32 copy, keeping it as the softmax for backward and turning it into the
+    logits gradient in place (Megatron-LM's and Megatron-Core's vocab-parallel cross-entropy,
+    `_VocabParallelCrossEntropy`); "fused" is one kernel over the half-precision logits that keeps
+    them and a log-sum-exp per row for backward and writes a half-precision logits gradient
+    (flash-attn's xentropy `CrossEntropyLoss`, the default `fused_crossentropy` loss of llm-foundry's MPT)."""
 
     TORCH = "torch"
+    INPLACE = "inplace"
     FUSED = "fused"
 
 
@@ -37,9 +40,10 @@ LOSS_PARALLEL_TEMP_INPUT_COPIES = 3
 
 def loss_temp_copies(op: Op, layer: Layer, kernel: LossKernel, split: int, activation_bytes: int) -> float:
     """Transient bytes of loss `op` at the step's peak, in copies of its input: `LOSS_TEMP_INPUT_COPIES`
-    (`LOSS_PARALLEL_TEMP_INPUT_COPIES` when vocabulary-parallel, `split` > 1); a fused loss holds only
-    its half-precision logits gradient."""
-    if kernel == LossKernel.FUSED:
+    (`LOSS_PARALLEL_TEMP_INPUT_COPIES` when vocabulary-parallel, `split` > 1); a fused or in-place
+    loss holds only the half-precision logits gradient (the in-place one computes it in the fp32
+    copy it saved, counted with the saved bytes as the torch loss's log-probabilities are)."""
+    if kernel in (LossKernel.FUSED, LossKernel.INPLACE):
         return _fused_logits_fraction(op, layer, activation_bytes)
     return LOSS_PARALLEL_TEMP_INPUT_COPIES if split > 1 else LOSS_TEMP_INPUT_COPIES
 

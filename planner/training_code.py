@@ -8,7 +8,7 @@ those choices, each with PyTorch's or FSDP2's behaviour (what `Plan.apply` runs)
 |-------|-------------------------|-----------|
 | attention | flash, unfused | `planner.layer_cost.AttentionKernel` |
 | tp_overlap | False, True | tensor-parallel collectives overlapped with GEMMs (`planner.layer_cost`) |
-| loss | torch, fused | `planner.loss_cost.LossKernel` |
+| loss | torch, inplace, fused | `planner.loss_cost.LossKernel` |
 | zero3_fetch | prefetch, blocking | `planner.state_cost.Zero3Fetch` |
 | dp_sync | overlapped, blocking | `planner.state_cost.DpSync` |
 | elementwise | eager, fused | `planner.fusion.ElementwiseKernels` |

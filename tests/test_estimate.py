@@ -318,8 +318,20 @@ def test_fused_loss_keeps_half_precision_logits_and_one_gradient(gpt350m, recomp
     assert torch_row["activations_bytes"] - fused_row["activations_bytes"] == pytest.approx(2 * logits, rel=1e-3)
 
 
+def test_in_place_loss_keeps_fp32_softmax_and_one_half_precision_gradient(gpt350m):
+    # Megatron's vocab-parallel cross-entropy keeps the fp32 softmax (4 B per logit, as the traced
+    # torch loss keeps its fp32 log-probabilities), computes the gradient in it in place, and casts
+    # that to one bf16 logits gradient (2 B): 8 B of temporaries per logit fewer 2 B. Same config as above.
+    config = ParallelConfig(dp=8, micro_batch=8, num_microbatches=2)
+    logits = 8 * 256 * gpt350m.dims.vocab
+    torch_row, inplace_row = (Evaluator(gpt350m, load_cluster("a100-80g:1x8"), code=TrainingCode.of(loss=loss)).estimate(config, 128).memory[0]
+                              for loss in ("torch", "inplace"))
+    assert inplace_row["temp_bytes"] == pytest.approx(2 * logits, rel=1e-3)
+    assert inplace_row["activations_bytes"] == torch_row["activations_bytes"]
+
+
 def test_unknown_loss_kernel_is_one_line(gpt350m):
-    with pytest.raises(PlannerError, match=r"loss='chunked': use one of 'torch', 'fused'"):
+    with pytest.raises(PlannerError, match=r"loss='chunked': use one of 'torch', 'inplace', 'fused'"):
         TrainingCode.of(loss="chunked")
 
 

@@ -151,7 +151,7 @@ def test_blocking_state_traffic_is_a_sweep_setting(tmp_path, key, default, zero)
     ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\nconstraints: {zeros: 1}\n",
      "sweep.yaml:5: constraints: zeros: unknown constraint; did you mean zero?"),
     ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\nloss: chunked\n",
-     "sweep.yaml:5: loss: 'chunked': use one of torch, fused"),
+     "sweep.yaml:5: loss: 'chunked': use one of torch, inplace, fused"),
     ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\ntp_overlap: yes please\n",
      "sweep.yaml:5: tp_overlap: 'yes please': use true or false"),
     ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64, 64]\nseq_lens: [512]\n",
