@@ -81,7 +81,7 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool) -> None:
     if needs_batch:
         parser.add_argument("--cluster", required=True, help="cluster name, cluster file, or DEVICE:NODESxGPUS")
         parser.add_argument("--global-batch", type=_positive("global-batch"), required=True, help="sequences per optimizer step")
-        parser.add_argument("--dtype", default="bf16", choices=TRAINING_DTYPES)
+        parser.add_argument("--dtype", choices=TRAINING_DTYPES, help="training dtype (default: bf16, or a saved plan's)")
         parser.add_argument("--attention", choices=["flash", "unfused"],
                             help="attention kernel of the training code (unfused: scores materialised, pre-FlashAttention)")
         parser.add_argument("--loss", choices=["torch", "inplace", "fused"],
@@ -239,7 +239,7 @@ def _run(args) -> int:
         if args.out:
             check_plan_path(args.out)
         result = planner.plan(
-            args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, **_training_code(args),
+            args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype or "bf16", **_training_code(args),
             mem_headroom=args.mem_headroom, top=args.top, allow_offload=args.allow_offload, **_constraints(args),
         )
         if args.out:

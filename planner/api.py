@@ -112,10 +112,22 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
     evaluator = Evaluator(graph, hardware, dtype, code=code)
     if planned is None:
         return evaluator.estimate(make_config(config, hardware.num_devices, global_batch), global_batch)
+    full, boundaries, policies = _planned_choices(planned, graph, global_batch)
+    return evaluator.estimate(full, global_batch, boundaries=boundaries, recompute_per_layer=policies)
+
+
+def _planned_choices(planned: Plan, graph: ModelGraph, global_batch: int) -> tuple[ParallelConfig, tuple[int, ...], tuple[Recompute, ...]]:
+    """The configuration (its micro-batch count for `global_batch`), stage cut points and per-layer
+    recompute of `planned`, checked against `graph`, the model it is priced on."""
     names = tuple(layer.name for layer in graph.layers)
-    if names != planned.layer_names:
-        raise invalid(f"plan: made for a model of {len(planned.layer_names)} layers ({planned.model}), not this one of "
-                      f"{len(names)}; evaluate it with the model it was planned for")
+    params = tuple(layer.params for layer in graph.layers)
+    if names != planned.layer_names or (planned.layer_params and params != planned.layer_params):
+        raise invalid(f"plan: made for {planned.model} ({len(planned.layer_names)} layers), not for this model "
+                      f"({len(names)} layers, other sizes or names); evaluate it with the model it was planned for")
+    staged = [name for stage in planned.stages for name in stage.layer_names]
+    if sorted(staged) != sorted(names):
+        odd = sorted(set(staged) ^ set(names)) or sorted(name for name in set(staged) if staged.count(name) > 1)
+        raise invalid(f"plan stages: layer {odd[0]} is not in exactly one stage; re-run `paraplan plan --out`")
     boundaries, chunks = planned.boundaries(), planned.config.pp * planned.config.vpp
     if len(boundaries) != chunks + 1:
         raise invalid(f"plan stages: their layers form {len(boundaries) - 1} contiguous runs, pp*vpp = {chunks} expected; re-plan")
@@ -123,8 +135,13 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
     unknown = sorted(set(policies) - {str(p) for p in Recompute})
     if unknown:
         raise invalid(f"plan memory_plan.recompute: unknown policy {unknown[0]!r}; use one of {', '.join(str(p) for p in Recompute)}")
-    return evaluator.estimate(planned.config, global_batch, boundaries=boundaries,
-                              recompute_per_layer=tuple(Recompute(p) for p in policies))
+    config = planned.config
+    per_round = config.dp * config.micro_batch
+    if global_batch % per_round:
+        raise invalid(f"global_batch={global_batch}: the plan runs dp*micro_batch = {config.dp}*{config.micro_batch} sequences "
+                      f"per micro-batch; give a multiple of {per_round} (the plan's is {planned.global_batch}) or re-plan")
+    full = dataclasses.replace(config, num_microbatches=global_batch // per_round)
+    return full, boundaries, tuple(Recompute(p) for p in policies)
 
 
 def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype: str = "bf16", attention: str = "flash",

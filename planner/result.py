@@ -12,6 +12,38 @@ SCHEMA_VERSION = 1
 PLAN_SUFFIXES = (".json", ".yaml", ".yml")
 
 
+# Plan fields `Plan.from_dict` reads, with their JSON types; the rest are optional.
+_REQUIRED_FIELDS = {"model": str, "cluster": str, "global_batch": int, "seq_len": int, "dtype": str, "config": dict,
+                    "step_time_s": (int, float), "tokens_per_s": (int, float), "tflops_per_gpu": (int, float),
+                    "mfu": (int, float), "peak_memory_bytes": (int, float), "fits": bool, "time_breakdown": dict,
+                    "memory": list, "stages": list}
+_TYPE_NAMES = {str: "text", int: "an integer", bool: "true or false", dict: "a mapping", list: "a list"}
+_OPTIONAL_FIELDS = {"layouts": dict, "memory_plan": dict, "search": dict, "alternatives": list, "rejected": list,
+                    "layer_names": list, "layer_params": list, "training_code": dict}
+
+
+def _check_plan_fields(data) -> None:
+    fix = "re-run `paraplan plan --out`"
+    if not isinstance(data, dict):
+        raise invalid(f"plan: expected a mapping of plan fields, got {type(data).__name__}; {fix}")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise invalid(f"plan schema_version={version!r}: this paraplan reads version {SCHEMA_VERSION}; {fix}")
+    for fields_, required in ((_REQUIRED_FIELDS, True), (_OPTIONAL_FIELDS, False)):
+        for key, kind in fields_.items():
+            if key not in data:
+                if required:
+                    raise invalid(f"plan field `{key}`: missing; {fix}")
+                continue
+            value = data[key]
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+                raise invalid(f"plan field `{key}`: expected {_TYPE_NAMES.get(kind, 'a number')}, got "
+                              f"{type(value).__name__}; {fix}")
+    for index, stage in enumerate(data["stages"]):
+        if not isinstance(stage, dict) or not isinstance(stage.get("layer_names"), list):
+            raise invalid(f"plan field `stages[{index}]`: expected a mapping with a `layer_names` list; {fix}")
+
+
 def check_plan_path(path: str | Path) -> Path:
     """`path` as a Path when it names a plan file format; PlannerError otherwise."""
     path = Path(path)
@@ -199,9 +231,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
-        version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise invalid(f"plan schema_version={version!r}: this paraplan reads version {SCHEMA_VERSION}; re-run `paraplan plan`")
+        """The plan `to_dict` wrote; PlannerError naming the first field that is missing or of the wrong type."""
+        _check_plan_fields(data)
         estimate = Estimate.from_dict(data)
         return cls(
             model=data["model"],
@@ -261,8 +292,9 @@ class Plan:
         import yaml
 
         try:
-            data = yaml.safe_load(path.read_text()) if path.suffix in (".yaml", ".yml") else json.loads(path.read_text())
+            text = path.read_text()
+            data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
             return cls.from_dict(data)
-        except (ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError) as error:
-            raise invalid(f"plan file {path}: not a paraplan plan ({type(error).__name__}: {error}); "
-                          f"write one with `paraplan plan --out`") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError) as error:
+            reason = " ".join(f"{type(error).__name__}: {error}".split())
+            raise invalid(f"plan file {path}: not a paraplan plan ({reason}); write one with `paraplan plan --out`") from None

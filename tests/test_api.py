@@ -156,6 +156,8 @@ def test_a_fixed_recompute_policy_is_kept_on_every_block(gpipe_plan):
 
 
 def test_a_plan_evaluates_only_on_the_model_it_was_made_for(gpipe_plan, small_graph):
+    # Another layer count, and the same 24 blocks with other sizes (gpt3-350m: hidden 1024, not 2048).
     _, plan = gpipe_plan
-    with pytest.raises(PlannerError, match="plan: made for a model of 26 layers"):
-        planner.evaluate(small_graph, "a10g:1x4", plan, global_batch=64)
+    for other in (small_graph, planner.trace("gpt3-350m", seq_len=2048)):
+        with pytest.raises(PlannerError, match=r"plan: made for gpt3-1.3b \(26 layers\), not for this model"):
+            planner.evaluate(other, "a10g:1x4", plan, global_batch=64)

@@ -197,9 +197,10 @@ def test_plan_out_round_trips(capsys, tmp_path, suffix):
 
 def test_evaluate_prices_a_saved_plan_as_planned(capsys, tmp_path):
     # The plan is written into a folder that does not exist yet; evaluate --plan takes its degrees,
-    # stages and per-layer recompute, and the training code it was planned with (--elementwise fused).
+    # stages, per-layer recompute and dtype (fp32), and the training code it was planned with
+    # (--elementwise fused).
     path = tmp_path / "new" / "plan.json"
-    code, out, _ = run(["plan", *RUN_ARGS, "--elementwise", "fused", "--out", str(path), "--json"], capsys)
+    code, out, _ = run(["plan", *RUN_ARGS, "--dtype", "fp32", "--elementwise", "fused", "--out", str(path), "--json"], capsys)
     assert code == 0
     planned = json.loads(out)
     assert planned["training_code"]["elementwise"] == "fused"
@@ -210,6 +211,12 @@ def test_evaluate_prices_a_saved_plan_as_planned(capsys, tmp_path):
         assert priced[key] == planned[key]
     code, out, _ = run(["evaluate", *RUN_ARGS, "--plan", str(path), "--elementwise", "eager", "--json"], capsys)
     assert code == 0 and json.loads(out)["step_time_s"] > planned["step_time_s"]
+    # Twice the global batch: twice the micro-batches of the same size.
+    doubled = [arg if arg != "32" else "64" for arg in RUN_ARGS]
+    code, out, _ = run(["evaluate", *doubled, "--plan", str(path), "--json"], capsys)
+    config = json.loads(out)["config"]
+    assert code == 0 and config["num_microbatches"] == 2 * planned["config"]["num_microbatches"]
+    assert config["micro_batch"] == planned["config"]["micro_batch"]
 
 
 def test_tables_render_without_json(capsys):
@@ -247,6 +254,10 @@ def bad_files(tmp_path_factory):
     (root / "cluster.yaml").write_text("name: x\ngroups: [1, 2\n")
     (root / "typo.yaml").write_text("arch: gpt\nlayers: 2\nhidden: 64\nhaeds: 4\nvocab: 128\n")
     (root / "truncated.json").write_text('{"schema_version": 1, "model": ')
+    fields = {"schema_version": 1, "model": "m", "cluster": "c", "global_batch": 32, "seq_len": 128, "dtype": "bf16", "config": {},
+              "step_time_s": 1.0, "tokens_per_s": 1.0, "tflops_per_gpu": 1.0, "mfu": 0.5, "peak_memory_bytes": 1.0, "fits": True,
+              "time_breakdown": {}, "memory": []}
+    (root / "stage.json").write_text(json.dumps({**fields, "stages": ["stage 0"]}))
     return root
 
 
@@ -272,6 +283,8 @@ BAD_INPUT = [
     pytest.param(["evaluate", *RUN_ARGS, "--plan", "{bad}/truncated.json"], "not a paraplan plan", id="malformed plan file"),
     pytest.param(["evaluate", *RUN_ARGS, "--plan", "{bad}/none.json", "--tp", "2", "--micro-batch", "2"], "--tp, --micro-batch also given",
                  id="a plan and degrees together"),
+    pytest.param(["evaluate", *RUN_ARGS, "--plan", "{bad}"], "IsADirectoryError", id="a folder as the plan file"),
+    pytest.param(["evaluate", *RUN_ARGS, "--plan", "{bad}/stage.json"], "plan field `stages[0]`", id="a plan with a malformed stage"),
 ]
 
 
