@@ -5,8 +5,11 @@ import json
 
 import pytest
 
-from benchmarks.published_rows import REFERENCE, _device, load_rows
+from benchmarks.published_rows import _device, load_rows
 from costmodel.profile_files import list_devices
+
+
+MISSING = "missing device, seq_len, global batch or degrees"
 
 
 @pytest.mark.parametrize(("gpu", "device"), [
@@ -21,15 +24,22 @@ def test_gpu_names_map_to_built_in_devices(gpu, device):
     assert device is None or device in list_devices()
 
 
-def test_reference_rows_are_skipped_only_for_a_missing_number():
-    rows, skipped = load_rows(None)
-    runs = {run["id"]: run for run in json.loads(REFERENCE.read_text())["runs"]}
-    assert len(rows) + len(skipped) == len(runs)
-    for run_id, reason in skipped:
-        run = runs[run_id]
-        stated = (_device(run["hardware"]["gpu"]), run["model"].get("seq_len"), run["plan"].get("global_batch"),
-                  run["plan"].get("tp"), run["plan"].get("pp"))
-        assert any(value is None for value in stated) or reason.startswith("no step time"), run_id
+def _run(run_id: str, gpu: str = "A100-SXM4-80GB", seq_len: int | None = 2048, tp: int | None = 1,
+         measured: dict | None = None) -> dict:
+    return {"id": run_id, "group": "g", "precision": "bf16", "measured": {"tokens_per_s": 1000} if measured is None else measured,
+            "model": {"layers": 2, "hidden": 256, "heads": 4, "vocab": 1024, "seq_len": seq_len},
+            "hardware": {"gpu": gpu, "num_gpus": 8, "gpus_per_node": 8},
+            "plan": {"tp": tp, "pp": 1, "global_batch": 64}}
+
+
+def test_rows_are_skipped_only_for_a_missing_number(tmp_path):
+    runs = [_run("kept"), _run("tpu", gpu="TPU v4"), _run("no-seq", seq_len=None), _run("no-tp", tp=None),
+            _run("no-metric", measured={})]
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"runs": runs}))
+    rows, skipped = load_rows(None, path)
+    assert [row.id for row in rows] == ["kept"]
+    assert dict(skipped) == {"tpu": MISSING, "no-seq": MISSING, "no-tp": MISSING, "no-metric": "no step time, tokens/s or TFLOP/s"}
 
 
 def test_a_mixture_of_experts_row_keeps_its_experts_and_expert_parallelism(tmp_path):
