@@ -308,8 +308,10 @@ class Evaluator:
             p2p_s, exposed_dp_s, optimizer_s = max(p2p_s, stage_p2p_s), max(exposed_dp_s, stage_dp_s), max(optimizer_s, stage_optimizer_s)
             breakdowns.append((device, breakdown))
             first, last = layer_ids[0], layer_ids[-1]
+            starts = [i for k, i in enumerate(layer_ids) if k == 0 or i != layer_ids[k - 1] + 1]
+            ends = [i for k, i in enumerate(layer_ids) if k == len(layer_ids) - 1 or layer_ids[k + 1] != i + 1]
             stage_plans.append(StagePlan(
-                index=stage, first_layer=first, last_layer=last,
+                index=stage, first_layer=first, last_layer=last, chunks=tuple(zip(starts, ends)),
                 layer_names=tuple(graph.layers[i].name for i in layer_ids),
                 fqns=tuple(f for i in layer_ids for f in graph.layers[i].fqns),
                 ranks=(stage * config.devices // config.pp, (stage + 1) * config.devices // config.pp - 1),

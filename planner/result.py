@@ -66,11 +66,13 @@ class StagePlan:
     fwd_s: float
     bwd_s: float
     memory: dict
+    chunks: tuple[tuple[int, int], ...] = ()  # (first, last) layer of each contiguous run: vpp of them when interleaved
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out["layers"] = [self.first_layer, self.last_layer]
         out["ranks"] = list(self.ranks)
+        out["chunks"] = [list(chunk) for chunk in self.chunks]
         return out
 
     @classmethod
@@ -80,6 +82,7 @@ class StagePlan:
         kwargs["layer_names"] = tuple(kwargs["layer_names"])
         kwargs["fqns"] = tuple(kwargs["fqns"])
         kwargs["ranks"] = tuple(kwargs["ranks"])
+        kwargs["chunks"] = tuple(tuple(chunk) for chunk in kwargs.get("chunks", ()))
         return cls(**kwargs)
 
 

@@ -161,3 +161,16 @@ def test_a_plan_evaluates_only_on_the_model_it_was_made_for(gpipe_plan, small_gr
     for other in (small_graph, planner.trace("gpt3-350m", seq_len=2048)):
         with pytest.raises(PlannerError, match=r"plan: made for gpt3-1.3b \(26 layers\), not for this model"):
             planner.evaluate(other, "a10g:1x4", plan, global_batch=64)
+
+
+def test_interleaved_stages_list_their_chunks(small_graph):
+    # pp=2 x vpp=2 over the 14 layers: chunk c runs on stage c % 2, so stage 0 holds chunks 0 and 2
+    # and stage 1 chunks 1 and 3; together the chunks tile the layers in order.
+    estimate = planner.evaluate(small_graph, NODE, {"tp": 1, "pp": 2, "vpp": 2}, global_batch=32)
+    chunks = [stage.chunks for stage in estimate.stages]
+    assert [len(c) for c in chunks] == [2, 2]
+    order = [chunks[0][0], chunks[1][0], chunks[0][1], chunks[1][1]]
+    assert order[0][0] == 0 and order[-1][1] == len(small_graph.layers) - 1
+    assert all(nxt[0] == prev[1] + 1 for prev, nxt in zip(order, order[1:]))
+    for stage in estimate.stages:
+        assert sum(last - first + 1 for first, last in stage.chunks) == len(stage.layer_names)

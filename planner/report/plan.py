@@ -31,6 +31,17 @@ def _layer_span(names: tuple[str, ...]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)})"
 
 
+def _stage_layers(stage) -> str:
+    """The stage's layers, one span per chunk (an interleaved stage holds vpp apart)."""
+    if len(stage.chunks) < 2:
+        return _layer_span(stage.layer_names)
+    spans, start = [], 0
+    for first, last in stage.chunks:
+        spans.append(_layer_span(stage.layer_names[start:start + last - first + 1]))
+        start += last - first + 1
+    return " + ".join(spans)
+
+
 def stage_table(plan: Plan) -> Table:
     table = Table(title="Pipeline stages", title_justify="left")
     table.add_column("stage", justify="right")
@@ -41,7 +52,7 @@ def stage_table(plan: Plan) -> Table:
     table.add_column("memory")
     for stage in plan.stages:
         memory = stage.memory
-        table.add_row(str(stage.index), _layer_span(stage.layer_names), f"{stage.ranks[0]}-{stage.ranks[1]}", stage.device,
+        table.add_row(str(stage.index), _stage_layers(stage), f"{stage.ranks[0]}-{stage.ranks[1]}", stage.device,
                       fmt_seconds(stage.fwd_s + stage.bwd_s),
                       f"{fmt_bytes(memory['total_bytes'])} {bar(memory['total_bytes'] / memory['capacity_bytes'], 12)}")
     return table
