@@ -20,7 +20,6 @@ MEMORY_ILP_TIME_LIMIT_S = 5.0
 MEMORY_ILP_REL_GAP = 1e-3
 
 
-
 def _uniform(evaluator: Evaluator, policy: Recompute) -> tuple[Recompute, ...]:
     return tuple(policy if layer.kind == LayerKind.BLOCK else Recompute.NONE for layer in evaluator.graph.layers)
 

@@ -42,6 +42,9 @@ def _check_plan_fields(data) -> None:
     for index, stage in enumerate(data["stages"]):
         if not isinstance(stage, dict) or not isinstance(stage.get("layer_names"), list):
             raise invalid(f"plan field `stages[{index}]`: expected a mapping with a `layer_names` list; {fix}")
+    recompute = data.get("memory_plan", {}).get("recompute", {})
+    if not isinstance(recompute, dict) or not all(isinstance(names, list) for names in recompute.values()):
+        raise invalid(f"plan field `memory_plan.recompute`: expected a mapping of policy to a list of layer names; {fix}")
 
 
 def check_plan_path(path: str | Path) -> Path:

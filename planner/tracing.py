@@ -78,7 +78,7 @@ def trace(source: ModelSource | str | nn.Module | ModelSpec, *, seq_len: int | N
             name, spec file, "package.module:factory", ModelSpec, nn.Module starting with an
             embedding).
         seq_len: tokens per sequence; the source's default when None.
-        micro_batch: sequences per forward.
+        micro_batch: sequences per forward (inputs the model fixes keep their own batch).
         dtype: training dtype, one of MEASURE_DTYPES.
 
     Returns:
