@@ -268,6 +268,9 @@ BAD_SPECS = [
       "experts": 4, "top_k": 2, "dense_layers": 2}, "dense_layers"),
     ({"arch": "moe", "layers": 2, "hidden": 64, "heads": 4, "ffn_hidden": 8, "vocab": 9,
       "experts": 4, "top_k": 2, "shared_experts": -1}, "shared_experts"),
+    ({"arch": "moe", "layers": 2, "hidden": 64, "heads": 4, "vocab": 9, "experts": 4, "top_k": 2}, "moe_ffn_hidden"),
+    ({"arch": "moe", "layers": 2, "hidden": 64, "heads": 4, "vocab": 9, "experts": 4, "top_k": 2, "moe_ffn_hidden": 8,
+      "dense_layers": 1}, "ffn_hidden"),
     ({"arch": "llama", "layers": 2, "hidden": 64, "heads": 4, "ffn_hidden": 8, "vocab": 9,
       "rope_theta": float("nan")}, "rope_theta"),
     ({"arch": "vit", "layers": 2, "hidden": 64, "heads": 4, "image_size": 30, "patch_size": 8},
@@ -278,6 +281,13 @@ BAD_SPECS = [
     ({"arch": "lama", "layers": 2}, "arch"),
     ({"layers": 2}, "arch"),
 ]
+
+
+def test_moe_spec_needs_one_mlp_width_without_dense_layers():
+    # Without dense layers the dense width is unused: the expert width alone is enough (and fills it).
+    spec = parse_spec({"arch": "moe", "layers": 2, "hidden": 64, "heads": 4, "vocab": 9, "experts": 4, "top_k": 2,
+                       "moe_ffn_hidden": 8}, "experts-only.yaml")
+    assert (spec.moe_ffn_hidden, spec.ffn_hidden) == (8, 8)
 
 
 @pytest.mark.parametrize("data,field", BAD_SPECS, ids=[f"{i}-{f}" for i, (_, f) in

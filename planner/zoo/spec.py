@@ -15,9 +15,9 @@ Keys (`*` = required):
     head_dim         width of one attention head (llama, moe): the query projection is
                      heads x head_dim wide, the key and value projections kv_heads x head_dim,
                      whatever `hidden` is (Qwen3, Gemma). Default hidden / heads.
-    ffn_hidden       MLP width. Default 4 x hidden for gpt, bert and vit; required for llama and moe
+    ffn_hidden       MLP width. Default 4 x hidden for gpt, bert and vit; required for llama
                      (SwiGLU widths are not a fixed multiple). For moe it is the width of the
-                     leading dense layers.
+                     leading dense layers: required with dense_layers, else `moe_ffn_hidden`.
     vocab            vocabulary size; required for gpt, llama, moe and bert; not used by vit.
     tie_embeddings   share the token embedding with the output projection. Default true for gpt
                      and bert, false for llama and moe; not used by vit.
@@ -27,7 +27,8 @@ Keys (`*` = required):
     rope_theta       rotary embedding base (llama, moe). Default 10000.
     experts*         routed experts per MoE layer (moe only).
     top_k*           routed experts each token uses; at most `experts` (moe only).
-    moe_ffn_hidden   width of one expert's SwiGLU MLP (moe only). Default `ffn_hidden`.
+    moe_ffn_hidden   width of one expert's SwiGLU MLP (moe only). Default `ffn_hidden`; one of
+                     the two is required.
     shared_experts   always-on experts of width `moe_ffn_hidden` (DeepSeek-MoE style; moe only).
                      Default 0.
     dense_layers     leading layers with a dense MLP instead of experts; fewer than `layers`
@@ -93,7 +94,7 @@ _KEYS: dict[str, tuple[type, frozenset, frozenset]] = {
     "heads": (int, _ALL, _ALL),
     "kv_heads": (int, _ALL, frozenset()),
     "head_dim": (int, _ROPE, frozenset()),
-    "ffn_hidden": (int, _ALL, _ROPE),
+    "ffn_hidden": (int, _ALL, frozenset({Arch.LLAMA})),  # moe: see _moe_widths
     "vocab": (int, _LANGUAGE, _LANGUAGE),
     "tie_embeddings": (bool, _LANGUAGE, frozenset()),
     "max_seq_len": (int, _LANGUAGE, frozenset()),
@@ -251,6 +252,8 @@ def parse_spec(data: Any, origin: str) -> ModelSpec:
         if key not in values and arch in required:
             raise _field_error(origin, key, f"missing (required for arch {arch})",
                                f"add `{key}: <positive integer>`")
+    if arch == Arch.MOE:
+        values = _moe_widths(values, origin)
     spec = ModelSpec(name=Path(origin).stem, **_with_defaults(arch, values))
     _check_consistency(spec, origin, head_dim_given="head_dim" in values)
     return spec
@@ -289,6 +292,20 @@ def _checked_value(origin: str, key: str, value: Any) -> Any:
         raise _field_error(origin, key, f"must be {bound}, got {value}",
                            f"use a {bound} integer")
     return value
+
+
+def _moe_widths(values: dict, origin: str) -> dict:
+    """An MoE spec's MLP widths: each of `ffn_hidden` (the dense layers') and `moe_ffn_hidden` (the
+    experts') defaults to the other; the dense width is required only when there are dense layers."""
+    if "ffn_hidden" in values:
+        return values
+    if values.get("dense_layers", 0):
+        raise _field_error(origin, "ffn_hidden", "missing (required for the dense_layers of arch moe)",
+                           "add `ffn_hidden: <positive integer>`, the dense layers' MLP width")
+    if "moe_ffn_hidden" not in values:
+        raise _field_error(origin, "moe_ffn_hidden", "missing (arch moe needs an expert width)",
+                           "add `moe_ffn_hidden: <positive integer>` (or `ffn_hidden`)")
+    return {**values, "ffn_hidden": values["moe_ffn_hidden"]}
 
 
 def _with_defaults(arch: Arch, values: dict) -> dict:
