@@ -167,10 +167,11 @@ def _factory_source(ref: str, example_inputs: Any) -> ModelSource:
         default_seq_len = probe.get("seq_len", _SOURCE_DEFAULT_SEQ_LEN)
     else:
         default_seq_len = _token_seq_len(returned_inputs)
-    fixed = make_inputs is fixed_inputs
+    own_inputs = returned_inputs is not None
     return ModelSource(name=ref, build=build, example_inputs=make_inputs, default_seq_len=default_seq_len,
-                       fixed_by="set by the example inputs its factory returns; it takes no seq_len=" if fixed else "",
-                       fixed_micro_batch=_batch_of(returned_inputs) if fixed else 0)
+                       fixed_by="set by the example inputs its factory returns; it takes no seq_len="
+                       if own_inputs and "seq_len" not in probe else "",
+                       fixed_micro_batch=_batch_of(returned_inputs) if own_inputs and "micro_batch" not in probe else 0)
 
 
 def _load_factory(ref: str) -> Callable:

@@ -217,6 +217,18 @@ def test_factory_taking_only_micro_batch(user_module):
     """)
     source = resolve_model(f"{name}:build")
     assert source.example_inputs(6, 100, META)[0].shape == (6, 4)
+    # Its inputs follow the micro-batch, not the sequence length.
+    assert source.fixed_by and source.fixed_micro_batch == 0
+
+
+def test_factory_taking_only_seq_len_fixes_the_batch(user_module):
+    name = user_module("""
+        import torch
+        def build(seq_len=32):
+            return torch.nn.Embedding(10, 4), (torch.zeros(3, seq_len, dtype=torch.long),)
+    """)
+    source = resolve_model(f"{name}:build")
+    assert (source.fixed_by, source.fixed_micro_batch, source.default_seq_len) == ("", 3, 32)
 
 
 def test_example_inputs_rejected_when_factory_returns_its_own():
