@@ -321,7 +321,8 @@ def test_fused_loss_keeps_half_precision_logits_and_one_gradient(gpt350m, recomp
 def test_in_place_loss_keeps_fp32_softmax_and_one_half_precision_gradient(gpt350m):
     # Megatron's vocab-parallel cross-entropy keeps the fp32 softmax (4 B per logit, as the traced
     # torch loss keeps its fp32 log-probabilities), computes the gradient in it in place, and casts
-    # that to one bf16 logits gradient (2 B): 8 B of temporaries per logit fewer 2 B. Same config as above.
+    # that to one bf16 logits gradient: 2 B of temporaries per logit where the torch loss holds two
+    # fp32 tensors (8 B). Same configuration as above.
     config = ParallelConfig(dp=8, micro_batch=8, num_microbatches=2)
     logits = 8 * 256 * gpt350m.dims.vocab
     torch_row, inplace_row = (Evaluator(gpt350m, load_cluster("a100-80g:1x8"), code=TrainingCode.of(loss=loss)).estimate(config, 128).memory[0]
