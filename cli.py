@@ -304,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         # the reader (e.g. `| head`) closed the pipe: nothing left to say
         sys.stderr.close()
         return 0
+    except OSError as error:  # a path the command reads or writes: a folder, a missing folder, no permission
+        sys.stderr.write(f"paraplan: {error.filename or error}: {error.strerror or 'cannot be used'}; give another path\n")
+        return 2
 
 
 if __name__ == "__main__":

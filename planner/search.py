@@ -25,7 +25,7 @@ from collections import Counter
 from costmodel.hardware import Cluster
 from planner.bounds import (WorkBound, mean_capacity_bytes, memory_floor_bytes, pipeline_bound_s, tail_bound_s, work_bound,
                             work_bound_key)
-from planner.config import ParallelConfig
+from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, PlannerErrorKind, invalid
 from planner.estimate import Evaluator
 from planner.graph import ModelGraph, Recompute
@@ -43,17 +43,33 @@ OTHER_KEYS = {"schedules", "allow_tp_across_nodes", "mem_headroom", "top", "exha
 EXPLAIN_EXAMPLES_PER_REASON = 3
 
 
-def _check_constraints(constraints: dict) -> None:
+# Constraints whose value is a positive integer; the other fixed ones take a listed value.
+_POSITIVE_KEYS = {"tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "top"} | BOUND_KEYS
+_FLAG_KEYS = {"offload_optimizer", "allow_tp_across_nodes", "exhaustive", "allow_offload"}
+
+
+def check_constraints(constraints: dict) -> None:
+    """Raises PlannerError (INVALID_INPUT) naming the first unknown constraint or bad value."""
     import difflib
 
-    for key in constraints:
+    for key, value in constraints.items():
         if key not in BOUND_KEYS | FIXED_KEYS | OTHER_KEYS:
             near = difflib.get_close_matches(key, sorted(BOUND_KEYS | FIXED_KEYS | OTHER_KEYS), n=1)
             hint = f"; did you mean {near[0]}?" if near else ""
             raise invalid(f"constraint {key!r}: unknown{hint}")
+        if key in _POSITIVE_KEYS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise invalid(f"{key}={value!r}: must be a positive integer")
+        if key in _FLAG_KEYS and not isinstance(value, bool):
+            raise invalid(f"{key}={value!r}: must be true or false")
+        choices = {"zero": (0, 1, 2, 3), "recompute": tuple(str(p) for p in Recompute),
+                   "schedule": tuple(str(s) for s in Schedule)}.get(key)
+        if choices and (isinstance(value, bool) or str(value) not in {str(c) for c in choices}):
+            raise invalid(f"{key}={value!r}: use one of {', '.join(str(c) for c in choices)}")
+        if key == "schedules" and (not isinstance(value, (list, tuple)) or not {str(v) for v in value} <= {str(s) for s in Schedule}):
+            raise invalid(f"schedules={value!r}: must be a list of {', '.join(str(s) for s in Schedule)}")
     headroom = constraints.get("mem_headroom", 0.0)
-    if not 0.0 <= headroom < 0.9:
-        raise invalid(f"mem_headroom={headroom}: must be in [0, 0.9)")
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0.0 <= headroom < 0.9:
+        raise invalid(f"mem_headroom={headroom!r}: must be a number in [0, 0.9)")
 
 
 def _reason_key(reason: str) -> str:
@@ -170,7 +186,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     """
     started = time.perf_counter()
     constraints = {k: v for k, v in constraints.items() if v is not None}
-    _check_constraints(constraints)
+    check_constraints(constraints)
     headroom = constraints.get("mem_headroom", 0.0)
     top = constraints.get("top", 5)
     exhaustive = constraints.get("exhaustive", False)

@@ -109,6 +109,17 @@ def test_plan_honours_fixed_choices_and_bounds(small_graph):
         assert (config.tp, config.zero, config.pp) == (2, 1, 1)
 
 
+@pytest.mark.parametrize(("constraint", "message"), [
+    ({"micro_batch": 0}, "micro_batch=0: must be a positive integer"), ({"recompute": "some"}, "recompute='some': use one of"),
+    ({"zero": 4}, "zero=4: use one of 0, 1, 2, 3"), ({"max_pp": True}, "max_pp=True: must be a positive integer"),
+    ({"mem_headroom": "a lot"}, "mem_headroom='a lot': must be a number"),
+])
+def test_plan_rejects_a_bad_constraint_value(small_graph, constraint, message):
+    with pytest.raises(PlannerError) as error:
+        planner.plan(small_graph, NODE, global_batch=32, **constraint)
+    assert error.value.kind == PlannerErrorKind.INVALID_INPUT and error.value.message.startswith(message)
+
+
 def test_plan_rejects_an_unknown_constraint(small_graph):
     with pytest.raises(PlannerError) as error:
         planner.plan(small_graph, NODE, global_batch=32, tpp=2)

@@ -258,6 +258,7 @@ def bad_files(tmp_path_factory):
               "step_time_s": 1.0, "tokens_per_s": 1.0, "tflops_per_gpu": 1.0, "mfu": 0.5, "peak_memory_bytes": 1.0, "fits": True,
               "time_breakdown": {}, "memory": []}
     (root / "stage.json").write_text(json.dumps({**fields, "stages": ["stage 0"]}))
+    (root / "binary.csv").write_bytes(b"\x00\xff\xfe garbage\n")
     return root
 
 
@@ -284,6 +285,11 @@ BAD_INPUT = [
     pytest.param(["evaluate", *RUN_ARGS, "--plan", "{bad}/none.json", "--tp", "2", "--micro-batch", "2"], "--tp, --micro-batch also given",
                  id="a plan and degrees together"),
     pytest.param(["evaluate", *RUN_ARGS, "--plan", "{bad}"], "IsADirectoryError", id="a folder as the plan file"),
+    pytest.param(["report", "{bad}/binary.csv", "--out", "{bad}/report.md"], "not a text file", id="a binary results file"),
+    pytest.param(["report", str(REPO / "benchmarks" / "results" / "sweep_144.csv"), "--out", "{bad}/cluster.yaml/report.md"],
+                 "cluster.yaml", id="an output path under a file"),
+    pytest.param(["plan", *RUN_ARGS, "--recompute", "full", "--top", "1", "--timeline", "{bad}/cluster.yaml/t.png"],
+                 "cluster.yaml: File exists", id="a chart path under a file"),
     pytest.param(["evaluate", *RUN_ARGS, "--plan", "{bad}/stage.json"], "plan field `stages[0]`", id="a plan with a malformed stage"),
 ]
 

@@ -163,7 +163,10 @@ def _whole_lines(data: bytes) -> bytes:
 
 
 def _parse(path: Path, fmt: ResultsFormat, data: bytes) -> list[dict]:
-    lines = data.decode().splitlines()
+    try:
+        lines = data.decode().splitlines()
+    except UnicodeDecodeError as error:
+        raise invalid(f"{path}: not a text file (byte {error.start} is not UTF-8); give a sweep's .csv or .jsonl results") from None
     if fmt == ResultsFormat.JSONL:
         return [_typed_json(path, number, line) for number, line in enumerate(lines, 1) if line.strip()]
     if not lines:

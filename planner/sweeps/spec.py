@@ -319,11 +319,15 @@ def _constraints(entry: _Entry | None) -> dict:
         return {}
     if not isinstance(entry.value, dict):
         raise invalid(f"{entry.where}: expected a mapping such as {{zero: 1, max_pp: 8}}")
-    from planner.search import BOUND_KEYS, FIXED_KEYS, OTHER_KEYS
+    from planner.search import BOUND_KEYS, FIXED_KEYS, OTHER_KEYS, check_constraints
 
     allowed = sorted((BOUND_KEYS | FIXED_KEYS | OTHER_KEYS) - set(RESERVED_CONSTRAINTS))
     for key in entry.value:
         if key not in allowed:
             near = difflib.get_close_matches(str(key), allowed, n=1)
             raise invalid(f"{entry.where}: {key}: unknown constraint" + (f"; did you mean {near[0]}?" if near else f"; use {', '.join(allowed)}"))
+    try:
+        check_constraints(entry.value)
+    except PlannerError as error:
+        raise invalid(f"{entry.where}: {error.message}") from None
     return dict(entry.value)
