@@ -6,6 +6,7 @@ reproduce row for row (all columns but `plan_time_s`, which is a wall time).
 """
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -262,18 +263,24 @@ def test_a_model_that_fails_to_trace_becomes_rows(tmp_path, monkeypatch):
     assert {r["reason"] for r in rows} == {"capture failed in layers.0: boom"}
 
 
-@pytest.mark.parametrize("signum, suffix, workers, rerun", [(signal.SIGTERM, ".csv", "2", "command"),
-                                                            (signal.SIGINT, ".jsonl", "1", "api")])
-def test_a_signalled_sweep_resumes_to_the_uninterrupted_rows(tmp_path, reference, signum, suffix, workers, rerun):
+@pytest.mark.parametrize("signum, suffix, workers, rerun, group", [(signal.SIGTERM, ".csv", "2", "command", True),
+                                                                   (signal.SIGINT, ".jsonl", "1", "api", False)])
+def test_a_signalled_sweep_resumes_to_the_uninterrupted_rows(tmp_path, reference, signum, suffix, workers, rerun, group):
     """Stop `paraplan sweep` once it has written a row; re-run the command (or the same sweep
-    through the API, which is what the command runs, to save a process start)."""
+    through the API, which is what the command runs, to save a process start). With worker
+    processes the signal goes to the whole process group, as Ctrl-C, `timeout` and batch
+    schedulers send it: the workers leave stopping to the parent."""
     out = tmp_path / f"results{suffix}"
     command = [sys.executable, str(REPO / "cli.py"), "sweep", *FLAGS, "--out", str(out), "--workers", workers]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=group)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (not out.exists() or len(read_results(out)) < 1):
         time.sleep(0.05)
-    process.send_signal(signum)
+    if group:
+        os.killpg(process.pid, signum)
+    else:
+        process.send_signal(signum)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 128 + signum
     assert stderr.strip().splitlines()[-1].startswith(f"paraplan: sweep stopped by {signal.Signals(signum).name} with ")

@@ -131,13 +131,16 @@ def run_inline(points: Iterable[SweepPoint], tables: Tables, stop: threading.Eve
 
 
 _WORKER_TABLES: Tables | None = None
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 def _init_worker(tables: Tables) -> None:
     global _WORKER_TABLES
     _WORKER_TABLES = tables
-    # Ctrl-C at a terminal reaches the whole process group; the parent decides how to stop.
+    # Ctrl-C at a terminal, `timeout` and batch schedulers signal the whole process group; the
+    # parent decides how to stop (it lets the running points finish).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _plan_in_worker(point: SweepPoint) -> dict:
@@ -147,6 +150,8 @@ def _plan_in_worker(point: SweepPoint) -> dict:
 
 def run_processes(points: Iterable[SweepPoint], tables: Tables, stop: threading.Event, workers: int) -> Iterator[dict | None]:
     """Plan the points in `workers` fresh worker processes (spawned: no state forked from the parent)."""
+    if stop.is_set():  # stopped while tracing: start no workers
+        return
     pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                                   initializer=_init_worker, initargs=(tables,))
 
@@ -154,9 +159,21 @@ def run_processes(points: Iterable[SweepPoint], tables: Tables, stop: threading.
         done, _ = concurrent.futures.wait(pending, timeout=POLL_S, return_when=concurrent.futures.FIRST_COMPLETED)
         return done
 
+    def submit(point: SweepPoint):
+        # With SIGINT and SIGTERM blocked: a worker spawned now inherits the mask, so a signal sent to
+        # the whole process group reaches only the parent (delivered as soon as they are unblocked).
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            return pool.submit(_plan_in_worker, point)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
     try:
-        yield from _windowed(points, stop, workers, lambda point: pool.submit(_plan_in_worker, point), wait,
-                             lambda future: future.result())
+        yield from _windowed(points, stop, workers, submit, wait, lambda future: future.result())
+    except concurrent.futures.BrokenExecutor:
+        if not stop.is_set():  # a signal that reached a worker before it could ignore it also reached us
+            raise invalid("sweep: a worker process ended unexpectedly (killed, or out of memory); the finished points "
+                          "are kept: re-run the same command to resume") from None
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
