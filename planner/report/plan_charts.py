@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from planner.errors import invalid
 from planner.report.figures import check_image_path
 from planner.report.memory_chart import save_memory_chart
 from planner.report.timeline import save_timeline
@@ -16,8 +17,10 @@ def check_plan_chart_paths(timeline: str | None, memory_chart: str | None) -> No
         PlannerError: INVALID_INPUT naming the option.
     """
     for option, path in (("--timeline", timeline), ("--memory-chart", memory_chart)):
-        if path:
+        if path is not None:
             check_image_path(path, option)
+    if timeline and memory_chart and Path(timeline).resolve() == Path(memory_chart).resolve():
+        raise invalid(f"--memory-chart {memory_chart}: the same file as --timeline; give each chart its own path")
 
 
 def save_plan_charts(plan: Plan, timeline: str | None = None, memory_chart: str | None = None) -> list[Path]:

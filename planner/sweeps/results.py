@@ -49,15 +49,15 @@ COLUMN_TYPES: dict[str, type] = {
 COLUMNS = tuple(COLUMN_TYPES)
 
 
-def results_format(path: str | Path) -> ResultsFormat:
-    """The format of a results file, from its extension.
+def results_format(path: str | Path, what: str = "--out") -> ResultsFormat:
+    """The format of a results file, from its extension; `what` names the file in errors.
 
     Raises:
         PlannerError: INVALID_INPUT for any other extension.
     """
     suffix = Path(path).suffix.lower()
     if suffix not in SUFFIX_FORMATS:
-        raise invalid(f"--out {path}: unknown results extension {suffix!r}; use .csv or .jsonl")
+        raise invalid(f"{what} {path}: unknown results extension {suffix!r}; use .csv or .jsonl")
     return SUFFIX_FORMATS[suffix]
 
 
@@ -77,7 +77,7 @@ def read_results(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise invalid(f"results file {path}: not found; check the path")
-    return _parse(path, results_format(path), _whole_lines(path.read_bytes()))
+    return _parse(path, results_format(path, "results file"), _whole_lines(path.read_bytes()))
 
 
 class ResultsFile:
