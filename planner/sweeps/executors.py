@@ -162,6 +162,8 @@ def run_processes(points: Iterable[SweepPoint], tables: Tables, stop: threading.
     def submit(point: SweepPoint):
         # With SIGINT and SIGTERM blocked: a worker spawned now inherits the mask, so a signal sent to
         # the whole process group reaches only the parent (delivered as soon as they are unblocked).
+        if not hasattr(signal, "pthread_sigmask"):  # no signal masks (Windows)
+            return pool.submit(_plan_in_worker, point)
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         try:
             return pool.submit(_plan_in_worker, point)
