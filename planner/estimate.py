@@ -36,7 +36,7 @@ from planner.graph import LayerKind, ModelGraph, Recompute
 from planner.layer_cost import LayerContext, LayerCost, bytes_per_element, price_layer
 from planner.mesh import expert_data_group, mesh_groups, stage_devices
 from planner.pipeline_buffers import chunk_recv_bytes, recv_buffer_bytes
-from planner.result import Estimate, StagePlan
+from planner.result import Estimate, StagePlan, contiguous_runs
 from planner.space import check_config
 from planner.stage_problem import StageProblem
 from planner.state_cost import (dp_exposed_s, optimizer_step_s, precision_of, state_options, tied_gradient_sum_s,
@@ -308,10 +308,8 @@ class Evaluator:
             p2p_s, exposed_dp_s, optimizer_s = max(p2p_s, stage_p2p_s), max(exposed_dp_s, stage_dp_s), max(optimizer_s, stage_optimizer_s)
             breakdowns.append((device, breakdown))
             first, last = layer_ids[0], layer_ids[-1]
-            starts = [i for k, i in enumerate(layer_ids) if k == 0 or i != layer_ids[k - 1] + 1]
-            ends = [i for k, i in enumerate(layer_ids) if k == len(layer_ids) - 1 or layer_ids[k + 1] != i + 1]
             stage_plans.append(StagePlan(
-                index=stage, first_layer=first, last_layer=last, chunks=tuple(zip(starts, ends)),
+                index=stage, first_layer=first, last_layer=last, chunks=contiguous_runs(layer_ids),
                 layer_names=tuple(graph.layers[i].name for i in layer_ids),
                 fqns=tuple(f for i in layer_ids for f in graph.layers[i].fqns),
                 ranks=(stage * config.devices // config.pp, (stage + 1) * config.devices // config.pp - 1),

@@ -44,7 +44,7 @@ def loss_temp_copies(op: Op, layer: Layer, kernel: LossKernel, split: int, activ
     loss holds only the half-precision logits gradient (the in-place one computes it in the fp32
     copy it saved, counted with the saved bytes as the torch loss's log-probabilities are)."""
     if kernel in (LossKernel.FUSED, LossKernel.INPLACE):
-        return _fused_logits_fraction(op, layer, activation_bytes)
+        return _half_precision_logits_fraction(op, layer, activation_bytes)
     return LOSS_PARALLEL_TEMP_INPUT_COPIES if split > 1 else LOSS_TEMP_INPUT_COPIES
 
 
@@ -56,11 +56,11 @@ def fused_loss_saving(layer: Layer, kernel: LossKernel, recompute: Recompute, re
     checkpointing keeps the logits already and full recompute keeps neither."""
     if kernel != LossKernel.FUSED or recompute not in (Recompute.NONE, Recompute.SELECTIVE):
         return 0.0
-    return sum((1.0 - _fused_logits_fraction(op, layer, activation_bytes)) * reads[op.name]
+    return sum((1.0 - _half_precision_logits_fraction(op, layer, activation_bytes)) * reads[op.name]
                for op in layer.ops if op.kind == OpKind.LOSS)
 
 
-def _fused_logits_fraction(op: Op, layer: Layer, activation_bytes: int) -> float:
+def _half_precision_logits_fraction(op: Op, layer: Layer, activation_bytes: int) -> float:
     """Bytes of the half-precision logits over the bytes of the loss's input (the logits as the trace
     feeds them to the loss: fp32 after the upcast, so 1/2 in bf16 training, 1 in fp32)."""
     produced = {o.name: o for o in layer.ops}

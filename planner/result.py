@@ -47,6 +47,13 @@ def _check_plan_fields(data) -> None:
         raise invalid(f"plan field `memory_plan.recompute`: expected a mapping of policy to a list of layer names; {fix}")
 
 
+def contiguous_runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
+    """(first, last) of each run of consecutive integers in `indices`, in their order."""
+    starts = [i for k, i in enumerate(indices) if k == 0 or i != indices[k - 1] + 1]
+    ends = [i for k, i in enumerate(indices) if k == len(indices) - 1 or indices[k + 1] != i + 1]
+    return tuple(zip(starts, ends))
+
+
 def check_plan_path(path: str | Path) -> Path:
     """`path` as a Path when it names a plan file format; PlannerError otherwise."""
     path = Path(path)
@@ -200,8 +207,8 @@ class Plan:
         """The layer cut points of the plan's pp * vpp chunks (chunk c runs on stage c % pp): each
         contiguous run of a stage's layers is a chunk."""
         index = {name: i for i, name in enumerate(self.layer_names)}
-        starts = sorted(index[name] for stage in self.stages for k, name in enumerate(stage.layer_names)
-                        if k == 0 or index[name] != index[stage.layer_names[k - 1]] + 1)
+        starts = sorted(first for stage in self.stages
+                        for first, _ in contiguous_runs([index[name] for name in stage.layer_names]))
         return (*starts, len(self.layer_names))
 
     def recompute_per_layer(self) -> tuple[str, ...]:

@@ -23,7 +23,7 @@ from torch.distributed.pipelining import (
 
 from planner.config import Schedule
 from planner.errors import invalid
-from planner.result import Plan
+from planner.result import Plan, contiguous_runs
 
 # The schedule class of each plan schedule. torch's zero-bubble schedule for one or more stages per
 # rank is ZB1P (Qi et al. 2024), the schedule the cost model prices as "zb".
@@ -69,13 +69,8 @@ def chunk_units(plan: Plan, units: tuple[str, ...], pp_rank: int) -> list[tuple[
         PlannerError: the plan's stage does not split into `vpp` contiguous runs of units.
     """
     order = {unit: i for i, unit in enumerate(units)}
-    fqns = [f for f in plan.stages[pp_rank].fqns if f in order]
-    runs: list[list[str]] = []
-    for fqn in fqns:
-        if runs and order[fqn] == order[runs[-1][-1]] + 1:
-            runs[-1].append(fqn)
-        else:
-            runs.append([fqn])
+    positions = [order[f] for f in plan.stages[pp_rank].fqns if f in order]
+    runs = [units[first:last + 1] for first, last in contiguous_runs(positions)]
     vpp, pp = plan.config.vpp, plan.config.pp
     if len(runs) != vpp:
         raise invalid(f"plan stage {pp_rank}: its layers form {len(runs)} contiguous runs, vpp={vpp} expected; re-plan")
