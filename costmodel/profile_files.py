@@ -116,6 +116,32 @@ def read_mapping(path: Path) -> dict:
     return data
 
 
+# A key only one kind of profile has, and the kind it marks.
+KIND_MARKERS = (("groups", "cluster"), ("peak_flops_per_s", "device"), ("bw_bytes_per_s", "link"))
+
+
+def profile_kind(data: dict) -> str | None:
+    """"cluster", "device" or "link": the kind of profile a mapping is, from a key only that kind has."""
+    return next((kind for key, kind in KIND_MARKERS if key in data), None)
+
+
+def file_kind(text: str) -> str | None:
+    """`profile_kind` of the profile file `text` names; None where it names no readable profile file
+    (the loaders then say why)."""
+    if not looks_like_path(text):
+        return None
+    try:
+        path = Path(text).expanduser()
+    except RuntimeError:  # "~user" naming no known user
+        return None
+    if not is_file(path):
+        return None
+    try:
+        return profile_kind(read_mapping(path))
+    except ProfileError:
+        return None
+
+
 def relative_to(base: Path, ref: str) -> str:
     """A file reference inside a profile is relative to that profile's directory."""
     return str(base / ref) if looks_like_path(ref) and not Path(ref).expanduser().is_absolute() else ref

@@ -17,8 +17,8 @@ from costmodel.errors import ProfileError
 from costmodel.hardware import (INTER_NODE_KINDS, INTRA_NODE_KINDS, Cluster, DeviceSpec, Dtype, LinkKind, LinkTier,
                                 NodeGroup, NodeSpec)
 from costmodel.profile_fields import Origin
-from costmodel.profile_files import (SHORTHAND_EXAMPLE, is_file, looks_like_path, profile_dirs, read_mapping,
-                                     relative_to, resolve)
+from costmodel.profile_files import (SHORTHAND_EXAMPLE, is_file, looks_like_path, profile_dirs, profile_kind,
+                                     read_mapping, relative_to, resolve)
 
 # Time a GEMM would take at its plateau throughput when it reaches only half that throughput:
 # kernel launch, prologue and the last partial wave of tiles, a few microseconds per GEMM
@@ -138,7 +138,9 @@ def load_op_table(path: str) -> OpTable:
 
 @functools.lru_cache(maxsize=256)
 def _load_link_file(path: str, mtime_ns: int) -> LinkTier:
-    return _parse_link(Origin(path), "", read_mapping(Path(path)), Path(path).stem, allowed=None)
+    data = read_mapping(Path(path))
+    _check_kind(Origin(path), data, "link")
+    return _parse_link(Origin(path), "", data, Path(path).stem, allowed=None)
 
 
 @functools.lru_cache(maxsize=256)
@@ -227,6 +229,7 @@ def _collective_factors(origin: Origin, field_name: str, value) -> tuple[tuple[s
 
 
 def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Path, ...], base: Path) -> DeviceSpec:
+    _check_kind(origin, data, "device")
     fields.check_keys(origin, "", data, _DEVICE_KEYS, _DEVICE_REQUIRED)
     peaks = _peaks(origin, data["peak_flops_per_s"])
     node = data["node"]
@@ -255,7 +258,24 @@ def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Pat
     )
 
 
+# How to use a profile of one kind (key) where another was expected.
+_KIND_USES = {
+    "device": "write {label}:NODESxGPUS (e.g. {label}:1x8) for a cluster of it, or name it as a cluster group's device",
+    "link": "name it as a device's or a cluster group's intra_link or nic",
+    "cluster": "give it as --cluster; a cluster file names its devices in groups",
+}
+
+
+def _check_kind(origin: Origin, data: dict, expected: str) -> None:
+    """Refuse, in one line saying how to use it, a profile of another kind than `expected`."""
+    kind = profile_kind(data)
+    if kind is not None and kind != expected:
+        raise ProfileError(f"{origin.label}: a {kind} profile, not a {expected}; "
+                           + _KIND_USES[kind].format(label=origin.label))
+
+
 def _parse_cluster(origin: Origin, data: dict, default_name: str, dirs: tuple[Path, ...], base: Path) -> Cluster:
+    _check_kind(origin, data, "cluster")
     fields.check_keys(origin, "", data, _CLUSTER_KEYS, ("groups",))
     groups = data["groups"]
     if not isinstance(groups, list) or not groups:

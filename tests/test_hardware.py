@@ -373,3 +373,24 @@ def test_render_unknown_link_name_suggests_nearest():
 def test_render_unknown_name_suggests_nearest():
     with pytest.raises(ProfileError, match="did you mean .*h100-sxm"):
         render_hardware("h100")
+
+
+def test_hardware_shows_a_device_or_link_file_as_what_it_is():
+    device = _cells(_text(render_hardware(str(PROFILES_DIR / "devices" / "a100-40g.yaml"))))
+    assert device["memory"][0].startswith("39.59 GiB")  # 40536 MiB
+    link = _cells(_text(render_hardware(str(PROFILES_DIR / "links" / "ib-hdr200.yaml"))))
+    assert link["bandwidth"] == ["25 GB/s per direction per device"]
+
+
+@pytest.mark.parametrize(("given", "hint"), [
+    (PROFILES_DIR / "devices" / "a100-40g.yaml", "a device profile, not a cluster; write .*a100-40g.yaml:NODESxGPUS"),
+    (PROFILES_DIR / "links" / "ib-hdr200.yaml", "a link profile, not a cluster; name it as"),
+])
+def test_a_profile_of_another_kind_is_refused_saying_how_to_use_it(given, hint):
+    with pytest.raises(ProfileError, match=hint):
+        load_cluster(str(given))
+
+
+def test_a_cluster_file_as_a_shorthand_device_is_refused_saying_how_to_use_it():
+    with pytest.raises(ProfileError, match="a cluster profile, not a device; give it as --cluster"):
+        load_cluster(f"{PROFILES_DIR / 'clusters' / 'aws-p4d-16n.yaml'}:1x8")

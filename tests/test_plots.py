@@ -189,6 +189,7 @@ def test_report_bundles_tables_and_charts(tmp_path, suffix, capsys):
     assert cli.main(["report", str(results), "--out", str(report)]) == 0
     text = report.read_text()
     assert "no plan fits: try more devices" in text and "3,000" in text and "$0.200" in text
+    assert "4 points: 3 ok, 1 infeasible." in text
     if suffix == ".html":
         assert len(re.findall(r"<img alt='[^']+' src='data:image/png;base64,", text)) == 3
     else:
@@ -196,3 +197,10 @@ def test_report_bundles_tables_and_charts(tmp_path, suffix, capsys):
         assert "| m | a:16 | 64 | 1024 | ok | dp8 tp1 pp1 | 1,900 | 45.0% |" in text
     with pytest.raises(PlannerError, match="unknown report extension '.pdf'"):
         write_sweep_report(results, tmp_path / "report.pdf")
+
+
+def test_report_of_one_point_says_point(tmp_path):
+    results = tmp_path / "results.csv"
+    with ResultsFile.open(results) as out:
+        out.append(sweep_rows()[0])
+    assert "1 point: 1 ok." in write_sweep_report(results, tmp_path / "report.md").read_text()

@@ -206,6 +206,15 @@ def test_results_round_trip_and_a_partial_last_line_is_cut(tmp_path, suffix, ref
     assert read_results(path) == reference[:4]
 
 
+def test_a_point_written_twice_reads_once_as_its_last_row(tmp_path, reference):
+    path = tmp_path / "results.jsonl"
+    rerun = dict(reference[0], step_time_s=2 * reference[0]["step_time_s"])
+    with ResultsFile.open(path) as results:
+        for row in (reference[0], reference[1], rerun):
+            results.append(row)
+    assert read_results(path) == [rerun, reference[1]]
+
+
 def test_row_prices_the_cluster_and_records_failures(reference):
     row = next(r for r in reference if r["cluster"] == "a100-80g:2x8")
     price = load_device("a100-80g").price_per_hour

@@ -8,7 +8,7 @@ from rich.text import Text
 
 from costmodel.errors import ProfileError
 from costmodel.hardware import Cluster, DeviceSpec, LinkTier
-from costmodel.profile_files import list_clusters, list_devices, list_links, nearest_names
+from costmodel.profile_files import file_kind, list_clusters, list_devices, list_links, looks_like_path, nearest_names
 from costmodel.profile_loader import load_cluster, load_device, load_link
 
 FLOPS_PER_TFLOP = 1e12
@@ -61,7 +61,7 @@ def render_hardware(name: str) -> RenderableType:
     """One device, link or cluster in detail, each number with its source.
 
     Args:
-        name: a device, link or cluster name, a cluster file or a `DEVICE:NODESxGPUS` shorthand.
+        name: a device, link or cluster name or file, or a `DEVICE:NODESxGPUS` shorthand.
 
     Returns:
         A rich renderable.
@@ -75,7 +75,12 @@ def render_hardware(name: str) -> RenderableType:
         return _render_device(load_device(key))
     if key in links:
         return _render_link(load_link(key))
-    if key in clusters or ":" in key or key.endswith((".yaml", ".yml", ".json")):
+    kind = file_kind(name)
+    if kind == "device":
+        return _render_device(load_device(name))
+    if kind == "link":
+        return _render_link(load_link(name))
+    if key in clusters or ":" in key or looks_like_path(name):
         return _render_cluster(load_cluster(name))
     close = nearest_names(key, devices + links + clusters)
     hint = f"did you mean {', '.join(close)}" if close else "run `paraplan hardware` for the list"

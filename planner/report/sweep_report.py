@@ -16,7 +16,7 @@ from rich.table import Table
 from planner.errors import invalid
 from planner.report.figures import png_bytes, save_figure
 from planner.report.sweep_charts import CHART_NAMES, cost_figure, mfu_figure, throughput_figure
-from planner.report.units import fmt_bytes, fmt_seconds
+from planner.report.units import fmt_bytes, fmt_number_of, fmt_seconds
 from planner.sweeps.results import PointStatus, read_results
 from planner.sweeps.runner import SweepSummary
 
@@ -33,10 +33,13 @@ ALL_POINT_COLUMNS = ("model", "cluster", "global batch", "seq len", "status", "c
 
 def render_sweep_summary(summary: SweepSummary) -> Table:
     """The table `paraplan sweep` prints when a sweep finishes."""
-    table = Table(title=f"Sweep: {summary.points} points in {summary.path}", show_header=False, title_justify="left")
+    table = Table(title=f"Sweep: {fmt_number_of(summary.points, 'point')} in {summary.path}", show_header=False,
+                  title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value")
-    table.add_row("planned now", f"{summary.planned} (the other {summary.points - summary.planned} were already in the file)")
+    earlier = summary.points - summary.planned
+    table.add_row("planned now", f"{summary.planned} (the other {earlier} {'was' if earlier == 1 else 'were'} already in the file)"
+                  if earlier else str(summary.planned))
     for status in PointStatus:
         if summary.status_counts.get(status):
             table.add_row(str(status), str(summary.status_counts[status]))
@@ -108,7 +111,7 @@ def _usd(value: float) -> str:
 def _overview(rows: list[dict]) -> str:
     counts = Counter(row["status"] for row in rows)
     by_status = ", ".join(f"{counts[status]} {status}" for status in PointStatus if counts[status])
-    return f"{len(rows)} points: {by_status}."
+    return f"{fmt_number_of(len(rows), 'point')}: {by_status}."
 
 
 def _html(title: str, rows: list[dict], charts: list[bytes], sections: list[Section]) -> str:

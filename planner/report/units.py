@@ -4,6 +4,11 @@ from __future__ import annotations
 GIB = 2**30
 
 
+def fmt_number_of(count: int, noun: str) -> str:
+    """"1 point", "2 points": a count with its noun, plural unless it is one."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def fmt_bytes(value: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(value) >= scale:

@@ -69,7 +69,8 @@ def row_point(row: dict) -> SweepPoint:
 def read_results(path: str | Path) -> list[dict]:
     """The rows of a results file, typed (int, float, str; None where empty).
 
-    A partial last line (from a hard kill mid-write) is ignored.
+    A partial last line (from a hard kill mid-write) is ignored. A point written more than once (two
+    sweeps appending to one file, files joined) counts once: its last row, in its first row's place.
 
     Raises:
         PlannerError: INVALID_INPUT when the file is missing or is not a paraplan results file.
@@ -77,7 +78,8 @@ def read_results(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise invalid(f"results file {path}: not found; check the path")
-    return _parse(path, results_format(path, "results file"), _whole_lines(path.read_bytes()))
+    rows = _parse(path, results_format(path, "results file"), _whole_lines(path.read_bytes()))
+    return list({row_point(row): row for row in rows}.values())
 
 
 class ResultsFile:

@@ -28,6 +28,7 @@ from rich.text import Text
 
 from planner.api import model_graph
 from planner.errors import invalid
+from planner.report.units import fmt_number_of
 from planner.sweeps.executors import (ExecutorKind, PlanSettings, Tables, base_row, failure, run_inline, run_processes,
                                       run_ray)
 from planner.sweeps.results import ResultsFile, results_format, row_point
@@ -66,7 +67,7 @@ class SweepInterrupted(Exception):
 
     def __init__(self, signum: int, finished: int, total: int, path: Path):
         self.signum, self.finished, self.total, self.path = signum, finished, total, path
-        super().__init__(f"sweep stopped by {signal.Signals(signum).name} with {finished} of {total} points in {path}; "
+        super().__init__(f"sweep stopped by {signal.Signals(signum).name} with {finished} of {fmt_number_of(total, 'point')} in {path}; "
                          f"re-run the same command to resume")
 
     @property
