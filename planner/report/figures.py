@@ -74,10 +74,11 @@ def png_bytes(figure: Figure) -> bytes:
 
 
 def set_titles(figure: Figure, title: str, subtitle: str = "", axes=None) -> None:
-    """A bold figure title and, over `axes`, a smaller line of detail."""
+    """A bold figure title and, over `axes` from its left edge, a smaller line of detail (a long one
+    runs on over the legend's column rather than off the figure's left edge)."""
     figure.suptitle(title, fontsize=TITLE_SIZE, fontweight="bold")
     if subtitle and axes is not None:
-        axes.set_title(subtitle, fontsize=SUBTITLE_SIZE, color="#333333")
+        axes.set_title(subtitle, fontsize=SUBTITLE_SIZE, color="#333333", loc="left")
 
 
 def time_unit(span_s: float) -> tuple[float, str]:
