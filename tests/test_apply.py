@@ -73,6 +73,9 @@ SPECS = {
     # Heads of 48 features on a 128-wide model (q_proj 128 -> 192): a head width apart from hidden/heads, as Qwen3's.
     "llama": f"arch: llama\nlayers: 2\nhidden: 128\nheads: 4\nkv_heads: 2\nhead_dim: 48\nffn_hidden: 256\nvocab: {VOCAB}\n"
              f"max_seq_len: {SEQ_LEN}\n",
+    # Multi-query attention: one key/value head for the 4 query heads split over tp.
+    "llama-mqa": f"arch: llama\nlayers: 2\nhidden: 128\nheads: 4\nkv_heads: 1\nhead_dim: 48\nffn_hidden: 256\n"
+                 f"vocab: {VOCAB}\nmax_seq_len: {SEQ_LEN}\n",
     "moe": f"arch: moe\nlayers: 2\nhidden: 128\nheads: 4\nkv_heads: 2\nffn_hidden: 256\nvocab: {VOCAB}\n"
            f"max_seq_len: {SEQ_LEN}\nexperts: 4\ntop_k: 2\nmoe_ffn_hidden: 128\nshared_experts: 1\n",
 }
@@ -283,9 +286,10 @@ def _memory_pressure_plan(spec: Path, tmp: Path) -> Plan:
 
 @pytest.fixture(scope="module")
 def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
-    gpt, mixed, llama, moe, tied, tied_odd = (spec_dir / f"{name}.yaml"
-                                              for name in ("gpt", "gpt-mixed", "llama", "moe", "gpt-tied", "gpt-tied-odd"))
+    gpt, mixed, llama, moe, tied, tied_odd, mqa = (
+        spec_dir / f"{name}.yaml" for name in ("gpt", "gpt-mixed", "llama", "moe", "gpt-tied", "gpt-tied-odd", "llama-mqa"))
     sp_plan = _plan(gpt, "cpu:1x2", tp=2, pp=1)
+    mqa_plan = _plan(mqa, "cpu:1x2", tp=2, pp=1)
     all_blocks = [f"layers.{i}" for i in range(4)]
     two_rank = [
         ("pp_1f1b", _plan(gpt, "cpu:1x2", pp=2, tp=1, schedule="1f1b", micro_batch=2), gpt),
@@ -308,6 +312,11 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("dp_zero1_offload_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=1, micro_batch=2,
                                               offload_optimizer=True), gpt),
         ("llama_tp", _plan(llama, "cpu:1x2", tp=2, pp=1), llama),
+        ("mqa_tp", mqa_plan, mqa),
+        # The key and value projections computed whole on every rank, the layout's other choice.
+        ("mqa_tp_replicated_kv", dataclasses.replace(mqa_plan, layouts={
+            **mqa_plan.layouts, **{f"layers.{i}.attn.{name}": "replicate" for i in range(2) for name in ("k_proj", "v_proj")}}),
+         mqa),
         ("tied_tp", _plan(tied, "cpu:1x2", tp=2, pp=1), tied),
         ("tied_odd_vocab_tp", _plan(tied_odd, "cpu:1x2", tp=2, pp=1), tied_odd),
         ("tied_pp", _plan(tied, "cpu:1x2", pp=2, tp=1, schedule="1f1b", micro_batch=2), tied),
@@ -486,6 +495,15 @@ def test_llama_grouped_query_attention_tp2(trained):
     plan = trained["llama_tp"][0]
     assert plan.layouts["layers.0.attn.k_proj"] == "colwise"
     _check(trained["llama_tp"])
+
+
+@pytest.mark.parametrize(("case", "kv_placement"), [("mqa_tp", "colwise"), ("mqa_tp_replicated_kv", "replicate")])
+def test_multi_query_attention_tp2_splits_query_heads(trained, case, kv_placement):
+    # One key/value head: each rank runs half the query heads against the whole key/value head.
+    plan = trained[case][0]
+    assert plan.layouts["layers.0.attn"] == "heads" and plan.layouts["layers.0.attn.q_proj"] == "colwise"
+    assert plan.layouts["layers.0.attn.k_proj"] == plan.layouts["layers.0.attn.v_proj"] == kv_placement
+    _check(trained[case])
 
 
 @pytest.mark.parametrize("case", ["tied_tp", "tied_dp_x_tp"])

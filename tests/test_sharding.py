@@ -168,6 +168,19 @@ def test_attention_replicated_when_heads_do_not_divide(heads, kv_heads):
     assert_consistent(layout, ops)
 
 
+@pytest.mark.parametrize("tp", [2, 8])
+def test_multi_query_attention_splits_query_heads(tp):
+    # One key/value head cannot split, but the 32 query heads can, each rank attending with the
+    # whole key/value head (gathered or computed whole: 2 T h x 128 FLOPs, tiny): the attention core,
+    # q and o_proj split tp ways, as with more key/value heads.
+    ops = gpt_block(heads=32, kv_heads=1)
+    layout = solve_layout(ops, tp, roofline_compute_s, ring_comm_s(tp), sequence_parallel=False)
+    assert (layout.per_op["attn"], layout.per_op["q"], layout.per_op["o_proj"]) == (
+        Placement.HEADS, Placement.COLWISE, Placement.ROWWISE)
+    assert layout.per_op["k"] in (Placement.COLWISE, Placement.REPLICATE)
+    assert_consistent(layout, ops)
+
+
 def mlp_chain(tokens=4096, widths=(1024, 4096, 4096, 1024)) -> list[Op]:
     ops, source = [], "x"
     for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:])):

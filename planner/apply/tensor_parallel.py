@@ -30,7 +30,9 @@ output back, so any mix of placements the sharding ILP chooses composes:
 
 Attention modules split heads through the projection widths: the zoo's attention infers its
 local head count from the projected tensor, so column-sharded q/k/v give `heads / tp` local heads
-(and `kv_heads / tp` for grouped-query attention) with no change to the module.
+(and `kv_heads / tp` for grouped-query attention) with no change to the module. Multi-query
+attention (one key/value head) splits its query heads and gives every rank the whole key and value
+head (`SharedKeyValueParallel`).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -188,6 +190,48 @@ def _grouped_expert_styles(fqn: str, module: nn.Module, layouts: dict[str, str])
     return {f"{fqn}.{name}": GroupedLinearParallel(colwise=name != outputs[0]) for name in placements}
 
 
+class SharedKeyValueParallel(ParallelStyle):
+    """Key or value projection of multi-query attention (one key/value head) whose attention core
+    runs on local query heads: every rank needs the whole head, so the projection's output is
+    replicated: computed colwise and all-gathered, or computed whole from replicated weights. Each
+    rank's query heads give that head a different gradient: the output's gradient is a partial sum
+    (reduce-scattered back to the colwise shards, or summed into the replicated weight's gradient
+    by FSDP2), as Megatron-LM forks with multi-query attention reduce it. Input: the container's
+    replicated input; output: a local tensor."""
+
+    def __init__(self, colwise: bool):
+        super().__init__()
+        self.colwise = colwise
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        placement = Shard(0) if self.colwise else Replicate()
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for param_name, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(param_name, nn.Parameter(
+                    distribute_tensor(param, mesh, [placement], src_data_rank=self.src_data_rank)))
+
+        def prepare_input(mod: nn.Module, inputs, mesh: DeviceMesh):
+            x = inputs[0]
+            x = x.redistribute(mesh, [Replicate()]) if isinstance(x, DTensor) else DTensor.from_local(
+                x, mesh, [Replicate()], run_check=False)
+            return (x, *inputs[1:])
+
+        def prepare_output(mod: nn.Module, output: DTensor, mesh: DeviceMesh):
+            return output.redistribute(mesh, [Replicate()]).to_local(grad_placements=(Partial(),))
+
+        return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
+
+
+def _shared_key_value(module: nn.Module, inputs: list[str], tp: int) -> list[str]:
+    """The input projections of multi-query attention (one key/value head, query heads split over
+    tp) that produce its key and value; none for other modules."""
+    head_dim, heads, kv_heads = (getattr(module, name, None) for name in ("head_dim", "heads", "kv_heads"))
+    if not head_dim or kv_heads != 1 or not heads or heads % tp or tp == 1:
+        return []
+    return [name for name in inputs if getattr(module, name).out_features == head_dim]
+
+
 def _check_heads(fqn: str, module: nn.Module, inputs: list[str], tp: int) -> None:
     """Local heads must be whole: every head-projection's heads divisible by tp (attention has `head_dim`)."""
     head_dim = getattr(module, "head_dim", None)
@@ -212,15 +256,19 @@ def _container_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stre
         raise unsupported(f"module {fqn}: expected one output projection named one of {', '.join(OUTPUT_PROJECTIONS)}, "
                           f"found {outputs or 'none'}; tensor parallelism needs the zoo layout")
     inputs = [name for name in linears if name not in outputs]
-    all_colwise = bool(inputs) and all(placements[name] == Placement.COLWISE for name in inputs)
     core = layouts.get(fqn)  # attention core placement; MLPs have none and follow their input linears
+    shared = _shared_key_value(module, inputs, tp) if core == Placement.HEADS else []
+    split = [name for name in inputs if name not in shared]
+    all_colwise = bool(split) and all(placements[name] == Placement.COLWISE for name in split) and all(
+        placements[name] in (Placement.COLWISE, Placement.REPLICATE) for name in shared)
     if core == Placement.HEADS and not all_colwise:
-        raise unsupported(f"layout {fqn}: attention on local heads needs colwise {', '.join(inputs)}; re-plan")
+        raise unsupported(f"layout {fqn}: attention on local heads needs colwise {', '.join(split)}; re-plan")
     middle = F if all_colwise and core != Placement.REPLICATE else R
     if middle == F:
-        _check_heads(fqn, module, inputs, tp)
-    styles: dict[str, ParallelStyle] = {}
-    for name in inputs:
+        _check_heads(fqn, module, split, tp)
+    styles: dict[str, ParallelStyle] = {
+        f"{fqn}.{name}": SharedKeyValueParallel(colwise=placements[name] == Placement.COLWISE) for name in shared}
+    for name in split:
         if placements[name] == Placement.ROWWISE:
             raise unsupported(f"layout {fqn}.{name}: a rowwise input projection cannot read the replicated input; re-plan")
         style = _linear_style(placements[name], f"{fqn}.{name}", R, middle)
