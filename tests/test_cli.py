@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import inspect
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,20 @@ def test_evaluate_json_contract(capsys):
     assert data["peak_memory_bytes"] == max(row["total_bytes"] for row in data["memory"])
     assert data["tokens_per_s"] == pytest.approx(32 * 128 / data["step_time_s"])
     assert isinstance(data["fits"], bool) and 0 < data["mfu"] < 1
+
+
+def test_evaluate_says_what_would_fit_and_how_to_shrink_a_bubble(capsys):
+    # llama3-70b on 8 devices without ZeRO: ~70e9 x 18 B / 8 ranks of model states, far over 80 GB.
+    code, out, _ = run(["evaluate", "--model", "llama3-70b", "--cluster", "h100-sxm:1x8", "--global-batch", "8",
+                        "--seq-len", "2048", "--tp", "1", "--pp", "8", "--micro-batch", "1", "--recompute", "full"], capsys)
+    text = " ".join(out.split())
+    assert code == 0
+    assert re.search(r"Does not fit: stage \d+ needs [\d.]+ GiB of 79.19 GiB; its model states \([\d.]+ GiB\) shrink "
+                     r"under ZeRO-3 \(--zero 3\)", text)
+    # 8 micro-batches over 8 stages: (p - 1) / (m + p - 1) = 7/15 of 1F1B's step is bubble.
+    assert re.search(r"The pipeline bubble idles the devices 4\d% of the step: .* an interleaved schedule \(--vpp 2", text)
+    code, out, _ = run(["evaluate", *RUN_ARGS, "--tp", "2", "--pp", "1"], capsys)
+    assert code == 0 and "Does not fit" not in out and "bubble idles" not in out
 
 
 def test_evaluate_fp32_prices_fp32_states_and_peak(capsys):

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from planner.result import Estimate
 from planner.report.units import GIB, bar, fmt_bytes, fmt_seconds
+
+# A pipeline bubble above this share of the step gets a hint on how to shrink it.
+BUBBLE_HINT_FRACTION = 0.25
 
 def estimate_json(estimate: Estimate) -> dict:
     """The `evaluate --json` object (DESIGN.md contract)."""
@@ -55,5 +59,27 @@ def memory_table(estimate: Estimate) -> Table:
     return table
 
 
+def hints(estimate: Estimate) -> list[str]:
+    """What would make the estimated configuration fit, or shrink a large pipeline bubble."""
+    out = []
+    if not estimate.fits:
+        row = max(estimate.memory, key=lambda r: r["total_bytes"] / r["capacity_bytes"])
+        states = row["weights_bytes"] + row["grads_bytes"] + row["optimizer_bytes"]
+        fix = (f"its model states ({fmt_bytes(states)}) shrink under ZeRO-3 (--zero 3), over more data-parallel devices,"
+               " or with --offload-optimizer" if states >= row["activations_bytes"] else
+               f"its activations ({fmt_bytes(row['activations_bytes'])}) shrink with recompute (--recompute full),"
+               " a smaller --micro-batch, or more tp, cp or pp")
+        out.append(f"Does not fit: stage {row['stage']} needs {fmt_bytes(row['total_bytes'])} of "
+                   f"{fmt_bytes(row['capacity_bytes'])}; {fix}. `paraplan plan` searches for what fits.")
+    config = estimate.config
+    if config is not None and config.pp > 1 and estimate.bubble_fraction > BUBBLE_HINT_FRACTION:
+        interleave = "" if config.vpp > 1 else " or an interleaved schedule (--vpp 2 or more)"
+        out.append(f"The pipeline bubble idles the devices {estimate.bubble_fraction:.0%} of the step: more "
+                   f"micro-batches (a larger --global-batch or a smaller --micro-batch){interleave} shrink it.")
+    return out
+
+
 def render_estimate(estimate: Estimate, title: str = "Estimate") -> Group:
-    return Group(summary_table(estimate, title), time_table(estimate), memory_table(estimate))
+    """The summary, time and memory tables, then the `hints`."""
+    return Group(summary_table(estimate, title), time_table(estimate), memory_table(estimate),
+                 *(Text(hint, style="yellow") for hint in hints(estimate)))
