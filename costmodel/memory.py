@@ -75,6 +75,15 @@ STATE_BYTES_PER_PARAM = {
 }
 
 
+# Bytes a frozen parameter (one that takes no gradient) keeps on top of its working weights, per
+# optimizer: none of the optimizer's moments or gradients, but under mixed precision FSDP2 keeps every
+# parameter in its fp32 original, trainable or not, and casts it for compute (`planner.apply`), so
+# a frozen one keeps the 4 B a master copy would (sharded as the optimizer states are).
+FROZEN_KEPT_BYTES_PER_PARAM = {Optimizer.ADAM_MIXED: 4.0, Optimizer.ADAM_FP32: 0.0, Optimizer.ADAM_MIXED_OFFLOAD: 0.0}
+# Relative slack when checking frozen against all parameters: both arrive as sums of per-layer shares.
+FROZEN_ROUNDING = 1e-9
+
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes on one device, by category.
@@ -124,6 +133,7 @@ def model_state_bytes(
     gathered_params: float = 0.0,
     shard_is_master: bool = False,
     deferred_grad_sync: bool = False,
+    frozen_params: float = 0.0,
 ) -> StateBytes:
     """Weights, gradients and optimizer states on one device under a ZeRO stage.
 
@@ -149,6 +159,8 @@ def model_state_bytes(
             (DeepSpeed's) accounting.
         deferred_grad_sync: the gradients accumulate unsharded over the micro-batches and are
             reduce-scattered once, after the last (`stage_memory`), so ZeRO-2/3 hold them whole.
+        frozen_params: the part of `params` that takes no gradient (`requires_grad=False`): its
+            weights only, plus `FROZEN_KEPT_BYTES_PER_PARAM` in place of optimizer states.
 
     Returns:
         `StateBytes(weights_bytes, grads_bytes, optimizer_bytes)`.
@@ -167,8 +179,10 @@ def model_state_bytes(
     grad_bytes = per_param.grads_bytes if grad_bytes_per_param is None else grad_bytes_per_param
     _check_non_negative(
         params=params, gathered_params=gathered_params, weight_bytes_per_param=weight_bytes,
-        grad_bytes_per_param=grad_bytes,
+        grad_bytes_per_param=grad_bytes, frozen_params=frozen_params,
     )
+    if frozen_params > params * (1 + FROZEN_ROUNDING):
+        raise ValueError(f"frozen_params={frozen_params}: must not exceed params={params}")
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero={zero!r}: must be 0, 1, 2 or 3")
     if not isinstance(shard_group, int) or shard_group < 1:
@@ -177,10 +191,12 @@ def model_state_bytes(
         raise ValueError(f"gathered_params={gathered_params}: only ZeRO-3 gathers parameters; pass 0 for zero={zero}")
     master_only = shard_is_master and zero >= 3 and _optimizer(optimizer) in MASTER_COPY_OPTIMIZERS
     sharded_weights = 0.0 if master_only else params * weight_bytes / (shard_group if zero >= 3 else 1)
+    trainable = max(0.0, params - frozen_params)
+    kept = trainable * per_param.optimizer_bytes + frozen_params * FROZEN_KEPT_BYTES_PER_PARAM[_optimizer(optimizer)]
     return StateBytes(
         weights_bytes=sharded_weights + gathered_params * weight_bytes,
-        grads_bytes=params * grad_bytes / (shard_group if zero >= 2 and not deferred_grad_sync else 1),
-        optimizer_bytes=params * per_param.optimizer_bytes / (shard_group if zero >= 1 else 1),
+        grads_bytes=trainable * grad_bytes / (shard_group if zero >= 2 and not deferred_grad_sync else 1),
+        optimizer_bytes=kept / (shard_group if zero >= 1 else 1),
     )
 
 
@@ -208,6 +224,7 @@ def stage_memory(
     shard_is_master: bool = False,
     deferred_grad_sync: bool = False,
     chunks: int = 1,
+    frozen_params: float = 0.0,
 ) -> MemoryBreakdown:
     """Peak bytes on one device of one pipeline stage.
 
@@ -259,6 +276,7 @@ def stage_memory(
             `gathered_params`, and one chunk's micro-batch fewer with all parameters gathered.
         chunks: model chunks on the device (interleaved schedules); a backward frees one chunk's
             micro-batch, `1 / chunks` of `in_flight`'s unit.
+        frozen_params: the part of the dense parameters that takes no gradient (see `model_state_bytes`).
 
     Returns:
         The per-category breakdown at the peak.
@@ -289,8 +307,11 @@ def stage_memory(
         "shard_is_master": shard_is_master,
         "deferred_grad_sync": deferred_grad_sync,
     }
+    if frozen_params > (params - expert_params) * (1 + FROZEN_ROUNDING):
+        raise ValueError(f"frozen_params={frozen_params}: must not exceed the dense params {params - expert_params}")
     dense_params, local_experts = (params - expert_params) / tp, expert_params / (ep * expert_tp)
-    dense = model_state_bytes(dense_params, zero, dense_shard_group, gathered_params=gathered_params, **precision)
+    dense = model_state_bytes(dense_params, zero, dense_shard_group, gathered_params=gathered_params,
+                              frozen_params=frozen_params / tp, **precision)
     experts = model_state_bytes(local_experts, zero, expert_shard_group, **precision)
     breakdown = MemoryBreakdown(
         weights_bytes=dense.weights_bytes + experts.weights_bytes,
@@ -301,7 +322,8 @@ def stage_memory(
         temp_bytes=temp_bytes,
     )
     if deferred_grad_sync and zero == 3:
-        gathered = (model_state_bytes(dense_params, zero, dense_shard_group, gathered_params=dense_params, **precision),
+        gathered = (model_state_bytes(dense_params, zero, dense_shard_group, gathered_params=dense_params,
+                                      frozen_params=frozen_params / tp, **precision),
                     model_state_bytes(local_experts, zero, expert_shard_group, gathered_params=local_experts, **precision))
         backward_end = replace(breakdown, weights_bytes=sum(part.weights_bytes for part in gathered),
                                activations_bytes=activation_bytes_per_microbatch * max(0.0, in_flight - 1 / chunks))

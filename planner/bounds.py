@@ -56,7 +56,7 @@ class WorkBound(NamedTuple):
             a stage before the last, sent between stages of the fastest device type (a transfer's
             time grows with its size).
         type_totals: per device type (`Evaluator.device_types` order), the whole model's forward
-            and backward seconds and dense and expert parameters per device, for `tail_bound_s`.
+            and backward seconds and dense, expert and frozen dense parameters per device, for `tail_bound_s`.
     """
 
     microbatch_s: float
@@ -67,7 +67,7 @@ class WorkBound(NamedTuple):
     slowest_stage_s: float
     refined: bool
     p2p_s: float
-    type_totals: tuple[tuple[float, float, float, float], ...]
+    type_totals: tuple[tuple[float, float, float, float, float], ...]
 
 
 def work_bound_key(config: ParallelConfig) -> tuple:
@@ -113,7 +113,8 @@ def work_bound(evaluator: Evaluator, config: ParallelConfig, refine: bool = True
                                     mesh_groups(config, node.devices_per_node).pp, node, evaluator.cluster.oversubscription)
                   for device, node in types) if config.pp > 1 else 0.0,
         type_totals=tuple((float(total[COL["fwd_s"]]), float(total[COL["bwd_s"]]), float(total[COL["dense_params"]]),
-                           float(total[COL["expert_params"]])) for total in (tables[device.name].sum(axis=0) for device, _ in types)),
+                           float(total[COL["expert_params"]]), float(total[COL["frozen_params"]]))
+                          for total in (tables[device.name].sum(axis=0) for device, _ in types)),
     )
 
 
@@ -144,11 +145,12 @@ def tail_bound_s(evaluator: Evaluator, config: ParallelConfig, bound: WorkBound)
     fwd_s = max(totals[0] for totals in bound.type_totals)
     bwd_s = max(totals[1] for totals in bound.type_totals)
     floors = []
-    for (device, node), (_, _, dense, expert) in zip(evaluator.device_types(config.pp), bound.type_totals):
+    for (device, node), (_, _, dense, expert, frozen) in zip(evaluator.device_types(config.pp), bound.type_totals):
         exposed_s = dp_exposed_s(config, evaluator.precision, node, mesh_groups(config, node.devices_per_node), dense, expert, fwd_s, bwd_s,
-                                 evaluator.cluster.oversubscription, evaluator.code.dp_sync)
+                                 evaluator.cluster.oversubscription, evaluator.code.dp_sync, frozen)
         dense_shard, expert_shard = (config.dp * config.cp, expert_data_group(config, node).size) if config.zero >= 1 else (1, 1)
-        floors.append(exposed_s + optimizer_step_s(config, evaluator.precision, device, dense / dense_shard + expert / expert_shard))
+        floors.append(exposed_s + optimizer_step_s(config, evaluator.precision, device,
+                                                   (dense - frozen) / dense_shard + expert / expert_shard))
     return min(floors) / config.pp
 
 

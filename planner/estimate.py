@@ -57,8 +57,8 @@ ZERO3_GATHERED_LAYERS = 2
 
 # Columns of the per-layer table one device type yields for one configuration (one micro-batch).
 COLUMNS = ("fwd_s", "bwd_s", "compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s",
-           "fsdp_exposed_s", "dense_params", "expert_params", "static_bytes", "grad_bytes", "act_bytes", "temp_bytes",
-           "out_bytes")
+           "fsdp_exposed_s", "dense_params", "expert_params", "frozen_params", "static_bytes", "grad_bytes", "act_bytes",
+           "temp_bytes", "out_bytes")
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
 
@@ -196,8 +196,10 @@ class Evaluator:
         copies = self.graph.stage_copy_params[index] if config.pp > 1 else 0
         dense = (layer.params - layer.expert_params + copies) / config.tp
         expert = layer.expert_params / (config.ep * config.tp)
+        frozen = layer.frozen_params / config.tp
         gathered = config.zero == 3 and config.pp > 1  # all, at a pipelined backward's end (`stage_memory`)
-        states = (memory_model.model_state_bytes(dense, config.zero, config.dp * config.cp, gathered_params=dense * gathered, **state),
+        states = (memory_model.model_state_bytes(dense, config.zero, config.dp * config.cp, gathered_params=dense * gathered,
+                                                 frozen_params=frozen, **state),
                   memory_model.model_state_bytes(expert, config.zero, expert_group.size, gathered_params=expert * gathered, **state))
         static, grads = sum(sum(part) for part in states), sum(part.grads_bytes for part in states)
         exposed_fwd_s = exposed_bwd_s = 0.0
@@ -205,12 +207,13 @@ class Evaluator:
             windows = (cost.fwd_s, cost.bwd_s + cost.recompute_s) if device.comm_overlaps_compute else (0.0, 0.0)
             exposed_fwd_s, exposed_bwd_s = zero3_exposed_s(self.code.zero3_fetch, self.precision, dense, expert, groups, expert_group,
                                                            node, self.cluster.oversubscription, *windows,
-                                                           refetch=policy is Recompute.FULL, pipelined=config.pp > 1)
+                                                           refetch=policy is Recompute.FULL, pipelined=config.pp > 1,
+                                                           frozen=frozen)
         fwd = cost.fwd_s + cost.tp_comm_s / 2 + cost.cp_comm_s / 3 + cost.ep_comm_s / 2 + exposed_fwd_s
         exposed = exposed_fwd_s + exposed_bwd_s
         return (
             fwd, cost.total_s + exposed - fwd, cost.fwd_s + cost.bwd_s, cost.recompute_s, cost.tp_comm_s,
-            cost.cp_comm_s, cost.ep_comm_s, exposed, dense, expert, static, grads, cost.act_bytes, cost.temp_bytes,
+            cost.cp_comm_s, cost.ep_comm_s, exposed, dense, expert, frozen, static, grads, cost.act_bytes, cost.temp_bytes,
             layer.out_bytes * config.micro_batch / self.graph.micro_batch,
         )
 
@@ -349,9 +352,9 @@ class Evaluator:
         groups = mesh_groups(config, node.devices_per_node)
         p2p_s = (collective_time_s(Collective.P2P, last_out_bytes / config.seq_split, groups.pp, node, self.cluster.oversubscription)
                  if config.pp > 1 else 0.0)
-        dense, expert = total[COL["dense_params"]], total[COL["expert_params"]]
+        dense, expert, frozen = total[COL["dense_params"]], total[COL["expert_params"]], total[COL["frozen_params"]]
         dp_s = dp_exposed_s(config, self.precision, node, groups, dense, expert, total[COL["fwd_s"]], total[COL["bwd_s"]],
-                           self.cluster.oversubscription, self.code.dp_sync)
+                           self.cluster.oversubscription, self.code.dp_sync, frozen)
         expert_group = expert_data_group(config, node).size
         dense_shard, expert_shard = (config.dp * config.cp, expert_group) if config.zero >= 1 else (1, 1)
         breakdown = memory_model.stage_memory(
@@ -359,9 +362,10 @@ class Evaluator:
             in_flight=in_flight, zero=config.zero, dense_shard_group=config.dp * config.cp, expert_shard_group=expert_group,
             gathered_params=ZERO3_GATHERED_LAYERS * largest_params if config.zero == 3 else 0.0,
             temp_bytes=total[COL["temp_bytes"]], grads_at_peak=config.num_microbatches > 1, chunks=config.vpp, comm_buffer_bytes=recv_bytes,
-            **state_options(config, self.precision),
+            frozen_params=frozen, **state_options(config, self.precision),
         )
-        return p2p_s, dp_s, optimizer_step_s(config, self.precision, device, dense / dense_shard + expert / expert_shard), breakdown
+        owned_s = optimizer_step_s(config, self.precision, device, (dense - frozen) / dense_shard + expert / expert_shard)
+        return p2p_s, dp_s, owned_s, breakdown
 
     def _assemble(self, config, global_batch, step_s, pipe_s, time_breakdown, breakdowns, stage_plans, headroom) -> Estimate:
         graph = self.graph

@@ -86,6 +86,9 @@ class Layer:
         params: parameter count.
         param_bytes: bytes of the parameters in the traced dtype.
         expert_params: parameters that belong to MoE experts (sharded by expert parallelism).
+        frozen_params: parameters outside the experts that take no gradient (`requires_grad=False`):
+            no gradients or optimizer states, no gradient reduction, no update (frozen experts are
+            priced as trainable).
         fwd_flops, bwd_flops: FLOPs of one forward / backward for the traced micro-batch.
         saved_bytes: bytes autograd keeps for backward, per recompute policy.
         out_bytes: bytes of the activation passed to the next layer.
@@ -105,6 +108,7 @@ class Layer:
     signature: str = ""
     expert_params: int = 0
     ops: tuple[Op, ...] = ()
+    frozen_params: int = 0
 
 
 @dataclass(frozen=True)

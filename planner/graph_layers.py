@@ -141,7 +141,7 @@ def _graph_signature(root: nn.Module, kind: LayerKind, nodes: Sequence[fx.Node],
 
 def _shape_of(value) -> object:
     if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.dtype)
+        return (tuple(value.shape), value.dtype, value.requires_grad)
     return pytree.tree_map_only(torch.Tensor, _shape_of, value)
 
 

@@ -105,10 +105,11 @@ def _find_block_container(model: nn.Module) -> str | None:
 
 
 def module_signature(module: nn.Module) -> str:
-    """Structure of a module: submodule classes and settings, parameter shapes and dtypes."""
+    """Structure of a module: submodule classes and settings, parameter shapes, dtypes and whether
+    they take gradients."""
     parts = [f"{name}:{type(m).__qualname__}({m.extra_repr()})" for name, m in
              module.named_modules()]
-    parts += [f"{name}:{tuple(p.shape)}:{p.dtype}" for name, p in module.named_parameters()]
+    parts += [f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for name, p in module.named_parameters()]
     return digest(parts)
 
 
@@ -189,5 +190,7 @@ def make_layer(name: str, kind: LayerKind, fqns: tuple[str, ...], cost: PieceCos
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         expert_params=sum(p.numel() for p in params
                           if EXPERTS_MODULE in param_names.get(id(p), "").split(".")),
+        frozen_params=sum(p.numel() for p in params if not p.requires_grad
+                          and EXPERTS_MODULE not in param_names.get(id(p), "").split(".")),
         fwd_flops=cost.fwd_flops, bwd_flops=cost.bwd_flops, saved_bytes=cost.saved_bytes,
         out_bytes=cost.out_bytes, signature=signature, ops=ops)

@@ -44,6 +44,9 @@ from planner.zoo.spec import ModelSpec, load_spec
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 _FACTORY_KWARGS = ("seq_len", "micro_batch")
+# Tokens per sample of fixed inputs without a sequence (an image, a feature vector): throughput and
+# FLOPs per token are then per sample.
+NO_SEQUENCE_SEQ_LEN = 1
 _SOURCE_DEFAULT_SEQ_LEN = next(f.default for f in fields(ModelSource)
                                if f.name == "default_seq_len")
 # Micro-batch passed to a factory that accepts `micro_batch` but gives it no default.
@@ -127,11 +130,13 @@ def _inputs_for_module(module: nn.Module, name: str,
     if example_inputs is not None:
         shapes = _checked_inputs(example_inputs, f"model `{name}`: example_inputs")
         return lambda micro_batch, seq_len, device: _zeros_like_inputs(shapes, device)
-    first_leaf = next((m for m in module.modules() if next(m.children(), None) is None), None)
+    first_name, first_leaf = next(((n, m) for n, m in module.named_modules() if next(m.children(), None) is None),
+                                  ("", None))
     if not isinstance(first_leaf, nn.Embedding):
-        raise invalid(f"model `{name}`: cannot infer example inputs (it does not start with an "
-                      f"nn.Embedding); fix: pass example_inputs, or return (module, "
-                      f"example_inputs) from the factory")
+        first = f"`{first_name}` ({type(first_leaf).__name__})" if first_name else f"the {type(first_leaf).__name__} itself"
+        raise invalid(f"model `{name}`: cannot infer example inputs (token ids need an nn.Embedding as the first "
+                      f"registered module; the first is {first}); fix: pass example_inputs, or return "
+                      f"(module, example_inputs) from the factory")
     vocab = first_leaf.num_embeddings
     return lambda micro_batch, seq_len, device: (
         torch.randint(0, vocab, (micro_batch, seq_len), device=device),)
@@ -262,11 +267,14 @@ def _batch_of(inputs: tuple) -> int:
 
 
 def _token_seq_len(inputs: tuple) -> int:
-    """The sequence length of fixed inputs that start with token ids (b, s); else the default."""
+    """The sequence length of fixed inputs: dimension 1 of the first input when it is token ids
+    (b, s) or a sequence of vectors (b, s, d); `NO_SEQUENCE_SEQ_LEN` for other inputs (images,
+    feature vectors), whose samples then count as one token each."""
     first = inputs[0]
-    if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
+    if isinstance(first, torch.Tensor) and (
+            (first.dim() == 2 and not first.is_floating_point()) or (first.dim() == 3 and first.is_floating_point())):
         return first.shape[1]
-    return _SOURCE_DEFAULT_SEQ_LEN
+    return NO_SEQUENCE_SEQ_LEN
 
 
 def _describe(exc: BaseException) -> str:

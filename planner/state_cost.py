@@ -110,20 +110,23 @@ def precision_of(dtype: str) -> Precision:
 
 
 def fsdp2_copy_s(precision: Precision, device: DeviceSpec, params: float, shard_params: float, gathers: int,
-                 reductions: int) -> float:
+                 reductions: int, trainable_fraction: float = 1.0) -> float:
     """Seconds of FSDP2's buffer copies on one device for `gathers` parameter gathers and `reductions`
     gradient reductions of `params` parameters, of which it holds `shard_params` (see
-    MASTER_BYTES_PER_PARAM): the compute-stream copies always, the side-stream ones where the device
-    does not overlap communication with compute; at the device's memory bandwidth."""
-    on_compute = params * (gathers * 2 * precision.weight_bytes + reductions * (precision.weight_bytes + GRAD_REDUCE_BYTES_PER_PARAM))
+    MASTER_BYTES_PER_PARAM) and `trainable_fraction` take gradients (only those are reduced): the
+    compute-stream copies always, the side-stream ones where the device does not overlap
+    communication with compute; at the device's memory bandwidth."""
+    reduced = reductions * trainable_fraction
+    on_compute = params * (gathers * 2 * precision.weight_bytes + reduced * (precision.weight_bytes + GRAD_REDUCE_BYTES_PER_PARAM))
     on_side = shard_params * (gathers * (MASTER_BYTES_PER_PARAM + precision.weight_bytes)
-                              + reductions * REDUCED_SHARD_PASS_BYTES_PER_PARAM)
+                              + reduced * REDUCED_SHARD_PASS_BYTES_PER_PARAM)
     moved = on_compute + (0.0 if device.comm_overlaps_compute else on_side)
     return moved / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
 
 
 def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, groups, dense: float, expert: float,
-                 fwd_s: float, bwd_s: float, oversubscription: float, sync: DpSync = DpSync.OVERLAPPED) -> float:
+                 fwd_s: float, bwd_s: float, oversubscription: float, sync: DpSync = DpSync.OVERLAPPED,
+                 frozen: float = 0.0) -> float:
     """Data-parallel traffic not hidden behind compute, per step, and FSDP2's buffer copies.
 
     The gradient reduction (all-reduce, or reduce-scatter under ZeRO-1/2) runs bucket by bucket
@@ -138,21 +141,24 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
     a one-rank mesh (`planner.apply`), and so do its copies. Under `DpSync.BLOCKING` nothing hides
     the traffic and ZeRO-1 reduces with an all-reduce. ZeRO-3 pipeline stages gather and reduce
     like ZeRO-2 once per step, and re-gather once per micro-batch (`zero3_exposed_s`); without
-    pipelining ZeRO-3's traffic is all per micro-batch.
+    pipelining ZeRO-3's traffic is all per micro-batch. The `frozen` part of the dense parameters
+    takes no gradient: it is gathered, never reduced.
     """
     if config.zero == 3 and config.pp == 1:
         return 0.0
     reductions = config.num_microbatches if config.zero == 2 and config.pp == 1 else 1
     expert_group = expert_data_group(config, node)
     shard = dense / groups.dp_cp.size + expert / expert_group.size if config.zero else dense + expert
-    copies_s = fsdp2_copy_s(precision, node.device, dense + expert, shard, gathers=1, reductions=reductions)
+    copies_s = fsdp2_copy_s(precision, node.device, dense + expert, shard, gathers=1, reductions=reductions,
+                            trainable_fraction=_trainable_fraction(dense, expert, frozen))
     if config.dp * config.cp == 1:
         return 0.0 if precision is FP32_PRECISION else copies_s
     blocking = sync is DpSync.BLOCKING
     if blocking or not node.device.comm_overlaps_compute:
         fwd_s = bwd_s = 0.0  # nothing hides the traffic
     kind = Collective.ALL_REDUCE if config.zero == 0 or (blocking and config.zero == 1) else Collective.REDUCE_SCATTER
-    reduce_s = state_collective_s(kind, GRAD_REDUCE_BYTES_PER_PARAM, dense, expert, groups.dp_cp, expert_group, node, oversubscription)
+    reduce_s = state_collective_s(kind, GRAD_REDUCE_BYTES_PER_PARAM, dense - frozen, expert, groups.dp_cp, expert_group, node,
+                                  oversubscription)
     gather_s = 0.0
     if config.zero >= 1:
         gather_s = state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, dense, expert, groups.dp_cp,
@@ -162,7 +168,7 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
 
 def zero3_exposed_s(fetch: Zero3Fetch, precision: Precision, dense: float, expert: float, groups, expert_group: CommGroup,
                     node: NodeSpec, oversubscription: float, fwd_window_s: float, bwd_window_s: float,
-                    refetch: bool, pipelined: bool) -> tuple[float, float]:
+                    refetch: bool, pipelined: bool, frozen: float = 0.0) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's ZeRO-3 traffic per micro-batch that its compute does
     not hide: the all-gather of its `dense` and `expert` parameters and the reduce-scatter of their
     gradients, against its forward and backward (with recompute) compute windows, and under
@@ -176,11 +182,13 @@ def zero3_exposed_s(fetch: Zero3Fetch, precision: Precision, dense: float, exper
     forward or starts the step, and by every backward that follows a forward: m + 1 times per step
     in any schedule (each run of k forwards gathers k times and the backward after it once, plus
     one for the step's first forward). Here one gather per micro-batch, in the backward; the extra
-    gather and the reduce-scatter are ZeRO-2's once-per-step traffic (`dp_exposed_s`)."""
+    gather and the reduce-scatter are ZeRO-2's once-per-step traffic (`dp_exposed_s`). The `frozen`
+    part of the dense parameters is gathered, never reduced."""
     gather_s = state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, dense, expert, groups.dp_cp, expert_group,
                                   node, oversubscription)
-    scatter_s = 0.0 if pipelined else state_collective_s(Collective.REDUCE_SCATTER, GRAD_REDUCE_BYTES_PER_PARAM, dense,
-                                                         expert, groups.dp_cp, expert_group, node, oversubscription)
+    scatter_s = 0.0 if pipelined else state_collective_s(Collective.REDUCE_SCATTER, GRAD_REDUCE_BYTES_PER_PARAM,
+                                                         dense - frozen, expert, groups.dp_cp, expert_group, node,
+                                                         oversubscription)
     if fetch is Zero3Fetch.BLOCKING:
         fetch_s = max(gather_s, (dense + expert) * precision.weight_bytes / BLOCKING_FETCH_BYTES_PER_S)
         if pipelined:
@@ -191,7 +199,14 @@ def zero3_exposed_s(fetch: Zero3Fetch, precision: Precision, dense: float, exper
     if pipelined:
         return 0.0, max(0.0, gather_s - bwd_window_s) + fwd_copy_s
     return (max(0.0, gather_s - fwd_window_s) + fwd_copy_s,
-            max(0.0, gather_s + scatter_s - bwd_window_s) + fsdp2_copy_s(precision, node.device, dense + expert, shard, 1, 1))
+            max(0.0, gather_s + scatter_s - bwd_window_s)
+            + fsdp2_copy_s(precision, node.device, dense + expert, shard, 1, 1, _trainable_fraction(dense, expert, frozen)))
+
+
+def _trainable_fraction(dense: float, expert: float, frozen: float) -> float:
+    """The share of the parameters that take gradients, `frozen` of the `dense` ones not."""
+    total = dense + expert
+    return (total - frozen) / total if total > 0 else 1.0
 
 
 def tied_gradient_sum_s(config: ParallelConfig, copied_params: float, node: NodeSpec, oversubscription: float) -> float:
@@ -215,7 +230,7 @@ def tied_gradient_sum_s(config: ParallelConfig, copied_params: float, node: Node
 
 
 def optimizer_step_s(config: ParallelConfig, precision: Precision, device: DeviceSpec, owned_params: float) -> float:
-    """Seconds of the optimizer update over the `owned_params` whose states one device holds (linear in them)."""
+    """Seconds of the optimizer update over the trainable `owned_params` whose states one device holds (linear in them)."""
     if config.offload_optimizer:
         return offload_step_s(owned_params, precision.weight_bytes, precision.optimizer_step_bytes)
     return owned_params * precision.optimizer_step_bytes / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)

@@ -41,7 +41,7 @@ from planner.errors import PlannerError, PlannerErrorKind, invalid
 from planner.graph import Layer, LayerKind, ModelDims, ModelGraph, OpKind
 from planner.graph_layers import graph_layers
 from planner.layering import EXPERTS_MODULE, Grouping, tied_modules
-from planner.models import resolve_model
+from planner.models import NO_SEQUENCE_SEQ_LEN, resolve_model
 from planner.module_layers import module_layers
 from planner.source import ModelSource
 from planner.zoo.spec import ModelSpec
@@ -96,6 +96,9 @@ def trace(source: ModelSource | str | nn.Module | ModelSpec, *, seq_len: int | N
             raise invalid(f"{field}={value!r}: must be a positive integer")
     resolved = _resolve(source)
     if resolved.fixed_by and seq_len not in (None, resolved.default_seq_len):
+        if resolved.default_seq_len == NO_SEQUENCE_SEQ_LEN:
+            raise invalid(f"seq_len={seq_len}: model `{resolved.name}` has fixed inputs without a token sequence "
+                          f"({resolved.fixed_by}), so each sample counts as one token; leave --seq-len out")
         raise invalid(f"seq_len={seq_len}: model `{resolved.name}` has a fixed sequence length of {resolved.default_seq_len} "
                       f"tokens ({resolved.fixed_by}); leave --seq-len out or give {resolved.default_seq_len}")
     return _trace_cached(source, seq_len or resolved.default_seq_len, resolved.fixed_micro_batch or micro_batch, dtype)
@@ -118,6 +121,11 @@ def _trace_cached(key: ModelSource | str | nn.Module | ModelSpec, seq_len: int, 
         grouping = Grouping.of(model)
         method, layers = _capture_and_measure(source, model, inputs, grouping, seq_len,
                                               micro_batch, notes)
+    frozen = sum(layer.frozen_params for layer in layers)
+    if frozen:
+        notes.append(f"{frozen:,} of {sum(layer.params for layer in layers):,} parameters take no gradient (frozen):"
+                     " priced without gradients, optimizer moments, reduction or update; their layers' backward"
+                     " is priced as if trainable")
     dims = source.dims if source.dims != ModelDims() else _infer_dims(model, layers)
     return ModelGraph(name=source.name, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
                       trace_method=method, layers=tuple(layers), dims=dims, notes=tuple(notes),

@@ -55,6 +55,18 @@ def test_precision_choices():
     assert model_state_bytes(1e9, 0, 1, optimizer="adam-fp32", weight_bytes_per_param=1) == StateBytes(1e9, 4e9, 8e9)
 
 
+def test_frozen_parameters_keep_weights_and_an_fp32_copy_but_no_gradients_or_moments():
+    # 7e9 parameters of which 3e9 frozen, dp = 8, mixed precision: weights 2 B x 7e9 = 14 GB; gradients
+    # 2 B x 4e9 = 8 GB (ZeRO-2: / 8 = 1 GB); optimizer 12 B x 4e9 + 4 B x 3e9 (FSDP2's fp32 originals)
+    # = 60 GB, / 8 = 7.5 GB under ZeRO-1. fp32 Adam keeps nothing extra for a frozen parameter:
+    # 8 B x 4e9 = 32 GB.
+    assert model_state_bytes(7e9, 0, 8, frozen_params=3e9) == StateBytes(14e9, 8e9, 60e9)
+    assert model_state_bytes(7e9, 2, 8, frozen_params=3e9) == StateBytes(14e9, 1e9, 7.5e9)
+    assert model_state_bytes(7e9, 0, 1, optimizer=Optimizer.ADAM_FP32, frozen_params=3e9) == StateBytes(28e9, 16e9, 32e9)
+    with pytest.raises(ValueError, match="frozen_params"):
+        model_state_bytes(7e9, 0, 8, frozen_params=8e9)
+
+
 def test_zero3_counts_the_gathered_working_copy_with_the_weights():
     # 8e9 params over 16 ranks: shard 0.5e9 x 2 B = 1 GB, plus two gathered layers of 0.2e9 x 2 B = 0.8 GB.
     states = model_state_bytes(8e9, 3, 16, gathered_params=4e8)

@@ -84,6 +84,16 @@ def test_fixed_input_shapes_are_traced_as_they_are():
     assert fixed.fwd_flops / fixed.micro_batch == pytest.approx(fresh.fwd_flops / fresh.micro_batch, rel=1e-9)
 
 
+def test_fixed_inputs_without_a_sequence_count_samples():
+    # Images (2, 3, 32, 32): no token sequence, so each sample is one token (throughput in samples
+    # per second), and a --seq-len is refused as meaningless rather than as another length.
+    graph = trace(f"{FIXTURES}:resnet_factory")
+    assert (graph.seq_len, graph.micro_batch) == (1, 2)
+    with pytest.raises(PlannerError, match="seq_len=512: model .* has fixed inputs without a token sequence .* "
+                                           "each sample counts as one token; leave --seq-len out"):
+        trace(f"{FIXTURES}:resnet_factory", seq_len=512)
+
+
 def test_unknown_name_lists_three_nearest():
     message = _resolve_error("llama3-7b")
     nearest = message.split("nearest built-in names: ")[1].split(";")[0].split(", ")

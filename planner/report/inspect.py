@@ -16,7 +16,7 @@ from planner.report.units import fmt_bytes, fmt_count, fmt_flops
 
 def inspect_json(graph: ModelGraph) -> dict:
     """The `inspect --json` object (DESIGN.md contract), plus `dtype`, `dims`, `notes` and, per
-    layer, `fqns`, `param_bytes`, `expert_params` and `signature`.
+    layer, `fqns`, `param_bytes`, `expert_params`, `frozen_params` and `signature`.
 
     Args:
         graph: a traced ModelGraph.
@@ -51,6 +51,7 @@ def _layer_json(layer: Layer) -> dict:
         "fqns": list(layer.fqns),
         "param_bytes": layer.param_bytes,
         "expert_params": layer.expert_params,
+        "frozen_params": layer.frozen_params,
         "signature": layer.signature,
     }
 
