@@ -89,6 +89,9 @@ class Layer:
         frozen_params: parameters outside the experts that take no gradient (`requires_grad=False`):
             no gradients or optimizer states, no gradient reduction, no update (frozen experts are
             priced as trainable).
+        bwd_work_fraction: the share of a fully trainable backward the layer runs: its measured
+            backward FLOPs over those with every parameter trainable and a gradient reaching its
+            input (`planner.measure.PieceCost`); the cost model scales its backward by it.
         fwd_flops, bwd_flops: FLOPs of one forward / backward for the traced micro-batch.
         saved_bytes: bytes autograd keeps for backward, per recompute policy.
         out_bytes: bytes of the activation passed to the next layer.
@@ -109,6 +112,7 @@ class Layer:
     expert_params: int = 0
     ops: tuple[Op, ...] = ()
     frozen_params: int = 0
+    bwd_work_fraction: float = 1.0
 
 
 @dataclass(frozen=True)

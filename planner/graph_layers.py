@@ -41,9 +41,10 @@ def graph_layers(root: nn.Module, graph: fx.Graph, model: nn.Module, inputs: tup
     costs: dict[str, measure.PieceCost] = {}
     param_names = {id(p): name for name, p in model.named_parameters()}
     owned: set[int] = set()
+    trains_before = False  # whether a layer before this one has trainable parameters (its input needs a gradient)
     layers = []
     for (kind, name), layer_nodes in layer_runs(nodes, keys):
-        signature = _graph_signature(root, kind, layer_nodes, values)
+        signature = _graph_signature(root, kind, layer_nodes, values, trains_before)
         if signature in first_seen:
             for node, twin in zip(layer_nodes, first_seen[signature]):
                 values[node], flops[node] = values[twin], flops[twin]
@@ -59,10 +60,11 @@ def graph_layers(root: nn.Module, graph: fx.Graph, model: nn.Module, inputs: tup
                 costs[signature] = measure.measure_piece(
                     piece, tuple(values[n] for n in piece_inputs),
                     data_args=frozenset(i for i, n in enumerate(piece_inputs)
-                                        if n.op == "placeholder"))
+                                        if n.op == "placeholder" or not trains_before))
             except Exception as exc:  # noqa: BLE001 - user code may raise anything
                 raise measure.ModuleRunError(name) from exc
         params = new_params(_node_params(root, layer_nodes), owned)
+        trains_before = trains_before or any(p.requires_grad for p in params)
         ops = tuple(op for n in layer_nodes if (op := _graph_op(root, n, values, flops)))
         layers.append(make_layer(name, kind, _units(grouping, layer_nodes), costs[signature],
                                  signature, params, param_names, ops))
@@ -118,8 +120,9 @@ def _extract(root: nn.Module, nodes: Sequence[fx.Node]) -> tuple[fx.GraphModule,
 
 
 def _graph_signature(root: nn.Module, kind: LayerKind, nodes: Sequence[fx.Node],
-                     values: dict) -> str:
-    """Structural key: op targets, module settings, parameter and input shapes, constants."""
+                     values: dict, grad_in: bool) -> str:
+    """Structural key: op targets, module settings, parameter and input shapes, constants, and
+    whether a gradient reaches the layer's input (`grad_in`)."""
     local = {n: i for i, n in enumerate(nodes)}
 
     def describe(arg):
@@ -129,7 +132,7 @@ def _graph_signature(root: nn.Module, kind: LayerKind, nodes: Sequence[fx.Node],
             return f"%{local[arg]}"
         return _shape_of(values[arg])
 
-    parts = [str(kind)]
+    parts = [str(kind), f"grad_in:{grad_in}"]
     for node in nodes:
         target = node.target
         if node.op == "call_module":

@@ -349,7 +349,9 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         fwd_works, bwd_works = _layer_level_works(layer, ctx, plan.tp)
         attention_fwd, attention_bwd, op_sac_rerun = [], [], fwd_works
     fwd_s = _time_s(fwd_works, ctx)
-    bwd_s = _time_s(bwd_works, ctx)
+    # Op works price a fully trainable backward (frozen parameters or no gradient to pass on run
+    # less of it); a layer without ops is priced from its measured backward FLOPs already.
+    bwd_s = _time_s(bwd_works, ctx) * (layer.bwd_work_fraction if layer.ops else 1.0)
     # A GPU computes while its host dispatches ahead; a CPU rank's cores do both in turn.
     host_fwd_s, host_bwd_s = tp_host_s(layer, plan, ctx)
     if ctx.device.comm_overlaps_compute:
@@ -370,7 +372,10 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
     # Waiting at the layer's collectives counts with the first kind of them the layer has.
     cp_fwd_s, cp_bwd_s = _cp_comm_s(layer, ctx, attention_fwd_s, attention_bwd_s)
     ep_fwd_s = _ep_fwd_comm_s(layer, ctx)
-    cp_comm_s, ep_comm_s = cp_fwd_s + cp_bwd_s, 2 * ep_fwd_s
+    if not layer.bwd_work_fraction:  # no backward runs: no backward collectives, nothing to recompute for
+        tp_exposed_bwd_s = cp_bwd_s = 0.0
+    ep_bwd_s = ep_fwd_s if layer.bwd_work_fraction else 0.0
+    cp_comm_s, ep_comm_s = cp_fwd_s + cp_bwd_s, ep_fwd_s + ep_bwd_s
     waited_at = blocking_collective_kind(layer, plan, ctx)
     if waited_at is not None:
         wait_fwd_s, wait_bwd_s = sync_wait_s(ctx, fwd_s, bwd_s)
@@ -386,7 +391,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         Recompute.FULL: fwd_s + tp_exposed_fwd_s + cp_fwd_s + ep_fwd_s,  # the forward, its collectives included
         Recompute.SELECTIVE_OP: (_time_s(op_sac_rerun, ctx) if op_sac_rerun else 0.0)
                                 + sum(t for t, rerun in zip(collective_s, op_sac_reruns_collectives(layer, plan)) if rerun),
-    }[ctx.recompute]
+    }[ctx.recompute] if layer.bwd_work_fraction else 0.0
     return LayerCost(
         fwd_s=fwd_s,
         bwd_s=bwd_s,

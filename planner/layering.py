@@ -193,4 +193,4 @@ def make_layer(name: str, kind: LayerKind, fqns: tuple[str, ...], cost: PieceCos
         frozen_params=sum(p.numel() for p in params if not p.requires_grad
                           and EXPERTS_MODULE not in param_names.get(id(p), "").split(".")),
         fwd_flops=cost.fwd_flops, bwd_flops=cost.bwd_flops, saved_bytes=cost.saved_bytes,
-        out_bytes=cost.out_bytes, signature=signature, ops=ops)
+        out_bytes=cost.out_bytes, signature=signature, ops=ops, bwd_work_fraction=cost.bwd_work_fraction)

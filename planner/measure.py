@@ -69,6 +69,10 @@ class PieceCost:
         saved_bytes: bytes autograd keeps between forward and backward, per recompute policy.
         in_bytes: bytes of the piece's tensor inputs (deduplicated by storage).
         out_bytes: bytes of the piece's tensor outputs (deduplicated by storage).
+        bwd_work_fraction: `bwd_flops` over the backward FLOPs of the same piece with every
+            parameter trainable and every floating input needing a gradient: the share of a fully
+            trainable backward that runs (1 when nothing is frozen or data; 0 when no gradient
+            flows through the piece).
     """
 
     fwd_flops: float
@@ -76,6 +80,7 @@ class PieceCost:
     saved_bytes: dict[Recompute, int]
     in_bytes: int
     out_bytes: int
+    bwd_work_fraction: float = 1.0
 
 
 class ModuleRunError(Exception):
@@ -92,23 +97,28 @@ def measure_piece(module: nn.Module, args: tuple, *, data_args: frozenset[int] =
     """Counts FLOPs and saved-activation bytes of `module(*args)`.
 
     Args:
-        module: a module whose parameters and buffers are on `meta` (never modified).
+        module: a module whose parameters and buffers are on `meta` (left as they were).
         args: example inputs; tensors on `meta`. Floating tensors are activations that require
             grad, like a layer's input during training, unless listed in `data_args`.
-        data_args: positions of the args that are training data (the model's own inputs, such
-            as images), which need no gradient.
+        data_args: positions of the args that need no gradient: training data (the model's own
+            inputs, such as images), or activations of layers before which nothing trains.
 
     Returns:
         The PieceCost of one forward and backward.
     """
-    args = tuple(_as_input(arg, i not in data_args) for i, arg in enumerate(args))
-    fwd_flops, bwd_flops, out = _count_flops(module, args)
-    in_bytes = storage_bytes(args)
-    saved, op_sac_kept = _saved_bytes_by_policy(module, args)
+    inputs = tuple(_as_input(arg, i not in data_args) for i, arg in enumerate(args))
+    fwd_flops, bwd_flops, out = _count_flops(module, inputs)
+    fraction = 1.0
+    if data_args or not all(p.requires_grad for p in module.parameters()):
+        with all_trainable(module):
+            trainable_bwd_flops = _count_flops(module, tuple(_as_input(arg, True) for arg in args))[1]
+        fraction = bwd_flops / trainable_bwd_flops if trainable_bwd_flops else 1.0
+    in_bytes = storage_bytes(inputs)
+    saved, op_sac_kept = _saved_bytes_by_policy(module, inputs)
     saved[Recompute.FULL] = in_bytes
     saved[Recompute.SELECTIVE_OP] = in_bytes + op_sac_kept
     return PieceCost(fwd_flops=float(fwd_flops), bwd_flops=float(bwd_flops), saved_bytes=saved,
-                     in_bytes=in_bytes, out_bytes=storage_bytes(out))
+                     in_bytes=in_bytes, out_bytes=storage_bytes(out), bwd_work_fraction=fraction)
 
 
 def storage_bytes(tree: object) -> int:
@@ -144,6 +154,19 @@ def run_backward(out: object) -> None:
                and t.requires_grad]
     if outputs:
         torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+
+
+@contextmanager
+def all_trainable(module: nn.Module) -> Iterator[None]:
+    """Every parameter of `module` requires grad inside, as it did before after."""
+    frozen = [p for p in module.parameters() if not p.requires_grad]
+    try:
+        for param in frozen:
+            param.requires_grad_(True)
+        yield
+    finally:
+        for param in frozen:
+            param.requires_grad_(False)
 
 
 @contextmanager

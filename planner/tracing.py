@@ -124,8 +124,8 @@ def _trace_cached(key: ModelSource | str | nn.Module | ModelSpec, seq_len: int, 
     frozen = sum(layer.frozen_params for layer in layers)
     if frozen:
         notes.append(f"{frozen:,} of {sum(layer.params for layer in layers):,} parameters take no gradient (frozen):"
-                     " priced without gradients, optimizer moments, reduction or update; their layers' backward"
-                     " is priced as if trainable")
+                     " priced without their gradients, optimizer moments, reduction and update, and without the"
+                     " backward work and saved activations autograd then skips")
     dims = source.dims if source.dims != ModelDims() else _infer_dims(model, layers)
     return ModelGraph(name=source.name, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
                       trace_method=method, layers=tuple(layers), dims=dims, notes=tuple(notes),

@@ -745,19 +745,24 @@ def test_pipelined_zero2_prices_as_zero1(spec_dir, schedule, vpp):
 def test_frozen_layers_hold_no_gradients_or_moments_and_reduce_nothing():
     # The embedding (tied to the head) and the first block frozen: those parameters drop their fp32
     # gradient (4 B) and Adam moments (8 B; FSDP2's fp32 original stays), and leave the gradient
-    # all-reduce and the update; the frozen block is measured apart from its trainable twin.
+    # all-reduce and the update; the frozen block is measured apart from its trainable twin. No
+    # gradient reaches or leaves it, so it runs no backward and saves nothing; the head, tied to
+    # the frozen embedding, computes its input gradient only: half of a trainable linear's backward.
     full = trace("tests.fixtures.custom_models:tiny_gpt_factory")
     frozen = trace("tests.fixtures.custom_models:frozen_first_block_gpt_factory")
     assert [layer.frozen_params for layer in frozen.layers] == [
         frozen.layers[0].params, frozen.layers[1].params, 0, 0]
     assert frozen.layers[1].signature != frozen.layers[2].signature
-    assert frozen.layers[1].bwd_flops < frozen.layers[2].bwd_flops == full.layers[2].bwd_flops
+    assert (frozen.layers[1].bwd_flops, frozen.layers[1].bwd_work_fraction, frozen.layers[1].saved_bytes[Recompute.NONE]) == (0, 0, 0)
+    assert frozen.layers[2].bwd_flops == full.layers[2].bwd_flops and frozen.layers[2].bwd_work_fraction == 1
+    assert frozen.layers[3].bwd_work_fraction == pytest.approx(0.5)
     count = sum(layer.frozen_params for layer in frozen.layers)
     config = {"dp": 2, "tp": 1, "pp": 1, "zero": 0, "micro_batch": 2}
     base, less = (evaluate(graph, "a100-80g:1x2", config, global_batch=8) for graph in (full, frozen))
     assert base.memory[0]["grads_bytes"] - less.memory[0]["grads_bytes"] == pytest.approx(4 * count)
     assert base.memory[0]["optimizer_bytes"] - less.memory[0]["optimizer_bytes"] == pytest.approx(8 * count)
     assert less.time_breakdown["optimizer_s"] < base.time_breakdown["optimizer_s"]
+    assert less.time_breakdown["compute_s"] < base.time_breakdown["compute_s"]
 
 
 def test_heterogeneous_cluster_v100_stage_is_slower(gpt350m):
