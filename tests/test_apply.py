@@ -229,6 +229,13 @@ def _plan(spec: str | Path, cluster: str, **constraints) -> Plan:
     return planner.plan(str(spec), cluster, global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32", **constraints)
 
 
+def _replicated_kv(plan: Plan) -> Plan:
+    """`plan` with the two blocks' key and value projections computed whole on every rank, the
+    layout's other choice for multi-query attention."""
+    replicated = {f"layers.{i}.attn.{name}": "replicate" for i in range(2) for name in ("k_proj", "v_proj")}
+    return dataclasses.replace(plan, layouts={**plan.layouts, **replicated})
+
+
 def _time_only_layouts(plan: Plan, spec: Path) -> Plan:
     """`plan` with the layouts the sharding ILP picks on time alone (`shard_params=False`)."""
     graph = planner.trace(str(spec), seq_len=SEQ_LEN)
@@ -289,7 +296,7 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
     gpt, mixed, llama, moe, tied, tied_odd, mqa = (
         spec_dir / f"{name}.yaml" for name in ("gpt", "gpt-mixed", "llama", "moe", "gpt-tied", "gpt-tied-odd", "llama-mqa"))
     sp_plan = _plan(gpt, "cpu:1x2", tp=2, pp=1)
-    mqa_plan = _plan(mqa, "cpu:1x2", tp=2, pp=1)
+    mqa_plan = _plan(mqa, "cpu:1x2", tp=2, pp=1)  # key/value projections colwise, gathered
     all_blocks = [f"layers.{i}" for i in range(4)]
     two_rank = [
         ("pp_1f1b", _plan(gpt, "cpu:1x2", pp=2, tp=1, schedule="1f1b", micro_batch=2), gpt),
@@ -313,10 +320,7 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
                                               offload_optimizer=True), gpt),
         ("llama_tp", _plan(llama, "cpu:1x2", tp=2, pp=1), llama),
         ("mqa_tp", mqa_plan, mqa),
-        # The key and value projections computed whole on every rank, the layout's other choice.
-        ("mqa_tp_replicated_kv", dataclasses.replace(mqa_plan, layouts={
-            **mqa_plan.layouts, **{f"layers.{i}.attn.{name}": "replicate" for i in range(2) for name in ("k_proj", "v_proj")}}),
-         mqa),
+        ("mqa_tp_replicated_kv", _replicated_kv(mqa_plan), mqa),
         ("tied_tp", _plan(tied, "cpu:1x2", tp=2, pp=1), tied),
         ("tied_odd_vocab_tp", _plan(tied_odd, "cpu:1x2", tp=2, pp=1), tied_odd),
         ("tied_pp", _plan(tied, "cpu:1x2", pp=2, tp=1, schedule="1f1b", micro_batch=2), tied),
@@ -339,6 +343,8 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("moe_dp_x_tp", _plan(moe, "cpu:1x4", dp=2, tp=2, pp=1, ep=1, zero=0), moe),
         ("moe_ep_x_tp", _plan(moe, "cpu:1x4", dp=2, tp=2, pp=1, ep=2, zero=0), moe),
         ("llama_cp_x_tp", _plan(llama, "cpu:1x4", cp=2, tp=2, dp=1, pp=1), llama),
+        # Under FSDP2, which sums the replicated projections' tp-partial gradients on its mesh.
+        ("mqa_dp_x_tp_replicated_kv", _replicated_kv(_plan(mqa, "cpu:1x4", dp=2, tp=2, pp=1, zero=3)), mqa),
         ("pp_x_cp", _plan(gpt, "cpu:1x4", cp=2, pp=2, dp=1, tp=1, schedule="1f1b"), gpt),
         ("moe_pp_x_dp", _plan(moe, "cpu:1x4", pp=2, dp=2, ep=1, tp=1, zero=0, schedule="1f1b"), moe),
         ("moe_pp_x_ep", _plan(moe, "cpu:1x4", pp=2, dp=2, ep=2, tp=1, zero=0, schedule="1f1b"), moe),
@@ -497,7 +503,8 @@ def test_llama_grouped_query_attention_tp2(trained):
     _check(trained["llama_tp"])
 
 
-@pytest.mark.parametrize(("case", "kv_placement"), [("mqa_tp", "colwise"), ("mqa_tp_replicated_kv", "replicate")])
+@pytest.mark.parametrize(("case", "kv_placement"), [("mqa_tp", "colwise"), ("mqa_tp_replicated_kv", "replicate"),
+                                                    ("mqa_dp_x_tp_replicated_kv", "replicate")])
 def test_multi_query_attention_tp2_splits_query_heads(trained, case, kv_placement):
     # One key/value head: each rank runs half the query heads against the whole key/value head.
     plan = trained[case][0]
