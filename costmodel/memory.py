@@ -225,6 +225,7 @@ def stage_memory(
     deferred_grad_sync: bool = False,
     chunks: int = 1,
     frozen_params: float = 0.0,
+    buffer_bytes: float = 0.0,
 ) -> MemoryBreakdown:
     """Peak bytes on one device of one pipeline stage.
 
@@ -277,6 +278,8 @@ def stage_memory(
         chunks: model chunks on the device (interleaved schedules); a backward frees one chunk's
             micro-batch, `1 / chunks` of `in_flight`'s unit.
         frozen_params: the part of the dense parameters that takes no gradient (see `model_state_bytes`).
+        buffer_bytes: the stage's module buffers, counted with the weights: neither tensor
+            parallelism nor FSDP2 splits them.
 
     Returns:
         The per-category breakdown at the peak.
@@ -293,7 +296,7 @@ def stage_memory(
     _check_non_negative(
         params=params, expert_params=expert_params, activation_bytes_per_microbatch=activation_bytes_per_microbatch,
         in_flight=in_flight, comm_buffer_bytes=comm_buffer_bytes, temp_bytes=temp_bytes, context_bytes=context_bytes,
-        fragmentation_fraction=fragmentation_fraction,
+        fragmentation_fraction=fragmentation_fraction, buffer_bytes=buffer_bytes,
     )
     for name, degree in (("tp", tp), ("ep", ep), ("expert_tp", expert_tp), ("chunks", chunks)):
         if not isinstance(degree, int) or degree < 1:
@@ -314,7 +317,7 @@ def stage_memory(
                               frozen_params=frozen_params / tp, **precision)
     experts = model_state_bytes(local_experts, zero, expert_shard_group, **precision)
     breakdown = MemoryBreakdown(
-        weights_bytes=dense.weights_bytes + experts.weights_bytes,
+        weights_bytes=dense.weights_bytes + experts.weights_bytes + buffer_bytes,
         grads_bytes=dense.grads_bytes + experts.grads_bytes,
         optimizer_bytes=dense.optimizer_bytes + experts.optimizer_bytes,
         activations_bytes=activation_bytes_per_microbatch * in_flight,
@@ -325,7 +328,7 @@ def stage_memory(
         gathered = (model_state_bytes(dense_params, zero, dense_shard_group, gathered_params=dense_params,
                                       frozen_params=frozen_params / tp, **precision),
                     model_state_bytes(local_experts, zero, expert_shard_group, gathered_params=local_experts, **precision))
-        backward_end = replace(breakdown, weights_bytes=sum(part.weights_bytes for part in gathered),
+        backward_end = replace(breakdown, weights_bytes=sum(part.weights_bytes for part in gathered) + buffer_bytes,
                                activations_bytes=activation_bytes_per_microbatch * max(0.0, in_flight - 1 / chunks))
         breakdown = max(breakdown, backward_end, key=lambda moment: moment.total_bytes)
     if not grads_at_peak:

@@ -57,8 +57,8 @@ ZERO3_GATHERED_LAYERS = 2
 
 # Columns of the per-layer table one device type yields for one configuration (one micro-batch).
 COLUMNS = ("fwd_s", "bwd_s", "compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s",
-           "fsdp_exposed_s", "dense_params", "expert_params", "frozen_params", "static_bytes", "grad_bytes", "act_bytes",
-           "temp_bytes", "out_bytes")
+           "fsdp_exposed_s", "dense_params", "expert_params", "frozen_params", "buffer_bytes", "static_bytes", "grad_bytes",
+           "act_bytes", "temp_bytes", "out_bytes")
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
 
@@ -201,7 +201,7 @@ class Evaluator:
         states = (memory_model.model_state_bytes(dense, config.zero, config.dp * config.cp, gathered_params=dense * gathered,
                                                  frozen_params=frozen, **state),
                   memory_model.model_state_bytes(expert, config.zero, expert_group.size, gathered_params=expert * gathered, **state))
-        static, grads = sum(sum(part) for part in states), sum(part.grads_bytes for part in states)
+        static, grads = sum(sum(part) for part in states) + layer.buffer_bytes, sum(part.grads_bytes for part in states)
         exposed_fwd_s = exposed_bwd_s = 0.0
         if config.zero == 3:
             windows = (cost.fwd_s, cost.bwd_s + cost.recompute_s) if device.comm_overlaps_compute else (0.0, 0.0)
@@ -213,7 +213,8 @@ class Evaluator:
         exposed = exposed_fwd_s + exposed_bwd_s
         return (
             fwd, cost.total_s + exposed - fwd, cost.fwd_s + cost.bwd_s, cost.recompute_s, cost.tp_comm_s,
-            cost.cp_comm_s, cost.ep_comm_s, exposed, dense, expert, frozen, static, grads, cost.act_bytes, cost.temp_bytes,
+            cost.cp_comm_s, cost.ep_comm_s, exposed, dense, expert, frozen, layer.buffer_bytes, static, grads, cost.act_bytes,
+            cost.temp_bytes,
             layer.out_bytes * config.micro_batch / self.graph.micro_batch,
         )
 
@@ -362,7 +363,7 @@ class Evaluator:
             in_flight=in_flight, zero=config.zero, dense_shard_group=config.dp * config.cp, expert_shard_group=expert_group,
             gathered_params=ZERO3_GATHERED_LAYERS * largest_params if config.zero == 3 else 0.0,
             temp_bytes=total[COL["temp_bytes"]], grads_at_peak=config.num_microbatches > 1, chunks=config.vpp, comm_buffer_bytes=recv_bytes,
-            frozen_params=frozen, **state_options(config, self.precision),
+            frozen_params=frozen, buffer_bytes=total[COL["buffer_bytes"]], **state_options(config, self.precision),
         )
         owned_s = optimizer_step_s(config, self.precision, device, (dense - frozen) / dense_shard + expert / expert_shard)
         return p2p_s, dp_s, owned_s, breakdown

@@ -92,6 +92,8 @@ class Layer:
         bwd_work_fraction: the share of a fully trainable backward the layer runs: its measured
             backward FLOPs over those with every parameter trainable and a gradient reaching its
             input (`planner.measure.PieceCost`); the cost model scales its backward by it.
+        buffer_bytes: bytes of the buffers the layer reads (e.g. a precomputed table, batch-norm
+            statistics), in the traced dtype: on every device that holds the layer, whole.
         fwd_flops, bwd_flops: FLOPs of one forward / backward for the traced micro-batch.
         saved_bytes: bytes autograd keeps for backward, per recompute policy.
         out_bytes: bytes of the activation passed to the next layer.
@@ -113,6 +115,7 @@ class Layer:
     ops: tuple[Op, ...] = ()
     frozen_params: int = 0
     bwd_work_fraction: float = 1.0
+    buffer_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from planner import measure
 from planner.graph import Layer, LayerKind, Op, OpKind
-from planner.layering import (Grouping, digest, layer_keys, layer_runs, make_layer, module_signature, new_params,
+from planner.layering import (Grouping, digest, layer_keys, layer_runs, make_layer, module_signature, new_tensors,
                               unused_params_notes)
 from planner.op_kinds import KIND_BY_TARGET, gelu_target, module_target, op_attrs
 
@@ -41,6 +41,7 @@ def graph_layers(root: nn.Module, graph: fx.Graph, model: nn.Module, inputs: tup
     costs: dict[str, measure.PieceCost] = {}
     param_names = {id(p): name for name, p in model.named_parameters()}
     owned: set[int] = set()
+    owned_buffers: set[int] = set()
     trains_before = False  # whether a layer before this one has trainable parameters (its input needs a gradient)
     layers = []
     for (kind, name), layer_nodes in layer_runs(nodes, keys):
@@ -63,11 +64,12 @@ def graph_layers(root: nn.Module, graph: fx.Graph, model: nn.Module, inputs: tup
                                         if n.op == "placeholder" or not trains_before))
             except Exception as exc:  # noqa: BLE001 - user code may raise anything
                 raise measure.ModuleRunError(name) from exc
-        params = new_params(_node_params(root, layer_nodes), owned)
+        params = new_tensors(_node_params(root, layer_nodes), owned)
+        buffers = new_tensors(_node_buffers(root, layer_nodes), owned_buffers)
         trains_before = trains_before or any(p.requires_grad for p in params)
         ops = tuple(op for n in layer_nodes if (op := _graph_op(root, n, values, flops)))
         layers.append(make_layer(name, kind, _units(grouping, layer_nodes), costs[signature],
-                                 signature, params, param_names, ops))
+                                 signature, params, param_names, ops, buffers))
     notes += unused_params_notes(model, owned)
     return layers
 
@@ -159,6 +161,17 @@ def _node_params(root: nn.Module, nodes: Sequence[fx.Node]) -> list[nn.Parameter
             params += root.get_submodule(node.target).parameters()
         params += [_fetch_attr(root, a.target) for a in node.all_input_nodes if a.op == "get_attr"]
     return [p for p in params if isinstance(p, nn.Parameter)]
+
+
+def _node_buffers(root: nn.Module, nodes: Sequence[fx.Node]) -> list[torch.Tensor]:
+    """Buffers the nodes read: those of the modules they call and those fetched by get_attr."""
+    buffers = []
+    for node in nodes:
+        if node.op == "call_module":
+            buffers += root.get_submodule(node.target).buffers()
+        buffers += [t for a in node.all_input_nodes if a.op == "get_attr"
+                    and isinstance(t := _fetch_attr(root, a.target), torch.Tensor) and not isinstance(t, nn.Parameter)]
+    return buffers
 
 
 def _graph_op(root: nn.Module, node: fx.Node, values: dict, flops: dict) -> Op | None:

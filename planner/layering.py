@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 from typing import Sequence
 
+import torch
 from torch import nn
 
 from planner.graph import Layer, LayerKind, Op
@@ -151,13 +152,13 @@ def layer_runs(items: Sequence, keys: Sequence[tuple[LayerKind, str]]) -> list[t
     return [(named, run) for named, _, run in runs]
 
 
-def new_params(params: Sequence[nn.Parameter], owned: set[int]) -> list[nn.Parameter]:
-    """Parameters not owned by an earlier layer (a tied weight counts once, where first used)."""
+def new_tensors(tensors: Sequence[torch.Tensor], owned: set[int]) -> list[torch.Tensor]:
+    """Parameters or buffers not owned by an earlier layer (a tied weight counts once, where first used)."""
     fresh = []
-    for p in params:
-        if id(p) not in owned:
-            owned.add(id(p))
-            fresh.append(p)
+    for t in tensors:
+        if id(t) not in owned:
+            owned.add(id(t))
+            fresh.append(t)
     return fresh
 
 
@@ -182,8 +183,8 @@ def unused_params_notes(model: nn.Module, owned: set[int]) -> list[str]:
 
 def make_layer(name: str, kind: LayerKind, fqns: tuple[str, ...], cost: PieceCost,
                signature: str, params: Sequence[nn.Parameter], param_names: dict[int, str],
-               ops: tuple[Op, ...]) -> Layer:
-    """The Layer record of a run of ops: its measured cost and the parameters it owns."""
+               ops: tuple[Op, ...], buffers: Sequence[torch.Tensor] = ()) -> Layer:
+    """The Layer record of a run of ops: its measured cost and the parameters and buffers it owns."""
     return Layer(
         name=name, kind=kind, fqns=fqns,
         params=sum(p.numel() for p in params),
@@ -193,4 +194,5 @@ def make_layer(name: str, kind: LayerKind, fqns: tuple[str, ...], cost: PieceCos
         frozen_params=sum(p.numel() for p in params if not p.requires_grad
                           and EXPERTS_MODULE not in param_names.get(id(p), "").split(".")),
         fwd_flops=cost.fwd_flops, bwd_flops=cost.bwd_flops, saved_bytes=cost.saved_bytes,
-        out_bytes=cost.out_bytes, signature=signature, ops=ops, bwd_work_fraction=cost.bwd_work_fraction)
+        out_bytes=cost.out_bytes, signature=signature, ops=ops, bwd_work_fraction=cost.bwd_work_fraction,
+        buffer_bytes=sum(b.numel() * b.element_size() for b in buffers))

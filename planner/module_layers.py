@@ -12,7 +12,7 @@ from torch import nn
 
 from planner.eager_run import EagerRun
 from planner.graph import Layer, Op, OpKind, Recompute
-from planner.layering import (Grouping, digest, layer_keys, layer_runs, make_layer, module_signature, new_params,
+from planner.layering import (Grouping, digest, layer_keys, layer_runs, make_layer, module_signature, new_tensors,
                               unused_params_notes)
 from planner.measure import PieceCost
 from planner.op_kinds import KIND_BY_TARGET, module_target, op_attrs
@@ -26,6 +26,7 @@ def module_layers(run: EagerRun, model: nn.Module, grouping: Grouping,
     keys = layer_keys(units, grouping)
     param_names = {id(p): name for name, p in model.named_parameters()}
     owned: set[int] = set()
+    owned_buffers: set[int] = set()
     unattributed_fwd, unattributed_bwd = run.module_flops[""]
     layers = []
     for (kind, name), indices in layer_runs(range(len(run.calls)), keys):
@@ -40,12 +41,13 @@ def module_layers(run: EagerRun, model: nn.Module, grouping: Grouping,
         cost = PieceCost(fwd_flops=fwd, bwd_flops=bwd, saved_bytes=saved,
                          in_bytes=saved[Recompute.FULL],
                          out_bytes=run.out_bytes[layer_units[-1]] if layer_units else 0)
-        params = new_params([p for u in layer_units
-                             for p in model.get_submodule(u).parameters()], owned)
+        params = new_tensors([p for u in layer_units
+                              for p in model.get_submodule(u).parameters()], owned)
+        buffers = new_tensors([b for u in layer_units for b in model.get_submodule(u).buffers()], owned_buffers)
         signature = digest([str(kind)] + [module_signature(model.get_submodule(u))
                                          for u in layer_units])
         layers.append(make_layer(name, kind, layer_units, cost, signature, params, param_names,
-                                 tuple(_call_op(run, i) for i in indices)))
+                                 tuple(_call_op(run, i) for i in indices), buffers))
     if unattributed_fwd or unattributed_bwd:
         last_layer = layers[-1]
         layers[-1] = dataclasses.replace(last_layer,

@@ -67,6 +67,14 @@ def test_frozen_parameters_keep_weights_and_an_fp32_copy_but_no_gradients_or_mom
         model_state_bytes(7e9, 0, 8, frozen_params=8e9)
 
 
+def test_buffers_count_whole_with_the_weights():
+    # 1 GB of buffers on a tp 4, ZeRO-3 stage: neither split divides them.
+    base = dict(params=8e9, activation_bytes_per_microbatch=0, in_flight=0, tp=4, zero=3, dense_shard_group=8,
+                context_bytes=0, fragmentation_fraction=0)
+    with_buffers = stage_memory(**base, buffer_bytes=1e9)
+    assert with_buffers.weights_bytes - stage_memory(**base).weights_bytes == pytest.approx(1e9)
+
+
 def test_zero3_counts_the_gathered_working_copy_with_the_weights():
     # 8e9 params over 16 ranks: shard 0.5e9 x 2 B = 1 GB, plus two gathered layers of 0.2e9 x 2 B = 0.8 GB.
     states = model_state_bytes(8e9, 3, 16, gathered_params=4e8)

@@ -240,6 +240,19 @@ def test_moe_expert_parameters_are_separated():
     assert graph.dims.experts == 8 and graph.dims.top_k == 2
 
 
+def test_layers_own_the_buffers_they_read():
+    # Batch norm keeps running mean and variance (C values each, in the traced dtype) and a step
+    # count (int64): the stem's BN has 16 channels, blocks.0 two BNs of 16; no layer counts one twice.
+    graph = trace(f"{FIXTURES}:resnet_factory")
+    element = graph.layers[0].param_bytes // graph.layers[0].params
+    bn_bytes = lambda channels: 2 * channels * element + 8  # noqa: E731
+    assert [layer.buffer_bytes for layer in graph.layers[:2]] == [bn_bytes(16), 2 * bn_bytes(16)]
+    with torch.device("meta"):
+        model = resolve_model(f"{FIXTURES}:resnet_factory").build()
+    assert sum(layer.buffer_bytes for layer in graph.layers) == sum(
+        b.numel() * (element if b.is_floating_point() else b.element_size()) for b in model.buffers())
+
+
 def test_resnet_traces_with_fx_and_counts_convolutions():
     graph = trace(f"{FIXTURES}:resnet_factory")
     assert graph.trace_method == "fx" and graph.notes == ()

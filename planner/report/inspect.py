@@ -16,7 +16,7 @@ from planner.report.units import fmt_bytes, fmt_count, fmt_flops
 
 def inspect_json(graph: ModelGraph) -> dict:
     """The `inspect --json` object (DESIGN.md contract), plus `dtype`, `dims`, `notes` and, per
-    layer, `fqns`, `param_bytes`, `expert_params`, `frozen_params` and `signature`.
+    layer, `fqns`, `param_bytes`, `expert_params`, `frozen_params`, `buffer_bytes` and `signature`.
 
     Args:
         graph: a traced ModelGraph.
@@ -52,6 +52,7 @@ def _layer_json(layer: Layer) -> dict:
         "param_bytes": layer.param_bytes,
         "expert_params": layer.expert_params,
         "frozen_params": layer.frozen_params,
+        "buffer_bytes": layer.buffer_bytes,
         "signature": layer.signature,
     }
 
