@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from planner import measure
 from planner.graph import Layer, LayerKind, Op, OpKind
-from planner.layering import (Grouping, digest, layer_keys, layer_runs, make_layer, module_signature, new_tensors,
+from planner.layering import (Grouping, digest, layer_keys, layer_runs, make_layer, measured_signature, new_tensors,
                               unused_params_notes)
 from planner.op_kinds import KIND_BY_TARGET, gelu_target, module_target, op_attrs
 
@@ -138,7 +138,7 @@ def _graph_signature(root: nn.Module, kind: LayerKind, nodes: Sequence[fx.Node],
     for node in nodes:
         target = node.target
         if node.op == "call_module":
-            target = module_signature(root.get_submodule(node.target))
+            target = measured_signature(root.get_submodule(node.target))
         parts.append(f"{node.op}:{getattr(target, '__qualname__', target)}:"
                      f"{fx.node.map_aggregate((node.args, node.kwargs), describe)}")
     return digest(parts)

@@ -106,12 +106,17 @@ def _find_block_container(model: nn.Module) -> str | None:
 
 
 def module_signature(module: nn.Module) -> str:
-    """Structure of a module: submodule classes and settings, parameter shapes, dtypes and whether
-    they take gradients."""
+    """Structure of a module: submodule classes and settings, parameter shapes and dtypes."""
     parts = [f"{name}:{type(m).__qualname__}({m.extra_repr()})" for name, m in
              module.named_modules()]
-    parts += [f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for name, p in module.named_parameters()]
+    parts += [f"{name}:{tuple(p.shape)}:{p.dtype}" for name, p in module.named_parameters()]
     return digest(parts)
+
+
+def measured_signature(module: nn.Module) -> str:
+    """`module_signature` plus which parameters take gradients: modules measured once per key (a
+    frozen block costs less backward than its trainable twin, though both are blocks)."""
+    return digest([module_signature(module), "".join("1" if p.requires_grad else "0" for p in module.parameters())])
 
 
 def digest(parts: Sequence[str]) -> str:

@@ -12,7 +12,7 @@ from torch import nn
 
 from planner.eager_run import EagerRun
 from planner.graph import Layer, Op, OpKind, Recompute
-from planner.layering import (Grouping, digest, layer_keys, layer_runs, make_layer, module_signature, new_tensors,
+from planner.layering import (Grouping, digest, layer_keys, layer_runs, make_layer, measured_signature, new_tensors,
                               unused_params_notes)
 from planner.measure import PieceCost
 from planner.op_kinds import KIND_BY_TARGET, module_target, op_attrs
@@ -44,7 +44,7 @@ def module_layers(run: EagerRun, model: nn.Module, grouping: Grouping,
         params = new_tensors([p for u in layer_units
                               for p in model.get_submodule(u).parameters()], owned)
         buffers = new_tensors([b for u in layer_units for b in model.get_submodule(u).buffers()], owned_buffers)
-        signature = digest([str(kind)] + [module_signature(model.get_submodule(u))
+        signature = digest([str(kind)] + [measured_signature(model.get_submodule(u))
                                          for u in layer_units])
         layers.append(make_layer(name, kind, layer_units, cost, signature, params, param_names,
                                  tuple(_call_op(run, i) for i in indices), buffers))
