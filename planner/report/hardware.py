@@ -151,6 +151,7 @@ def _render_cluster(cluster: Cluster) -> RenderableType:
              _link_detail(node.intra_link), _link_detail(node.nic),
              f"{node.device.mem_bytes / BYTES_PER_GIB:.1f}",
              f"{peak / FLOPS_PER_TFLOP:.1f}" if peak else MISSING)
+    groups.caption = "each device's numbers with their sources: paraplan hardware DEVICE (its name or file)"
     return Group(summary, groups)
 
 
