@@ -5,8 +5,9 @@ feature/head axis; S(sequence) split along the sequence axis (sequence paralleli
 Each op offers strategies (`op_strategies`): a placement (what `parallelize_module` applies to its
 module), the layout it needs for each input, the layout of its output, and how many ways its work
 and parameters are split. Linear: R -> R (replicate), R -> S(feature) (colwise), S(feature) -> P
-(rowwise). Attention core: R -> R, or S(feature) -> S(feature) on a slice of the heads (multi-query
-attention: a slice of the query heads, its one key/value head R on every rank). Norm: R or
+(rowwise). Attention core: R -> R, or S(feature) -> S(feature) on a slice of the heads (with fewer
+key/value heads than tp ranks, tp a multiple of them: a slice of the query heads, the keys and values
+R on every rank, each rank attending with the one head its queries share). Norm: R or
 S(sequence). Elementwise and shape ops follow their input, except reductions, softmax, top-k and
 index scatter/gather (`AXIS_COUPLED_TARGETS`), which run replicated. Embedding: replicate or vocab-parallel
 (-> P). Loss: replicate or vocab-parallel on S(feature) logits.
@@ -277,7 +278,7 @@ def _attention_strategies(op: Op, tp: int) -> tuple[Strategy, ...]:
     kv_heads = op.attrs.get("kv_heads", heads)
     if tp > 1 and heads and heads % tp == 0 and kv_heads % tp == 0:
         strategies.append(Strategy(Placement.HEADS, _inputs(op, F, qkv), F, tp, 1))
-    elif tp > 1 and heads and heads % tp == 0 and kv_heads == 1 and qkv == 3:
+    elif tp > 1 and heads and heads % tp == 0 and kv_heads and tp % kv_heads == 0 and qkv == 3:
         strategies.append(Strategy(Placement.HEADS, (F, R, R) + _inputs(op, R, 0)[3:], F, tp, 1))
     return tuple(strategies)
 

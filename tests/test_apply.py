@@ -343,6 +343,8 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("moe_dp_x_tp", _plan(moe, "cpu:1x4", dp=2, tp=2, pp=1, ep=1, zero=0), moe),
         ("moe_ep_x_tp", _plan(moe, "cpu:1x4", dp=2, tp=2, pp=1, ep=2, zero=0), moe),
         ("llama_cp_x_tp", _plan(llama, "cpu:1x4", cp=2, tp=2, dp=1, pp=1), llama),
+        # Grouped-query attention with 2 key/value heads over tp 4: each head shared by 2 ranks.
+        ("llama_tp4_shared_kv", _plan(llama, "cpu:1x4", tp=4, pp=1), llama),
         # Under FSDP2, which sums the replicated projections' tp-partial gradients on its mesh.
         ("mqa_dp_x_tp_replicated_kv", _replicated_kv(_plan(mqa, "cpu:1x4", dp=2, tp=2, pp=1, zero=3)), mqa),
         ("pp_x_cp", _plan(gpt, "cpu:1x4", cp=2, pp=2, dp=1, tp=1, schedule="1f1b"), gpt),
@@ -504,9 +506,11 @@ def test_llama_grouped_query_attention_tp2(trained):
 
 
 @pytest.mark.parametrize(("case", "kv_placement"), [("mqa_tp", "colwise"), ("mqa_tp_replicated_kv", "replicate"),
-                                                    ("mqa_dp_x_tp_replicated_kv", "replicate")])
-def test_multi_query_attention_tp2_splits_query_heads(trained, case, kv_placement):
-    # One key/value head: each rank runs half the query heads against the whole key/value head.
+                                                    ("mqa_dp_x_tp_replicated_kv", "replicate"),
+                                                    ("llama_tp4_shared_kv", "colwise")])
+def test_fewer_key_value_heads_than_tp_split_query_heads(trained, case, kv_placement):
+    # One key/value head over tp 2 (or 2 heads over tp 4): each rank runs its share of the query
+    # heads against the whole key/value head they share.
     plan = trained[case][0]
     assert plan.layouts["layers.0.attn"] == "heads" and plan.layouts["layers.0.attn.q_proj"] == "colwise"
     assert plan.layouts["layers.0.attn.k_proj"] == plan.layouts["layers.0.attn.v_proj"] == kv_placement
@@ -664,12 +668,13 @@ def test_layout_naming_a_missing_module_fails(spec_dir, monkeypatch):
 
 
 def test_heads_that_do_not_split_over_tp_are_rejected(spec_dir):
-    # Two key/value heads cannot give each of 4 ranks whole heads of a column-sharded k_proj.
-    model = _build(str(spec_dir / "llama.yaml"))
+    # Three key/value heads neither split over 2 ranks nor are shared by whole groups of them.
+    (spec_dir / "llama-kv3.yaml").write_text(SPECS["llama"].replace("heads: 4\nkv_heads: 2", "heads: 6\nkv_heads: 3"))
+    model = _build(str(spec_dir / "llama-kv3.yaml"))
     units, blocks = model_units(model)
     layouts = {f"{block}.attn.{name}": "colwise" for block in blocks for name in ("q_proj", "k_proj", "v_proj")}
     layouts.update({f"{block}.attn": "heads" for block in blocks})
-    assert tensor_parallel_plan(model, list(units), list(blocks), layouts, tp=2).styles
-    with pytest.raises(PlannerError, match=r"layout layers.0.attn.k_proj: its 2 heads do not split over tp=4"):
-        tensor_parallel_plan(model, list(units), list(blocks), layouts, tp=4)
+    assert tensor_parallel_plan(model, list(units), list(blocks), layouts, tp=3).styles
+    with pytest.raises(PlannerError, match=r"layout layers.0.attn.k_proj: its 3 heads do not split over tp=2"):
+        tensor_parallel_plan(model, list(units), list(blocks), layouts, tp=2)
 

@@ -158,9 +158,10 @@ def test_tp1_is_all_replicated():
     assert layout.objective_s == pytest.approx(sum(roofline_compute_s(op, 1) for op in ops))
 
 
-@pytest.mark.parametrize(("heads", "kv_heads"), [(12, 12), (32, 4)])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(12, 12), (24, 6)])
 def test_attention_replicated_when_heads_do_not_divide(heads, kv_heads):
-    # tp = 8 divides neither 12 heads nor 4 kv heads, so the attention core cannot be head-split.
+    # tp = 8 divides neither 12 heads nor 6 kv heads (nor is a multiple of 6), so the attention core
+    # cannot be head-split.
     ops = gpt_block(hidden=128 * heads, heads=heads, kv_heads=kv_heads, ffn=512 * heads)
     layout = solve_layout(ops, 8, roofline_compute_s, ring_comm_s(8), sequence_parallel=False)
     assert layout.per_op["attn"] == Placement.REPLICATE
@@ -168,12 +169,12 @@ def test_attention_replicated_when_heads_do_not_divide(heads, kv_heads):
     assert_consistent(layout, ops)
 
 
-@pytest.mark.parametrize("tp", [2, 8])
-def test_multi_query_attention_splits_query_heads(tp):
-    # One key/value head cannot split, but the 32 query heads can, each rank attending with the
-    # whole key/value head (gathered or computed whole: 2 T h x 128 FLOPs, tiny): the attention core,
-    # q and o_proj split tp ways, as with more key/value heads.
-    ops = gpt_block(heads=32, kv_heads=1)
+@pytest.mark.parametrize(("tp", "kv_heads"), [(2, 1), (8, 1), (8, 4)])
+def test_fewer_key_value_heads_than_tp_split_query_heads(tp, kv_heads):
+    # One key/value head (or 4 over 8 ranks) cannot split, but the 32 query heads can, each rank
+    # attending with the key/value head its queries share (gathered or computed whole: 2 T h x 128
+    # FLOPs per head, small): the attention core, q and o_proj split tp ways, as with more heads.
+    ops = gpt_block(heads=32, kv_heads=kv_heads)
     layout = solve_layout(ops, tp, roofline_compute_s, ring_comm_s(tp), sequence_parallel=False)
     assert (layout.per_op["attn"], layout.per_op["q"], layout.per_op["o_proj"]) == (
         Placement.HEADS, Placement.COLWISE, Placement.ROWWISE)

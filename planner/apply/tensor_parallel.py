@@ -30,9 +30,9 @@ output back, so any mix of placements the sharding ILP chooses composes:
 
 Attention modules split heads through the projection widths: the zoo's attention infers its
 local head count from the projected tensor, so column-sharded q/k/v give `heads / tp` local heads
-(and `kv_heads / tp` for grouped-query attention) with no change to the module. Multi-query
-attention (one key/value head) splits its query heads and gives every rank the whole key and value
-head (`SharedKeyValueParallel`).
+(and `kv_heads / tp` for grouped-query attention) with no change to the module. With fewer
+key/value heads than tp ranks (tp a multiple of them; multi-query attention's one head), the query
+heads split and every rank keeps the key/value head its queries share (`SharedKeyValueParallel`).
 """
 from __future__ import annotations
 
@@ -191,17 +191,20 @@ def _grouped_expert_styles(fqn: str, module: nn.Module, layouts: dict[str, str])
 
 
 class SharedKeyValueParallel(ParallelStyle):
-    """Key or value projection of multi-query attention (one key/value head) whose attention core
-    runs on local query heads: every rank needs the whole head, so the projection's output is
-    replicated: computed colwise and all-gathered, or computed whole from replicated weights. Each
-    rank's query heads give that head a different gradient: the output's gradient is a partial sum
-    (reduce-scattered back to the colwise shards, or summed into the replicated weight's gradient
-    by FSDP2), as Megatron-LM forks with multi-query attention reduce it. Input: the container's
-    replicated input; output: a local tensor."""
+    """Key or value projection of attention with fewer key/value heads than tp ranks (tp a multiple
+    of them: multi-query attention's one head, or grouped-query heads each shared by tp / kv_heads
+    ranks) whose core runs on local query heads. The projection's output is replicated (computed
+    colwise and all-gathered, or computed whole from replicated weights) and each rank keeps the
+    head its query heads share. Ranks' query heads give a head different gradients: the output's
+    gradient is a partial sum (reduce-scattered back to the colwise shards, or summed into the
+    replicated weight's gradient by FSDP2), as Megatron-LM forks with multi-query attention reduce
+    it. Input: the container's replicated input; output: a local tensor of one head."""
 
-    def __init__(self, colwise: bool):
+    def __init__(self, colwise: bool, head_dim: int, ranks_per_head: int):
         super().__init__()
         self.colwise = colwise
+        self.head_dim = head_dim
+        self.ranks_per_head = ranks_per_head
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         placement = Shard(0) if self.colwise else Replicate()
@@ -218,18 +221,21 @@ class SharedKeyValueParallel(ParallelStyle):
             return (x, *inputs[1:])
 
         def prepare_output(mod: nn.Module, output: DTensor, mesh: DeviceMesh):
-            return output.redistribute(mesh, [Replicate()]).to_local(grad_placements=(Partial(),))
+            heads = output.redistribute(mesh, [Replicate()]).to_local(grad_placements=(Partial(),))
+            head = mesh.get_local_rank() // self.ranks_per_head
+            return heads[..., head * self.head_dim:(head + 1) * self.head_dim]
 
         return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
 
 
 def _shared_key_value(module: nn.Module, inputs: list[str], tp: int) -> list[str]:
-    """The input projections of multi-query attention (one key/value head, query heads split over
-    tp) that produce its key and value; none for other modules."""
+    """The input projections that produce the keys and values of attention whose key/value heads
+    are fewer than tp and shared by tp / kv_heads ranks each (query heads split over tp); none for
+    other modules."""
     head_dim, heads, kv_heads = (getattr(module, name, None) for name in ("head_dim", "heads", "kv_heads"))
-    if not head_dim or kv_heads != 1 or not heads or heads % tp or tp == 1:
+    if not head_dim or not kv_heads or kv_heads >= tp or tp % kv_heads or not heads or heads % tp:
         return []
-    return [name for name in inputs if getattr(module, name).out_features == head_dim]
+    return [name for name in inputs if getattr(module, name).out_features == kv_heads * head_dim]
 
 
 def _check_heads(fqn: str, module: nn.Module, inputs: list[str], tp: int) -> None:
@@ -267,7 +273,8 @@ def _container_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stre
     if middle == F:
         _check_heads(fqn, module, split, tp)
     styles: dict[str, ParallelStyle] = {
-        f"{fqn}.{name}": SharedKeyValueParallel(colwise=placements[name] == Placement.COLWISE) for name in shared}
+        f"{fqn}.{name}": SharedKeyValueParallel(placements[name] == Placement.COLWISE, module.head_dim, tp // module.kv_heads)
+        for name in shared}
     for name in split:
         if placements[name] == Placement.ROWWISE:
             raise unsupported(f"layout {fqn}.{name}: a rowwise input projection cannot read the replicated input; re-plan")
