@@ -75,12 +75,18 @@ def _add_sweep_args(sub) -> None:
     report.add_argument("--out", required=True, help="report file, .html or .md")
 
 
-def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool) -> None:
-    parser.add_argument("--model", required=True, help="zoo name, spec file (.yaml/.json) or package.module:factory")
-    parser.add_argument("--seq-len", type=_positive("seq-len"), help="tokens per sequence (default: the model's)")
+def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool, from_plan: bool = False) -> None:
+    """The workload flags; with `from_plan`, a saved plan (`--plan`) may give the model, cluster,
+    global batch and sequence length instead (`_evaluated_config` asks for them without one)."""
+    parser.add_argument("--model", required=not from_plan, help="zoo name, spec file (.yaml/.json) or package.module:factory"
+                        + (" (default: a saved plan's)" if from_plan else ""))
+    parser.add_argument("--seq-len", type=_positive("seq-len"), help="tokens per sequence (default: the model's"
+                        + (", or a saved plan's)" if from_plan else ")"))
     if needs_batch:
-        parser.add_argument("--cluster", required=True, help="cluster name, cluster file, or DEVICE:NODESxGPUS")
-        parser.add_argument("--global-batch", type=_positive("global-batch"), required=True, help="sequences per optimizer step")
+        parser.add_argument("--cluster", required=not from_plan, help="cluster name, cluster file, or DEVICE:NODESxGPUS"
+                            + (" (default: a saved plan's)" if from_plan else ""))
+        parser.add_argument("--global-batch", type=_positive("global-batch"), required=not from_plan,
+                            help="sequences per optimizer step" + (" (default: a saved plan's)" if from_plan else ""))
         parser.add_argument("--dtype", choices=TRAINING_DTYPES, help="training dtype (default: bf16, or a saved plan's)")
         parser.add_argument("--attention", choices=["flash", "unfused"],
                             help="attention kernel of the training code (unfused: scores materialised, pre-FlashAttention)")
@@ -135,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--dtype", default="bf16", choices=TRAINING_DTYPES,
                          help="training dtype the model is traced in (activation bytes follow it)")
     evaluate = sub.add_parser("evaluate", help="predict one parallel configuration")
-    _add_model_args(evaluate, needs_batch=True)
+    _add_model_args(evaluate, needs_batch=True, from_plan=True)
     _add_config_args(evaluate, required=False)
     evaluate.add_argument("--plan", metavar="FILE", help="price a saved plan (.json/.yaml from `plan --out`) as planned: its degrees, "
                                                       "stage split, per-layer recompute and training code; instead of --tp/--pp/...")
@@ -177,9 +183,10 @@ def _evaluated_config(args):
     """The configuration `evaluate` prices: the degrees given, or a saved plan (`--plan`)."""
     degrees = _constraints(args)
     if args.plan is None:
-        missing = [f"--{key}" for key in ("tp", "pp") if key not in degrees]
+        missing = [f"--{key.replace('_', '-')}" for key in ("model", "cluster", "global_batch") if getattr(args, key) is None]
+        missing += [f"--{key}" for key in ("tp", "pp") if key not in degrees]
         if missing:
-            raise invalid(f"evaluate: {' and '.join(missing)} required; give the degrees, or --plan FILE to price a saved plan")
+            raise invalid(f"evaluate: {', '.join(missing)} required; give them, or --plan FILE to price a saved plan")
         return degrees
     if degrees:
         flags = ", ".join(f"--{key.replace('_', '-')}" for key in degrees)
@@ -222,7 +229,10 @@ def _run(args) -> int:
         import planner
         from planner.report.estimate import estimate_json, render_estimate
 
-        result = planner.evaluate(args.model, args.cluster, _evaluated_config(args), global_batch=args.global_batch, seq_len=args.seq_len,
+        config = _evaluated_config(args)
+        saved = config if isinstance(config, planner.Plan) else None
+        result = planner.evaluate(args.model or saved.model, args.cluster or saved.cluster, config,
+                                  global_batch=args.global_batch or saved.global_batch, seq_len=args.seq_len,
                                   dtype=args.dtype, **_training_code(args))
         if args.json:
             _print_json(estimate_json(result))

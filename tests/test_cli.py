@@ -219,11 +219,12 @@ def test_evaluate_prices_a_saved_plan_as_planned(capsys, tmp_path):
     assert code == 0
     planned = json.loads(out)
     assert planned["training_code"]["elementwise"] == "fused"
-    code, out, _ = run(["evaluate", *RUN_ARGS, "--plan", str(path), "--json"], capsys)
-    assert code == 0
-    priced = json.loads(out)
-    for key in ("step_time_s", "peak_memory_bytes", "config", "memory"):
-        assert priced[key] == planned[key]
+    for workload in (RUN_ARGS, []):  # the plan records its model, cluster, batch and sequence
+        code, out, _ = run(["evaluate", *workload, "--plan", str(path), "--json"], capsys)
+        assert code == 0
+        priced = json.loads(out)
+        for key in ("step_time_s", "peak_memory_bytes", "config", "memory"):
+            assert priced[key] == planned[key]
     code, out, _ = run(["evaluate", *RUN_ARGS, "--plan", str(path), "--elementwise", "eager", "--json"], capsys)
     assert code == 0 and json.loads(out)["step_time_s"] > planned["step_time_s"]
     # Twice the global batch: twice the micro-batches of the same size.
@@ -296,6 +297,8 @@ BAD_INPUT = [
     pytest.param(["hardware", "h100-sxn"], "h100-sxn", id="unknown hardware name"),
     pytest.param(["plan", *RUN_ARGS, "--out", "{bad}/plan.txt"], "plan.txt", id="unknown plan file extension"),
     pytest.param(["evaluate", *RUN_ARGS, "--tp", "2"], "--pp required", id="evaluate without degrees or a plan"),
+    pytest.param(["evaluate", *MODEL_ARGS, "--tp", "2"], "--cluster, --global-batch, --pp required",
+                 id="evaluate without a workload or a plan"),
     pytest.param(["evaluate", *RUN_ARGS, "--plan", "{bad}/truncated.json"], "not a paraplan plan", id="malformed plan file"),
     pytest.param(["evaluate", *RUN_ARGS, "--plan", "{bad}/none.json", "--tp", "2", "--micro-batch", "2"], "--tp, --micro-batch also given",
                  id="a plan and degrees together"),
