@@ -54,8 +54,9 @@ def memory_table(estimate: Estimate) -> Table:
         values = (row["weights_bytes"], row["grads_bytes"], row["optimizer_bytes"], row["activations_bytes"], other, row["total_bytes"])
         table.add_row(str(row["stage"]), *(f"{v / GIB:.1f}" for v in values), bar(row["total_bytes"] / row["capacity_bytes"], 10))
     priced = ", ".join(dict.fromkeys(f"{row['dtype']} on {row['device']}" for row in estimate.memory if "dtype" in row))
-    table.caption = ("other = communication buffers + temporaries + CUDA context and allocator fragmentation"
-                     + (f"; priced in {priced}" if priced else ""))
+    table.caption = ("each stage at its peak moment (the forward's end, or the optimizer step, where activations "
+                     "are gone: a part not alive then shows 0); other = communication buffers + temporaries + CUDA "
+                     "context and allocator fragmentation" + (f"; priced in {priced}" if priced else ""))
     return table
 
 
