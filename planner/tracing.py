@@ -170,11 +170,29 @@ def _meta_like(t: torch.Tensor) -> torch.Tensor:
     return nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
 
 
+class _BlockTracer(fx.Tracer):
+    """fx's tracer, except that the block stack, its ancestors and the blocks are traced through
+    even when torch.nn defines them (fx keeps torch.nn modules whole: an nn.TransformerEncoder
+    would be one op, its layers no pipeline cut)."""
+
+    def __init__(self, grouping: Grouping):
+        super().__init__()
+        self.grouping = grouping
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        container = self.grouping.container
+        name = module_qualified_name
+        if container and (container == name or container.startswith(f"{name}.") or (
+                name.startswith(f"{container}.") and "." not in name[len(container) + 1:])):
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
+
+
 def _capture_and_measure(source: ModelSource, model: nn.Module, inputs: tuple,
                          grouping: Grouping, seq_len: int, micro_batch: int,
                          notes: list[str]) -> tuple[str, list[Layer]]:
     """Tries fx, then export, then the eager module-level run; appends failure reasons."""
-    tracer = fx.Tracer()
+    tracer = _BlockTracer(grouping)
     try:
         graph = tracer.trace(model)
         return "fx", graph_layers(model, graph, model, inputs, grouping, notes)

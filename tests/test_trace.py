@@ -240,6 +240,15 @@ def test_moe_expert_parameters_are_separated():
     assert graph.dims.experts == 8 and graph.dims.top_k == 2
 
 
+def test_blocks_inside_a_torch_nn_module_are_layers():
+    # fx keeps torch.nn modules whole, so an nn.TransformerEncoder would be one op and its layers no
+    # pipeline cut; tracing descends into it (here fx then meets its control flow and export runs).
+    graph = trace(f"{FIXTURES}:encoder_lm", seq_len=32)
+    assert [layer.name for layer in graph.layers] == ["embed", "encoder.layers.0", "encoder.layers.1", "head"]
+    assert graph.layers[1].fwd_flops == graph.layers[2].fwd_flops > 0
+    assert (graph.dims.heads, graph.dims.layers) == (4, 2)
+
+
 def test_layers_own_the_buffers_they_read():
     # Batch norm keeps running mean and variance (C values each, in the traced dtype) and a step
     # count (int64): the stem's BN has 16 channels, blocks.0 two BNs of 16; no layer counts one twice.
