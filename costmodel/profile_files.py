@@ -73,6 +73,14 @@ def is_file(path: Path) -> bool:
         return False
 
 
+def is_dir(path: Path) -> bool:
+    """Path.is_dir that answers False for names the OS rejects."""
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):
+        return False
+
+
 def resolve(kind_dir: str, what: str, name_or_path: str | Path, dirs: tuple[Path, ...]) -> Path:
     """Find the file behind a profile name or path, or raise naming the nearest known names."""
     if isinstance(name_or_path, Path) or looks_like_path(name_or_path):
@@ -81,7 +89,8 @@ def resolve(kind_dir: str, what: str, name_or_path: str | Path, dirs: tuple[Path
         except RuntimeError:  # "~user" naming no known user: not a path we can open
             raise ProfileError(f"{what} file {str(name_or_path)!r}: not found; check the path") from None
         if not is_file(path):
-            raise ProfileError(f"{what} file {str(name_or_path)!r}: not found; check the path")
+            problem = "a folder, not a profile file" if is_dir(path) else "not found; check the path"
+            raise ProfileError(f"{what} file {str(name_or_path)!r}: {problem}")
         return path
     name = name_or_path.strip().lower()
     for root in dirs:

@@ -93,7 +93,8 @@ class Layer:
             backward FLOPs over those with every parameter trainable and a gradient reaching its
             input (`planner.measure.PieceCost`); the cost model scales its backward by it.
         buffer_bytes: bytes of the buffers the layer reads (e.g. a precomputed table, batch-norm
-            statistics), in the traced dtype: on every device that holds the layer, whole.
+            statistics), floating ones in fp32 (`planner.layering.buffer_element_bytes`): on every
+            device that holds the layer, whole.
         fwd_flops, bwd_flops: FLOPs of one forward / backward for the traced micro-batch.
         saved_bytes: bytes autograd keeps for backward, per recompute policy.
         out_bytes: bytes of the activation passed to the next layer.

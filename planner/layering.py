@@ -200,4 +200,14 @@ def make_layer(name: str, kind: LayerKind, fqns: tuple[str, ...], cost: PieceCos
                           and EXPERTS_MODULE not in param_names.get(id(p), "").split(".")),
         fwd_flops=cost.fwd_flops, bwd_flops=cost.bwd_flops, saved_bytes=cost.saved_bytes,
         out_bytes=cost.out_bytes, signature=signature, ops=ops, bwd_work_fraction=cost.bwd_work_fraction,
-        buffer_bytes=sum(b.numel() * b.element_size() for b in buffers))
+        buffer_bytes=sum(b.numel() * buffer_element_bytes(b) for b in buffers))
+
+
+# A floating buffer is fp32 in training: a mixed-precision model is built in fp32 and FSDP2 casts
+# parameters only (the trace builds the model in the training dtype, so the traced buffer is smaller).
+FLOAT_BUFFER_BYTES = 4
+
+
+def buffer_element_bytes(buffer: torch.Tensor) -> int:
+    """Bytes of one element of `buffer` as it is held in training."""
+    return max(buffer.element_size(), FLOAT_BUFFER_BYTES) if buffer.is_floating_point() else buffer.element_size()

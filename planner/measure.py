@@ -115,8 +115,11 @@ def measure_piece(module: nn.Module, args: tuple, *, data_args: frozenset[int] =
         fraction = bwd_flops / trainable_bwd_flops if trainable_bwd_flops else 1.0
     in_bytes = storage_bytes(inputs)
     saved, op_sac_kept = _saved_bytes_by_policy(module, inputs)
-    saved[Recompute.FULL] = in_bytes
-    saved[Recompute.SELECTIVE_OP] = in_bytes + op_sac_kept
+    # A checkpointed region keeps its inputs (and op-level checkpointing its kept outputs) only for
+    # a backward; none runs through a piece whose outputs need no gradient.
+    grad_out = any(t.requires_grad for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+    saved[Recompute.FULL] = in_bytes if grad_out else 0
+    saved[Recompute.SELECTIVE_OP] = in_bytes + op_sac_kept if grad_out else 0
     return PieceCost(fwd_flops=float(fwd_flops), bwd_flops=float(bwd_flops), saved_bytes=saved,
                      in_bytes=in_bytes, out_bytes=storage_bytes(out), bwd_work_fraction=fraction)
 

@@ -394,3 +394,8 @@ def test_a_profile_of_another_kind_is_refused_saying_how_to_use_it(given, hint):
 def test_a_cluster_file_as_a_shorthand_device_is_refused_saying_how_to_use_it():
     with pytest.raises(ProfileError, match="a cluster profile, not a device; give it as --cluster"):
         load_cluster(f"{PROFILES_DIR / 'clusters' / 'aws-p4d-16n.yaml'}:1x8")
+
+
+def test_a_folder_given_as_a_profile_says_so(tmp_path):
+    with pytest.raises(ProfileError, match="a folder, not a profile file"):
+        load_cluster(f"{tmp_path}/")

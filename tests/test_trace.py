@@ -250,16 +250,17 @@ def test_blocks_inside_a_torch_nn_module_are_layers():
 
 
 def test_layers_own_the_buffers_they_read():
-    # Batch norm keeps running mean and variance (C values each, in the traced dtype) and a step
-    # count (int64): the stem's BN has 16 channels, blocks.0 two BNs of 16; no layer counts one twice.
+    # Batch norm keeps running mean and variance (C values each, fp32 in training whatever the traced
+    # dtype: FSDP2 casts parameters only) and a step count (int64): the stem's BN has 16 channels,
+    # blocks.0 two BNs of 16; no layer counts one twice.
     graph = trace(f"{FIXTURES}:resnet_factory")
-    element = graph.layers[0].param_bytes // graph.layers[0].params
-    bn_bytes = lambda channels: 2 * channels * element + 8  # noqa: E731
+    assert graph.dtype == "bf16"
+    bn_bytes = lambda channels: 2 * channels * 4 + 8  # noqa: E731
     assert [layer.buffer_bytes for layer in graph.layers[:2]] == [bn_bytes(16), 2 * bn_bytes(16)]
     with torch.device("meta"):
         model = resolve_model(f"{FIXTURES}:resnet_factory").build()
     assert sum(layer.buffer_bytes for layer in graph.layers) == sum(
-        b.numel() * (element if b.is_floating_point() else b.element_size()) for b in model.buffers())
+        b.numel() * (4 if b.is_floating_point() else b.element_size()) for b in model.buffers())
 
 
 def test_resnet_traces_with_fx_and_counts_convolutions():
