@@ -393,4 +393,5 @@ class Evaluator:
             stages=stage_plans,
             bubble_fraction=time_breakdown["pp_bubble_s"] / pipe_s if pipe_s > 0 else 0.0,
             config=config,
+            notes=graph.notes,
         )

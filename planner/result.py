@@ -116,6 +116,7 @@ class Estimate:
     stages: tuple[StagePlan, ...] = ()
     bubble_fraction: float = 0.0
     config: ParallelConfig | None = None
+    notes: tuple[str, ...] = ()  # how the model was traced and measured (`ModelGraph.notes`)
 
     def to_dict(self) -> dict:
         out = {
@@ -129,6 +130,7 @@ class Estimate:
             "time_breakdown": dict(self.time_breakdown),
             "memory": list(self.memory),
             "stages": [s.to_dict() for s in self.stages],
+            "notes": list(self.notes),
         }
         if self.config is not None:
             out["config"] = self.config.to_dict()
@@ -148,6 +150,7 @@ class Estimate:
             stages=tuple(StagePlan.from_dict(s) for s in data.get("stages", [])),
             bubble_fraction=data.get("bubble_fraction", 0.0),
             config=ParallelConfig.from_dict(data["config"]) if "config" in data else None,
+            notes=tuple(data.get("notes", ())),
         )
 
 

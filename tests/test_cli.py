@@ -134,6 +134,16 @@ def test_evaluate_says_what_would_fit_and_how_to_shrink_a_bubble(capsys):
     assert code == 0 and "Does not fit" not in out and "bubble idles" not in out
 
 
+def test_plan_and_evaluate_carry_the_trace_notes(capsys):
+    # How the model was measured (here: frozen parameters) reaches the results, not only `inspect`.
+    workload = ["--model", "tests.fixtures.custom_models:frozen_first_block_gpt_factory", "--cluster", "a100-80g:1x2",
+                "--global-batch", "8"]
+    code, out, _ = run(["evaluate", *workload, "--tp", "1", "--pp", "1", "--json"], capsys)
+    assert code == 0 and any("take no gradient (frozen)" in note for note in json.loads(out)["notes"])
+    code, out, _ = run(["plan", *workload], capsys)
+    assert code == 0 and "trace: " in out and "frozen" in out
+
+
 def test_evaluate_fp32_prices_fp32_states_and_peak(capsys):
     """--dtype fp32 (an extension of the contract's bf16|fp16|fp8): on one device 16 B of model
     state per parameter instead of 18 (no master copy), and GEMMs at the fp32 peak, so the same

@@ -80,7 +80,12 @@ def hints(estimate: Estimate) -> list[str]:
     return out
 
 
+def trace_notes(estimate: Estimate) -> list[Text]:
+    """How the model was traced and measured (fallbacks, frozen parameters, ...), one line each."""
+    return [Text(f"trace: {note}", style="dim") for note in estimate.notes]
+
+
 def render_estimate(estimate: Estimate, title: str = "Estimate") -> Group:
-    """The summary, time and memory tables, then the `hints`."""
+    """The summary, time and memory tables, then the `hints` and the trace notes."""
     return Group(summary_table(estimate, title), time_table(estimate), memory_table(estimate),
-                 *(Text(hint, style="yellow") for hint in hints(estimate)))
+                 *(Text(hint, style="yellow") for hint in hints(estimate)), *trace_notes(estimate))

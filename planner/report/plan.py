@@ -8,7 +8,7 @@ from rich.table import Table
 
 from planner.config import ParallelConfig
 from planner.result import Plan
-from planner.report.estimate import memory_table, summary_table, time_table
+from planner.report.estimate import memory_table, summary_table, time_table, trace_notes
 from planner.report.units import bar, fmt_bytes, fmt_seconds
 
 
@@ -139,4 +139,4 @@ def render_plan(plan: Plan, explain: bool = False) -> Group:
         parts.append(alternatives_table(plan))
     if explain:
         parts.append(rejected_table(plan))
-    return Group(*parts)
+    return Group(*parts, *trace_notes(plan.estimate))
