@@ -11,6 +11,7 @@ from planner.report.units import GIB, bar, fmt_bytes, fmt_seconds
 # A pipeline bubble above this share of the step gets a hint on how to shrink it.
 BUBBLE_HINT_FRACTION = 0.25
 
+
 def estimate_json(estimate: Estimate) -> dict:
     """The `evaluate --json` object (DESIGN.md contract)."""
     return estimate.to_dict()
