@@ -5,6 +5,7 @@ Errors the user can fix print one line to stderr and exit 2 (bad input) or 3 (no
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -196,6 +197,18 @@ def _evaluated_config(args):
     return Plan.load(args.plan)
 
 
+def _with_apply_note(plan, model: str):
+    """`plan` with a note when `Plan.apply` would refuse its tensor-parallel layout for `model`."""
+    if plan.config.tp == 1:
+        return plan
+    from planner.apply import tensor_parallel_note
+
+    note = tensor_parallel_note(plan, model)
+    if not note:
+        return plan
+    return dataclasses.replace(plan, estimate=dataclasses.replace(plan.estimate, notes=(*plan.estimate.notes, note)))
+
+
 def _print_json(data: dict) -> None:
     print(json.dumps(data, indent=2))
 
@@ -252,6 +265,7 @@ def _run(args) -> int:
             args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype or "bf16", **_training_code(args),
             mem_headroom=args.mem_headroom, top=args.top, allow_offload=args.allow_offload, **_constraints(args),
         )
+        result = _with_apply_note(result, args.model)
         if args.out:
             result.save(args.out)
         save_plan_charts(result, args.timeline, args.memory_chart)

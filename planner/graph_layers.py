@@ -68,7 +68,7 @@ def graph_layers(root: nn.Module, graph: fx.Graph, model: nn.Module, inputs: tup
         buffers = new_tensors(_node_buffers(root, layer_nodes), owned_buffers)
         trains_before = trains_before or any(p.requires_grad for p in params)
         ops = tuple(op for n in layer_nodes if (op := _graph_op(root, n, values, flops)))
-        layers.append(make_layer(name, kind, _units(grouping, layer_nodes), costs[signature],
+        layers.append(make_layer(name, kind, _units(grouping, layer_nodes, model), costs[signature],
                                  signature, params, param_names, ops, buffers))
     notes += unused_params_notes(model, owned)
     return layers
@@ -89,10 +89,19 @@ def _node_fqn(node: fx.Node) -> str:
     return next(reversed(stack.values()))[0] if stack else ""
 
 
-def _units(grouping: Grouping, nodes: Sequence[fx.Node]) -> tuple[str, ...]:
-    """The block or top-level module FQNs a layer's nodes run in, in run order."""
+def _units(grouping: Grouping, nodes: Sequence[fx.Node], model: nn.Module) -> tuple[str, ...]:
+    """The block or top-level module FQNs of `model` a layer's nodes run in, in run order (modules
+    the capture added, such as torch.export's `_guards_fn`, are not the model's)."""
     return tuple(dict.fromkeys(u for n in nodes
-                               if (u := grouping.unit_of(_node_fqn(n))) is not None))
+                               if (u := grouping.unit_of(_node_fqn(n))) is not None and _is_submodule(model, u)))
+
+
+def _is_submodule(model: nn.Module, fqn: str) -> bool:
+    try:
+        model.get_submodule(fqn)
+    except AttributeError:
+        return False
+    return True
 
 
 def _extract(root: nn.Module, nodes: Sequence[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node]]:

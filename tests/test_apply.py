@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import planner
 from costmodel.profile_files import PROFILES_DIR
 from costmodel.profile_loader import load_cluster
+from planner.apply import check_applicable
 from planner.apply.context_parallel import token_positions
 from planner.apply.expert_parallel import check_expert_mesh
 from planner.apply.tensor_parallel import tensor_parallel_plan
@@ -56,6 +57,9 @@ COUNTED_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_t
 COUNTED_FSDP_RANGES = ("FSDP::all_gather", "FSDP::pre_forward")
 # A model the user wrote, returning logits (Plan.apply gets the loss as loss_fn).
 LOGITS_MODEL = "tests.fixtures.custom_models:sequential_lm"
+# Another, whose blocks sit in an nn.TransformerEncoder (captured by torch.export).
+ENCODER_MODEL = "tests.fixtures.custom_models:encoder_lm"
+LOGITS_MODELS = (LOGITS_MODEL, ENCODER_MODEL)
 
 # Small enough for a CPU step in milliseconds. The planner's layouts shard every weight
 # (Megatron-SP: sequence-parallel norms, colwise q/k/v/fc1, rowwise o/fc2); at hidden 96 the layout
@@ -92,7 +96,7 @@ def spec_dir(tmp_path_factory) -> Path:
 def _build(spec_path: str) -> torch.nn.Module:
     torch.manual_seed(SEED)
     model = resolve_model(spec_path).build(seq_len=SEQ_LEN)
-    if spec_path != LOGITS_MODEL and any(model.head.weight is p for p in model.embed.parameters()):
+    if spec_path not in LOGITS_MODELS and any(model.head.weight is p for p in model.embed.parameters()):
         # Tied to the head, nn.Embedding's N(0, 1) rows make each token's own logit dominate, and the
         # zoo's loss targets the input tokens: the loss starts near 0 and nothing trains. GPT-2's
         # initialisation scale keeps the tied cases learning.
@@ -122,7 +126,7 @@ def _reference(spec_path: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     losses = []
     for tokens in _batches():
-        loss = _logits_loss(model(tokens), tokens) if spec_path == LOGITS_MODEL else model(tokens)
+        loss = _logits_loss(model(tokens), tokens) if spec_path in LOGITS_MODELS else model(tokens)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -153,7 +157,7 @@ class _CollectiveCounter(TorchDispatchMode):
 def _train(plan: Plan, spec_path: str) -> dict:
     from torch.distributed.tensor import DTensor
 
-    applied = plan.apply(_build(spec_path), device="cpu", loss_fn=_logits_loss if spec_path == LOGITS_MODEL else None)
+    applied = plan.apply(_build(spec_path), device="cpu", loss_fn=_logits_loss if spec_path in LOGITS_MODELS else None)
     optimizer = torch.optim.SGD(list(applied.parameters()), lr=LEARNING_RATE)
     losses, kept_outputs = [], 0
     counter = _CollectiveCounter()
@@ -316,6 +320,7 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("logits_model_dp_zero3", _plan(LOGITS_MODEL, "cpu:1x2", dp=2, tp=1, pp=1, zero=3, micro_batch=2), LOGITS_MODEL),
         ("logits_model_pp", _plan(LOGITS_MODEL, "cpu:1x2", pp=2, tp=1, dp=1, schedule="1f1b", micro_batch=2),
          LOGITS_MODEL),
+        ("encoder_model_dp_zero3", _plan(ENCODER_MODEL, "cpu:1x2", dp=2, tp=1, pp=1, zero=3, micro_batch=2), ENCODER_MODEL),
         ("dp_zero1_offload_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=1, micro_batch=2,
                                               offload_optimizer=True), gpt),
         ("llama_tp", _plan(llama, "cpu:1x2", tp=2, pp=1), llama),
@@ -665,6 +670,19 @@ def test_layout_naming_a_missing_module_fails(spec_dir, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(PlannerError, match=r"lacks module 'layers.0.attn.qkv_proj'"):
         plan.apply(_build(str(spec_dir / "gpt.yaml")))
+
+
+def test_blocks_in_a_torch_encoder_train_as_one_process_does(trained):
+    # Its blocks are units of their own (torch.export's `_guards_fn`, which the capture adds, is
+    # not), each wrapped by FSDP2; pipelining such nested blocks is refused before any process-group work.
+    plan, _, _ = trained["encoder_model_dp_zero3"]
+    assert planner.trace(ENCODER_MODEL, seq_len=SEQ_LEN).trace_method == "export"
+    match, _ = check_applicable(plan, _build(ENCODER_MODEL))
+    assert match.units == ("embed", "encoder.layers.0", "encoder.layers.1", "head")
+    _check(trained["encoder_model_dp_zero3"])
+    pipelined = _plan(ENCODER_MODEL, "cpu:1x2", pp=2, tp=1, dp=1, schedule="1f1b", micro_batch=2)
+    with pytest.raises(PlannerError, match="block encoder.layers.0 sits in a nested module.*plan with --pp 1"):
+        check_applicable(pipelined, _build(ENCODER_MODEL))
 
 
 def test_heads_that_do_not_split_over_tp_are_rejected(spec_dir):

@@ -141,7 +141,17 @@ def test_plan_and_evaluate_carry_the_trace_notes(capsys):
     code, out, _ = run(["evaluate", *workload, "--tp", "1", "--pp", "1", "--json"], capsys)
     assert code == 0 and any("take no gradient (frozen)" in note for note in json.loads(out)["notes"])
     code, out, _ = run(["plan", *workload], capsys)
-    assert code == 0 and "trace: " in out and "frozen" in out
+    assert code == 0 and "note: " in out and "frozen" in out
+
+
+def test_plan_says_when_apply_cannot_run_its_tensor_parallel_layout(capsys):
+    # A block with one fused qkv projection prices under tp 2, but Plan.apply runs the zoo's modules.
+    argv = ["plan", "--cluster", "cpu:1x2", "--global-batch", "4", "--seq-len", "32", "--tp", "2", "--dtype", "fp32", "--json"]
+    code, out, _ = run([*argv, "--model", "tests.fixtures.custom_models:fused_qkv_lm"], capsys)
+    notes = json.loads(out)["notes"]
+    assert code == 0 and any(note.startswith("Plan.apply cannot run this tensor-parallel layout") for note in notes)
+    code, out, _ = run([*argv, "--model", "gpt3-125m"], capsys)
+    assert code == 0 and json.loads(out)["notes"] == []
 
 
 def test_evaluate_fp32_prices_fp32_states_and_peak(capsys):

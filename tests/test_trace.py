@@ -247,6 +247,9 @@ def test_blocks_inside_a_torch_nn_module_are_layers():
     assert [layer.name for layer in graph.layers] == ["embed", "encoder.layers.0", "encoder.layers.1", "head"]
     assert graph.layers[1].fwd_flops == graph.layers[2].fwd_flops > 0
     assert (graph.dims.heads, graph.dims.layers) == (4, 2)
+    model = resolve_model(f"{FIXTURES}:encoder_lm").build()
+    for layer in graph.layers:  # modules export adds (its `_guards_fn`) are not the model's units
+        assert all(model.get_submodule(fqn) is not None for fqn in layer.fqns)
 
 
 def test_layers_own_the_buffers_they_read():

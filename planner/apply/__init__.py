@@ -50,10 +50,10 @@ from planner.apply.data_parallel import apply_data_parallel, mixed_precision_pol
 from planner.apply.expert_parallel import apply_expert_parallel, check_expert_mesh, expert_mesh
 from planner.apply.pipeline import StageModule, build_schedule, check_schedule, chunk_units
 from planner.apply.recompute import apply_recompute
-from planner.apply.tensor_parallel import retie, shared_parameters, tensor_parallel_plan
+from planner.apply.tensor_parallel import TensorParallelPlan, retie, shared_parameters, tensor_parallel_plan, unsupported
 from planner.apply.tied import TiedCopy, sum_tied_gradients, tie_across_stages
-from planner.apply.validate import check_world_size, match_model, world_size
-from planner.errors import invalid
+from planner.apply.validate import ModelMatch, check_world_size, match_model, world_size
+from planner.errors import PlannerError, invalid
 from planner.graph import Recompute
 from planner.result import Plan
 
@@ -195,6 +195,46 @@ def _init_process_group(device: torch.device) -> None:
         dist.init_process_group(backend)
 
 
+def check_applicable(plan: Plan, model: nn.Module) -> tuple[ModelMatch, TensorParallelPlan | None]:
+    """What `apply_plan` checks and derives before any process-group work, but the world size: the
+    schedule, the expert mesh, the model against the plan, and the tensor-parallel styles. Runs on a
+    model built on `meta` too (`paraplan plan` checks its plans so).
+
+    Raises:
+        PlannerError: INVALID_INPUT / UNSUPPORTED_MODEL with a one-line message.
+    """
+    check_schedule(plan)
+    check_expert_mesh(plan.config)
+    match = match_model(plan, model)
+    config = plan.config
+    nested = next((unit for unit in match.units if "." in unit.rpartition(".")[0]), None)
+    if config.pp > 1 and nested is not None:
+        raise unsupported(f"pipeline stages: block {nested} sits in a nested module, which Plan.apply does not cut "
+                          f"into stages; plan with --pp 1 to apply it")
+    tp_plan = None
+    if config.tp > 1:
+        tp_plan = tensor_parallel_plan(model, list(match.units), list(match.blocks), match.layouts, config.tp,
+                                       vocab_parallel_loss=config.pp == 1, expert_parallel=config.ep > 1)
+    return match, tp_plan
+
+
+def tensor_parallel_note(plan: Plan, model) -> str:
+    """Why `apply_plan` would refuse the tensor-parallel layout of `plan` for `model` (a name, spec
+    file or factory reference, built on `meta` for the check), or "" when it would run it: the
+    planner prices any layout, `Plan.apply` runs the zoo's module structure (its `tensor_parallel`)."""
+    if plan.config.tp == 1:
+        return ""
+    from planner.models import resolve_model
+
+    with torch.device("meta"):
+        module = resolve_model(model).build(seq_len=plan.seq_len)
+    try:
+        check_applicable(plan, module)
+    except PlannerError as error:
+        return f"Plan.apply cannot run this tensor-parallel layout on this model: {error}; plan with --tp 1 to apply it"
+    return ""
+
+
 def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | None = None,
                loss_fn: Callable | None = None, mp_policy: MixedPrecisionPolicy | None = None) -> AppliedPlan:
     """Applies `plan` to `model` in this process (see the module docstring for the order).
@@ -220,17 +260,11 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
             process-group work, when the model or world size does not match the plan.
     """
     check_world_size(plan)
-    check_schedule(plan)
-    check_expert_mesh(plan.config)
-    match = match_model(plan, model)
+    match, tp_plan = check_applicable(plan, model)
     config = plan.config
     loss_module = getattr(model, "loss", None)
     if config.pp > 1 and loss_fn is None and not isinstance(loss_module, nn.modules.loss._Loss):
         raise invalid("loss_fn: the model has no `loss` module; pass loss_fn=(logits, targets) -> loss for pipelining")
-    tp_plan = None
-    if config.tp > 1:
-        tp_plan = tensor_parallel_plan(model, list(match.units), list(match.blocks), match.layouts, config.tp,
-                                       vocab_parallel_loss=config.pp == 1, expert_parallel=config.ep > 1)
 
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda":

@@ -113,7 +113,7 @@ def _linear_style(placement: Placement, fqn: str, need_in: TensorLayout, out: Te
         return RowwiseParallel(input_layouts=p[need_in], output_layouts=p[out])
     if placement == Placement.REPLICATE:
         return _convert(need_in, R, R, out)
-    raise unsupported(f"layout {fqn}: placement {placement!r} on a {nn.Linear.__name__} cannot be applied; "
+    raise unsupported(f"layout {fqn}: placement '{placement}' on a {nn.Linear.__name__} cannot be applied; "
                       f"re-plan (`paraplan plan`) or use tp=1")
 
 
@@ -285,7 +285,7 @@ def _container_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stre
     out_placement = placements[out_name]
     produced = {Placement.ROWWISE: stream, Placement.COLWISE: F, Placement.REPLICATE: R}.get(out_placement)
     if produced is None:
-        raise unsupported(f"layout {fqn}.{out_name}: placement {out_placement!r} cannot be applied; re-plan")
+        raise unsupported(f"layout {fqn}.{out_name}: placement '{out_placement}' cannot be applied; re-plan")
     style = _linear_style(out_placement, f"{fqn}.{out_name}", middle, produced)
     if style is not None:
         styles[f"{fqn}.{out_name}"] = style
@@ -325,7 +325,7 @@ def _embedding_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stre
     for name, child in module.named_children():
         placement = _placement(layouts, f"{fqn}.{name}")
         if placement != Placement.REPLICATE and not isinstance(child, (nn.Embedding, nn.Linear)):
-            raise unsupported(f"layout {fqn}.{name}: placement {placement!r} on a {type(child).__name__} cannot be applied")
+            raise unsupported(f"layout {fqn}.{name}: placement '{placement}' on a {type(child).__name__} cannot be applied")
         style = _linear_style(placement, f"{fqn}.{name}", R, R)
         if style is not None:
             styles[f"{fqn}.{name}"] = style
@@ -342,7 +342,7 @@ def _head_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: T
     placement = _placement(layouts, fqn)
     if not isinstance(module, nn.Linear):
         if placement != Placement.REPLICATE:
-            raise unsupported(f"layout {fqn}: placement {placement!r} on a {type(module).__name__} cannot be applied")
+            raise unsupported(f"layout {fqn}: placement '{placement}' on a {type(module).__name__} cannot be applied")
         return {}
     if placement == Placement.REPLICATE:
         style = _convert(stream, R, None, None)
@@ -352,7 +352,7 @@ def _head_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: T
                                      use_local_output=False)}
     style_type = {Placement.COLWISE: ColwiseParallel, Placement.ROWWISE: RowwiseParallel}.get(placement)
     if style_type is None:
-        raise unsupported(f"layout {fqn}: placement {placement!r} on the output head cannot be applied; re-plan")
+        raise unsupported(f"layout {fqn}: placement '{placement}' on the output head cannot be applied; re-plan")
     return {fqn: style_type(input_layouts=_DTENSOR_PLACEMENT[stream], output_layouts=Replicate())}
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from planner.errors import invalid
 from planner.result import Plan
 from planner.graph import OpKind
+from planner.layering import Grouping
 from planner.tp_strategies import Placement, weight_split_dim
 from planner.zoo.moe import GroupedLinear
 
@@ -62,15 +63,25 @@ def check_world_size(plan: Plan) -> None:
 
 
 def model_units(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(units, blocks): top-level children in order, the members of a ModuleList/ModuleDict expanded."""
+    """(units, blocks): top-level children in order, the members of a ModuleList/ModuleDict expanded,
+    and the modules holding the planner's block stack (`planner.layering.Grouping`: an
+    nn.TransformerEncoder's `layers`) expanded into their children, as the planner's layers name them."""
+    container = Grouping.of(model).container or ""
     units, blocks = [], []
-    for name, child in model.named_children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            members = [f"{name}.{key}" for key, _ in child.named_children()]
-            units += members
-            blocks += members
-        else:
-            units.append(name)
+
+    def expand(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            fqn = f"{prefix}{name}"
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or fqn == container:
+                members = [f"{fqn}.{key}" for key, _ in child.named_children()]
+                units.extend(members)
+                blocks.extend(members)
+            elif container.startswith(f"{fqn}."):
+                expand(f"{fqn}.", child)
+            else:
+                units.append(fqn)
+
+    expand("", model)
     return tuple(units), tuple(blocks)
 
 

@@ -83,7 +83,7 @@ def hints(estimate: Estimate) -> list[str]:
 
 def trace_notes(estimate: Estimate) -> list[Text]:
     """How the model was traced and measured (fallbacks, frozen parameters, ...), one line each."""
-    return [Text(f"trace: {note}", style="dim") for note in estimate.notes]
+    return [Text(f"note: {note}", style="dim") for note in estimate.notes]
 
 
 def render_estimate(estimate: Estimate, title: str = "Estimate") -> Group:
