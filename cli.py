@@ -198,12 +198,14 @@ def _evaluated_config(args):
 
 
 def _with_apply_note(plan, model: str):
-    """`plan` with a note when `Plan.apply` would refuse its tensor-parallel layout for `model`."""
-    if plan.config.tp == 1:
+    """`plan` with a note when `Plan.apply` would refuse it for `model` (checked for tensor and
+    pipeline parallelism, which depend on the model's module structure; importing the apply costs
+    a second otherwise spared)."""
+    if plan.config.tp == 1 and plan.config.pp == 1:
         return plan
-    from planner.apply import tensor_parallel_note
+    from planner.apply import apply_note
 
-    note = tensor_parallel_note(plan, model)
+    note = apply_note(plan, model)
     if not note:
         return plan
     return dataclasses.replace(plan, estimate=dataclasses.replace(plan.estimate, notes=(*plan.estimate.notes, note)))

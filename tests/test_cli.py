@@ -149,7 +149,7 @@ def test_plan_says_when_apply_cannot_run_its_tensor_parallel_layout(capsys):
     argv = ["plan", "--cluster", "cpu:1x2", "--global-batch", "4", "--seq-len", "32", "--tp", "2", "--dtype", "fp32", "--json"]
     code, out, _ = run([*argv, "--model", "tests.fixtures.custom_models:fused_qkv_lm"], capsys)
     notes = json.loads(out)["notes"]
-    assert code == 0 and any(note.startswith("Plan.apply cannot run this tensor-parallel layout") for note in notes)
+    assert code == 0 and any(note.startswith("Plan.apply cannot run this plan on this model: layout 1") for note in notes)
     code, out, _ = run([*argv, "--model", "gpt3-125m"], capsys)
     assert code == 0 and json.loads(out)["notes"] == []
 

@@ -218,12 +218,11 @@ def check_applicable(plan: Plan, model: nn.Module) -> tuple[ModelMatch, TensorPa
     return match, tp_plan
 
 
-def tensor_parallel_note(plan: Plan, model) -> str:
-    """Why `apply_plan` would refuse the tensor-parallel layout of `plan` for `model` (a name, spec
-    file or factory reference, built on `meta` for the check), or "" when it would run it: the
-    planner prices any layout, `Plan.apply` runs the zoo's module structure (its `tensor_parallel`)."""
-    if plan.config.tp == 1:
-        return ""
+def apply_note(plan: Plan, model) -> str:
+    """Why `apply_plan` would refuse `plan` for `model` (a name, spec file or factory reference,
+    built on `meta` for the check), or "" when it would run it. The planner prices any layout and
+    stage split; `Plan.apply` runs tensor parallelism on the zoo's module structure and pipelines
+    top-level blocks (`check_applicable`)."""
     from planner.models import resolve_model
 
     with torch.device("meta"):
@@ -231,7 +230,7 @@ def tensor_parallel_note(plan: Plan, model) -> str:
     try:
         check_applicable(plan, module)
     except PlannerError as error:
-        return f"Plan.apply cannot run this tensor-parallel layout on this model: {error}; plan with --tp 1 to apply it"
+        return f"Plan.apply cannot run this plan on this model: {error}"
     return ""
 
 
