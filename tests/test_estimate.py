@@ -17,6 +17,7 @@ from costmodel.comm import Collective, collective_time_s
 from costmodel.compute import peak_flops_per_s
 from costmodel.memory import STATE_BYTES_PER_PARAM, Optimizer
 from costmodel.profile_loader import load_cluster
+from planner.api import evaluate
 from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError
 from planner.estimate import COL, ZERO3_GATHERED_LAYERS, Evaluator
@@ -25,7 +26,6 @@ from planner.graph import LayerKind, Recompute
 from planner.layer_cost import AttentionKernel, op_sac_reruns_collectives, overlapped_tp_comm_s
 from planner.loss_cost import LOSS_TEMP_INPUT_COPIES
 from planner.state_cost import BLOCKING_FETCH_BYTES_PER_S
-from planner.api import evaluate
 from planner.tracing import trace
 from planner.training_code import TrainingCode
 from planner.tp_plan import tp_plan_for
