@@ -161,7 +161,7 @@ def run_backward(out: object) -> None:
 
 @contextmanager
 def all_trainable(module: nn.Module) -> Iterator[None]:
-    """Every parameter of `module` requires grad inside, as it did before after."""
+    """Inside, every parameter of `module` requires grad; afterwards the frozen ones are frozen again."""
     frozen = [p for p in module.parameters() if not p.requires_grad]
     try:
         for param in frozen:
