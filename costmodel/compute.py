@@ -361,6 +361,11 @@ def base_dtype(dtype: str) -> str:
     return GEMM_ONLY_DTYPES.get(dtype, dtype)
 
 
+def bytes_per_element(dtype: str) -> int:
+    """Bytes of one element of `dtype`."""
+    return {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}[dtype]
+
+
 def layer_time_s(works: Sequence[OpWork], device: DeviceSpec, dtype: str = "bf16",
                  table: OpTable | None = None, cast_traffic_ratio: float = FP8_CAST_TRAFFIC_RATIO) -> float:
     """Sum of `op_time_s` over `works`, resolving the device's rates once (the search's hot path).

@@ -310,8 +310,6 @@ def stage_memory(
         "shard_is_master": shard_is_master,
         "deferred_grad_sync": deferred_grad_sync,
     }
-    if frozen_params > (params - expert_params) * (1 + FROZEN_ROUNDING):
-        raise ValueError(f"frozen_params={frozen_params}: must not exceed the dense params {params - expert_params}")
     dense_params, local_experts = (params - expert_params) / tp, expert_params / (ep * expert_tp)
     dense = model_state_bytes(dense_params, zero, dense_shard_group, gathered_params=gathered_params,
                               frozen_params=frozen_params / tp, **precision)

@@ -12,7 +12,7 @@ compute, recompute, exposed tensor/context/expert-parallel communication, expose
 - FSDP (ZeRO-3) gathers of the next layer overlap with the current layer's compute, per micro-batch
   (unless the training code fetches them blocking, `state_cost.Zero3Fetch`);
 - TP/SP collectives are exposed (they sit between dependent matmuls), unless the training code
-  pipelines them with the GEMMs (`tp_overlap`, `layer_cost.overlapped_tp_comm_s`);
+  pipelines them with the GEMMs (`tp_overlap`, `layer_comm.overlapped_tp_comm_s`);
 - the CP ring overlaps with attention (`layer_cost`); EP all-to-all is exposed;
 - pipeline p2p sits on the critical path of the schedule (`costmodel.pipeline`);
 - the sum of a tied weight's gradients between the first and last stages is exposed after the
@@ -27,13 +27,13 @@ import numpy as np
 from costmodel import memory as memory_model
 from costmodel import pipeline
 from costmodel.comm import Collective, CommGroup, collective_time_s
-from costmodel.compute import OpTable, base_dtype, peak_flops_per_s
+from costmodel.compute import OpTable, base_dtype, bytes_per_element, peak_flops_per_s
 from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
 from costmodel.profile_loader import load_op_table
 from planner.config import ParallelConfig
 from planner.errors import PlannerError, invalid
 from planner.graph import LayerKind, ModelGraph, Recompute
-from planner.layer_cost import LayerContext, LayerCost, bytes_per_element, price_layer
+from planner.layer_cost import LayerContext, LayerCost, price_layer
 from planner.mesh import expert_data_group, mesh_groups, stage_devices
 from planner.pipeline_buffers import chunk_recv_bytes, recv_buffer_bytes
 from planner.result import Estimate, StagePlan, contiguous_runs

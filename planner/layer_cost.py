@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from costmodel.comm import Collective, CommGroup, collective_time_s
-from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO, OpTable, OpWork, WorkKind, base_dtype, layer_time_s
+from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO, OpTable, OpWork, WorkKind, base_dtype, bytes_per_element, layer_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
 from planner.fusion import ElementwiseKernels, fused_works
 from planner.graph import Layer, Op, OpKind, Recompute
+from planner.layer_comm import cp_ring_exposed_s, ep_all_to_all_fwd_s, overlapped_tp_comm_s
 from planner.loss_cost import LossKernel, fused_loss_saving, loss_temp_copies
 from planner.op_kinds import VIEW_TARGETS
 from planner.parallel_overhead import blocking_collective_kind, sync_wait_s, tp_host_s
@@ -228,47 +229,6 @@ def _loss_temp_bytes(layer: Layer, plan: TpPlan, ctx: LayerContext) -> float:
     return temp
 
 
-def _cp_comm_s(layer: Layer, ctx: LayerContext, attention_fwd_s: float, attention_bwd_s: float) -> tuple[float, float]:
-    """Exposed ring exchange under context parallelism: of K and V in the forward, and of K, V, dK
-    and dV in the backward."""
-    if ctx.cp == 1:
-        return 0.0, 0.0
-    if not ctx.device.comm_overlaps_compute:
-        attention_fwd_s = attention_bwd_s = 0.0  # nothing hides the ring
-    fwd_s = bwd_s = 0.0
-    for op in layer.ops:
-        if op.kind != OpKind.ATTENTION:
-            continue
-        heads = op.attrs.get("heads", 1) or 1
-        kv_heads = op.attrs.get("kv_heads", heads) or heads
-        kv_bytes = 2 * op.out_bytes * kv_heads / heads * ctx.batch_scale / ctx.tp
-        ring_s = collective_time_s(Collective.ALL_GATHER, kv_bytes, ctx.cp_group, ctx.node)
-        fwd_s += max(0.0, ring_s - attention_fwd_s)
-        bwd_s += max(0.0, 2 * ring_s - attention_bwd_s)
-    return fwd_s, bwd_s
-
-
-def _ep_fwd_comm_s(layer: Layer, ctx: LayerContext) -> float:
-    """Exposed all-to-all dispatch and combine of an MoE layer's forward (its backward runs both again)."""
-    if ctx.ep == 1 or layer.expert_params == 0:
-        return 0.0
-    tokens = ctx.batch_scale * layer_tokens(layer) / (ctx.cp * (ctx.tp if ctx.sequence_parallel else 1))
-    per_rank_bytes = tokens * ctx.top_k * ctx.hidden * bytes_per_element(base_dtype(ctx.dtype))
-    return 2 * collective_time_s(Collective.ALL_TO_ALL, per_rank_bytes, ctx.ep_group, ctx.node)
-
-
-def layer_tokens(layer: Layer) -> float:
-    """Tokens of the traced micro-batch, read from the layer's first op output shape (batch x seq)."""
-    for op in layer.ops:
-        if len(op.out_shape) >= 2:
-            return float(op.out_shape[0] * op.out_shape[1])
-    return 0.0
-
-
-def bytes_per_element(dtype: str) -> int:
-    return {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}[dtype]
-
-
 def op_sac_kept(layer: Layer) -> set[str]:
     """Ops whose outputs op-level selective checkpointing keeps (`planner.op_sac`): the attention
     cores and every other matmul that runs as one `aten.mm` (a Linear without bias, or `mm`), in
@@ -292,23 +252,6 @@ def op_sac_reruns_collectives(layer: Layer, plan: TpPlan) -> list[bool]:
     kept = op_sac_kept(layer)
     rerun_inputs = {name for op in layer.ops if op.kind == OpKind.MATMUL and op.name not in kept for name in op.inputs}
     return [producer in rerun_inputs for _, _, producer in plan.collectives]
-
-
-def overlapped_tp_comm_s(comm_s: float, gemm_s: float, tp: int) -> float:
-    """Exposed seconds of tensor-parallel collectives pipelined with the GEMMs they feed or drain.
-
-    Communication-overlapped tensor parallelism (Megatron-Core `--tp-comm-overlap` through
-    Transformer Engine userbuffers; PyTorch async TP, Wang et al. 2023 "Overlap communication with
-    dependent computation via decomposition") splits each all-gather / reduce-scatter into its tp
-    ring steps and runs each beside one chunk of the GEMM: the collective hides behind the GEMMs
-    except for one step that has no chunk beside it, and except where it is longer than they are.
-
-    Args:
-        comm_s: the collectives' time when exposed.
-        gemm_s: the GEMM time they overlap with.
-        tp: tensor-parallel degree (ring steps of each collective).
-    """
-    return max(comm_s / tp, comm_s - gemm_s)
 
 
 def _time_s(works: list[OpWork], ctx: LayerContext) -> float:
@@ -370,8 +313,8 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         tp_exposed_fwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_fwd_s, plan.tp)
         tp_exposed_bwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_bwd_s, plan.tp)
     # Waiting at the layer's collectives counts with the first kind of them the layer has.
-    cp_fwd_s, cp_bwd_s = _cp_comm_s(layer, ctx, attention_fwd_s, attention_bwd_s)
-    ep_fwd_s = _ep_fwd_comm_s(layer, ctx)
+    cp_fwd_s, cp_bwd_s = cp_ring_exposed_s(layer, ctx, attention_fwd_s, attention_bwd_s)
+    ep_fwd_s = ep_all_to_all_fwd_s(layer, ctx)
     if not layer.bwd_work_fraction:  # no backward runs: no backward collectives, nothing to recompute for
         tp_exposed_bwd_s = cp_bwd_s = 0.0
     ep_bwd_s = ep_fwd_s if layer.bwd_work_fraction else 0.0

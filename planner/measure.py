@@ -109,7 +109,8 @@ def measure_piece(module: nn.Module, args: tuple, *, data_args: frozenset[int] =
     inputs = tuple(_as_input(arg, i not in data_args) for i, arg in enumerate(args))
     fwd_flops, bwd_flops, out = _count_flops(module, inputs)
     fraction = 1.0
-    if data_args or not all(p.requires_grad for p in module.parameters()):
+    float_data = any(t.is_floating_point() for i in data_args for t in pytree.tree_leaves(args[i]) if isinstance(t, torch.Tensor))
+    if float_data or not all(p.requires_grad for p in module.parameters()):
         with all_trainable(module):
             trainable_bwd_flops = _count_flops(module, tuple(_as_input(arg, True) for arg in args))[1]
         fraction = bwd_flops / trainable_bwd_flops if trainable_bwd_flops else 1.0

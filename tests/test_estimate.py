@@ -23,7 +23,8 @@ from planner.errors import PlannerError
 from planner.estimate import COL, ZERO3_GATHERED_LAYERS, Evaluator
 from planner.mesh import axis_group, mesh_groups, stage_devices
 from planner.graph import LayerKind, Recompute
-from planner.layer_cost import AttentionKernel, op_sac_reruns_collectives, overlapped_tp_comm_s
+from planner.layer_comm import overlapped_tp_comm_s
+from planner.layer_cost import AttentionKernel, op_sac_reruns_collectives
 from planner.loss_cost import LOSS_TEMP_INPUT_COPIES
 from planner.state_cost import BLOCKING_FETCH_BYTES_PER_S
 from planner.tracing import trace

@@ -1,0 +1,68 @@
+"""Exposed communication of one layer besides its tensor-parallel layout's collectives: the
+context-parallel ring exchange of keys and values, the expert-parallel all-to-alls, and
+tensor-parallel collectives overlapped with the GEMMs they feed (`planner.layer_cost.price_layer`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from costmodel.comm import Collective, collective_time_s
+from costmodel.compute import base_dtype, bytes_per_element
+from planner.graph import Layer, OpKind
+
+if TYPE_CHECKING:
+    from planner.layer_cost import LayerContext
+
+
+def cp_ring_exposed_s(layer: Layer, ctx: LayerContext, attention_fwd_s: float, attention_bwd_s: float) -> tuple[float, float]:
+    """Exposed ring exchange under context parallelism: of K and V in the forward, and of K, V, dK
+    and dV in the backward."""
+    if ctx.cp == 1:
+        return 0.0, 0.0
+    if not ctx.device.comm_overlaps_compute:
+        attention_fwd_s = attention_bwd_s = 0.0  # nothing hides the ring
+    fwd_s = bwd_s = 0.0
+    for op in layer.ops:
+        if op.kind != OpKind.ATTENTION:
+            continue
+        heads = op.attrs.get("heads", 1) or 1
+        kv_heads = op.attrs.get("kv_heads", heads) or heads
+        kv_bytes = 2 * op.out_bytes * kv_heads / heads * ctx.batch_scale / ctx.tp
+        ring_s = collective_time_s(Collective.ALL_GATHER, kv_bytes, ctx.cp_group, ctx.node)
+        fwd_s += max(0.0, ring_s - attention_fwd_s)
+        bwd_s += max(0.0, 2 * ring_s - attention_bwd_s)
+    return fwd_s, bwd_s
+
+
+def ep_all_to_all_fwd_s(layer: Layer, ctx: LayerContext) -> float:
+    """Exposed all-to-all dispatch and combine of an MoE layer's forward (its backward runs both again)."""
+    if ctx.ep == 1 or layer.expert_params == 0:
+        return 0.0
+    tokens = ctx.batch_scale * layer_tokens(layer) / (ctx.cp * (ctx.tp if ctx.sequence_parallel else 1))
+    per_rank_bytes = tokens * ctx.top_k * ctx.hidden * bytes_per_element(base_dtype(ctx.dtype))
+    return 2 * collective_time_s(Collective.ALL_TO_ALL, per_rank_bytes, ctx.ep_group, ctx.node)
+
+
+def layer_tokens(layer: Layer) -> float:
+    """Tokens of the traced micro-batch, read from the layer's first op output shape (batch x seq)."""
+    for op in layer.ops:
+        if len(op.out_shape) >= 2:
+            return float(op.out_shape[0] * op.out_shape[1])
+    return 0.0
+
+
+def overlapped_tp_comm_s(comm_s: float, gemm_s: float, tp: int) -> float:
+    """Exposed seconds of tensor-parallel collectives pipelined with the GEMMs they feed or drain.
+
+    Communication-overlapped tensor parallelism (Megatron-Core `--tp-comm-overlap` through
+    Transformer Engine userbuffers; PyTorch async TP, Wang et al. 2023 "Overlap communication with
+    dependent computation via decomposition") splits each all-gather / reduce-scatter into its tp
+    ring steps and runs each beside one chunk of the GEMM: the collective hides behind the GEMMs
+    except for one step that has no chunk beside it, and except where it is longer than they are.
+
+    Args:
+        comm_s: the collectives' time when exposed.
+        gemm_s: the GEMM time they overlap with.
+        tp: tensor-parallel degree (ring steps of each collective).
+    """
+    return max(comm_s / tp, comm_s - gemm_s)
