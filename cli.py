@@ -128,6 +128,8 @@ def _add_config_args(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"])
     parser.add_argument("--offload-optimizer", action="store_const", const=True,
                         help="keep Adam states in host memory and update on the CPU (ZeRO-Offload)")
+    parser.add_argument("--dp-replicate", type=_positive("dp-replicate"),
+                        help="hybrid sharding (HSDP): replicas of the ZeRO shards, each over dp/R ranks; needs --zero 1-3")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "recompute", "schedule", "offload_optimizer")
+_CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "recompute", "schedule", "offload_optimizer",
+               "dp_replicate")
 
 
 def _constraints(args) -> dict:

@@ -12,7 +12,8 @@ from planner.graph import ModelGraph, Recompute
 from planner.result import Estimate, Plan
 
 # Keys `make_config` reads; anything else is a typo, reported rather than ignored.
-CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "recompute", "schedule", "offload_optimizer")
+CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "recompute", "schedule", "offload_optimizer",
+               "dp_replicate")
 # Degrees `make_config` divides by before ParallelConfig validates them.
 _DIVISOR_KEYS = ("tp", "pp", "cp", "dp", "micro_batch")
 
@@ -45,7 +46,8 @@ def make_config(constraints: dict | ParallelConfig, num_devices: int, global_bat
     """A full ParallelConfig from the degrees a user gave: dp fills the devices, micro-batches fill the batch.
 
     Args:
-        constraints: tp and pp at least; dp, cp, ep, vpp, micro_batch, zero, recompute, schedule optional.
+        constraints: tp and pp at least; dp, cp, ep, vpp, micro_batch, zero, recompute, schedule,
+            offload_optimizer, dp_replicate optional.
         num_devices: devices of the cluster.
         global_batch: sequences per optimizer step.
 
@@ -78,7 +80,7 @@ def make_config(constraints: dict | ParallelConfig, num_devices: int, global_bat
         dp=dp, tp=tp, pp=pp, cp=cp, ep=values.get("ep", 1), vpp=vpp, micro_batch=micro_batch,
         num_microbatches=global_batch // (dp * micro_batch), zero=values.get("zero", 0),
         recompute=values.get("recompute", "none"), schedule=schedule,
-        offload_optimizer=bool(values.get("offload_optimizer", False)),
+        offload_optimizer=bool(values.get("offload_optimizer", False)), dp_replicate=values.get("dp_replicate", 1),
     )
 
 

@@ -76,11 +76,11 @@ def work_bound_key(config: ParallelConfig) -> tuple:
     The work bound sums per-layer compute and exposed communication of one micro-batch, which
     depend neither on the schedule, the micro-batch count or optimizer offload, nor on ZeRO stages
     0-2 (they differ only in memory and in the gradient reduction after the backward); only
-    ZeRO-3's parameter gathers add per-layer time. Pricing the bound once per key instead of once
-    per candidate saves most of the bound's cost.
+    ZeRO-3's parameter gathers add per-layer time (over its shard group, `dp_replicate`). Pricing
+    the bound once per key instead of once per candidate saves most of the bound's cost.
     """
     return (config.dp, config.tp, config.pp, config.cp, config.ep, config.micro_batch, config.recompute,
-            config.zero == 3, config.sequence_parallel)
+            config.zero == 3, config.dp_replicate if config.zero == 3 else 1, config.sequence_parallel)
 
 
 def work_bound(evaluator: Evaluator, config: ParallelConfig, refine: bool = True) -> WorkBound:
@@ -148,7 +148,7 @@ def tail_bound_s(evaluator: Evaluator, config: ParallelConfig, bound: WorkBound)
     for (device, node), (_, _, dense, expert, frozen) in zip(evaluator.device_types(config.pp), bound.type_totals):
         exposed_s = dp_exposed_s(config, evaluator.precision, node, mesh_groups(config, node.devices_per_node), dense, expert, fwd_s, bwd_s,
                                  evaluator.cluster.oversubscription, evaluator.code.dp_sync, frozen)
-        dense_shard, expert_shard = (config.dp * config.cp, expert_data_group(config, node).size) if config.zero >= 1 else (1, 1)
+        dense_shard, expert_shard = (config.shard_ranks, expert_data_group(config, node).size) if config.zero >= 1 else (1, 1)
         floors.append(exposed_s + optimizer_step_s(config, evaluator.precision, device,
                                                    (dense - frozen) / dense_shard + expert / expert_shard))
     return min(floors) / config.pp

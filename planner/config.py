@@ -31,7 +31,10 @@ class ParallelConfig:
     pipeline chunks per device (interleaved schedule only). `micro_batch` is sequences per
     micro-batch per data-parallel rank and `num_microbatches` how many of them one step runs.
     `offload_optimizer` keeps the fp32 master weights and Adam moments in host memory and runs the
-    update on the CPU (ZeRO-Offload).
+    update on the CPU (ZeRO-Offload). `dp_replicate` > 1 is hybrid sharding (HSDP, MiCS): the dp
+    ranks form `dp_replicate` replicas, each sharding the ZeRO states over its `dp / dp_replicate`
+    ranks (times cp); gradients are reduce-scattered inside a replica, then all-reduced across
+    replicas. The replica axis is the outer part of dp, so a replica's ranks are neighbours.
     """
 
     dp: int = 1
@@ -47,9 +50,10 @@ class ParallelConfig:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     sequence_parallel: bool = True
     offload_optimizer: bool = False
+    dp_replicate: int = 1
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "micro_batch", "num_microbatches"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "micro_batch", "num_microbatches", "dp_replicate"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise invalid(f"{name}={value!r}: must be a positive integer")
@@ -64,6 +68,14 @@ class ParallelConfig:
             object.__setattr__(self, name, kind(value))
         if (self.dp * self.cp) % self.ep:
             raise invalid(f"ep={self.ep}: must divide dp*cp={self.dp * self.cp} (experts are sharded inside the data-parallel group)")
+        if self.dp % self.dp_replicate:
+            raise invalid(f"dp_replicate={self.dp_replicate}: must divide dp={self.dp} (the replicas split the data-parallel ranks)")
+        if self.dp_replicate > 1 and self.zero == 0:
+            raise invalid(f"dp_replicate={self.dp_replicate}: hybrid sharding replicates ZeRO shards, and zero=0 shards "
+                          f"nothing; set zero 1-3 or drop dp_replicate")
+        if self.dp_replicate > 1 and self.ep > 1:
+            raise invalid(f"dp_replicate={self.dp_replicate} with ep={self.ep}: hybrid sharding of expert-parallel models "
+                          f"is not supported; use dp_replicate=1 or ep=1")
         if self.vpp > 1 and self.schedule != Schedule.INTERLEAVED:
             raise invalid(f"vpp={self.vpp}: virtual pipeline stages need schedule=interleaved")
         if self.schedule == Schedule.INTERLEAVED and self.pp == 1:
@@ -79,6 +91,11 @@ class ParallelConfig:
     @property
     def global_batch(self) -> int:
         return self.dp * self.micro_batch * self.num_microbatches
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks one ZeRO shard of the dense model states spans: dp x cp, over `dp_replicate` replicas."""
+        return self.dp * self.cp // self.dp_replicate
 
     @property
     def seq_split(self) -> int:
@@ -117,6 +134,8 @@ class ParallelConfig:
             parts.append(f"cp{self.cp}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.dp_replicate > 1:
+            parts.append(f"hsdp{self.dp_replicate}")
         if self.vpp > 1:
             parts.append(f"v{self.vpp}")
         parts += [f"mb{self.micro_batch}x{self.num_microbatches}", f"z{self.zero}", str(self.recompute), str(self.schedule)]

@@ -154,7 +154,7 @@ class Evaluator:
     def layer_table(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, policies: tuple[Recompute, ...]) -> np.ndarray:
         """[L, len(COLUMNS)] per-layer seconds and bytes of one micro-batch on `device` (cached)."""
         key = (device.name, node.devices_per_node, config.tp, config.cp, config.ep, config.dp, config.micro_batch,
-               config.zero, config.sequence_parallel, config.offload_optimizer, policies, config.pp > 1)
+               config.zero, config.dp_replicate, config.sequence_parallel, config.offload_optimizer, policies, config.pp > 1)
         table = self._table_cache.get(key)
         if table is not None:
             return table
@@ -173,7 +173,7 @@ class Evaluator:
         copies of tied weights: configs that differ only there share one table (its memory columns are
         those of the first such config)."""
         key = (device.name, node.devices_per_node, config.tp, config.cp, config.ep, config.micro_batch,
-               config.sequence_parallel, policies, config.dp if config.zero == 3 else None, config.pp > 1)
+               config.sequence_parallel, policies, (config.dp, config.dp_replicate) if config.zero == 3 else None, config.pp > 1)
         table = self._time_cache.get(key)
         if table is None:
             table = self._time_cache[key] = self.layer_table(config, device, node, policies)
@@ -201,7 +201,7 @@ class Evaluator:
         expert = layer.expert_params / (config.ep * config.tp)
         frozen = layer.frozen_params / config.tp
         gathered = config.zero == 3 and config.pp > 1  # all, at a pipelined backward's end (`stage_memory`)
-        states = (memory_model.model_state_bytes(dense, config.zero, config.dp * config.cp, gathered_params=dense * gathered,
+        states = (memory_model.model_state_bytes(dense, config.zero, config.shard_ranks, gathered_params=dense * gathered,
                                                  frozen_params=frozen, **state),
                   memory_model.model_state_bytes(expert, config.zero, expert_group.size, gathered_params=expert * gathered, **state))
         static, grads = sum(sum(part) for part in states) + layer.buffer_bytes, sum(part.grads_bytes for part in states)
@@ -360,10 +360,10 @@ class Evaluator:
         dp_s = dp_exposed_s(config, self.precision, node, groups, dense, expert, total[COL["fwd_s"]], total[COL["bwd_s"]],
                            self.cluster.oversubscription, self.code.dp_sync, frozen)
         expert_group = expert_data_group(config, node).size
-        dense_shard, expert_shard = (config.dp * config.cp, expert_group) if config.zero >= 1 else (1, 1)
+        dense_shard, expert_shard = (config.shard_ranks, expert_group) if config.zero >= 1 else (1, 1)
         breakdown = memory_model.stage_memory(
             params=dense + expert, expert_params=expert, activation_bytes_per_microbatch=total[COL["act_bytes"]],
-            in_flight=in_flight, zero=config.zero, dense_shard_group=config.dp * config.cp, expert_shard_group=expert_group,
+            in_flight=in_flight, zero=config.zero, dense_shard_group=config.shard_ranks, expert_shard_group=expert_group,
             gathered_params=ZERO3_GATHERED_LAYERS * largest_params if config.zero == 3 else 0.0,
             temp_bytes=total[COL["temp_bytes"]], grads_at_peak=config.num_microbatches > 1, chunks=config.vpp, comm_buffer_bytes=recv_bytes,
             frozen_params=frozen, buffer_bytes=total[COL["buffer_bytes"]], **state_options(config, self.precision),

@@ -64,6 +64,7 @@ def memory_plan(evaluator: Evaluator, config: ParallelConfig, estimate: Estimate
     ]
     return {
         "zero": config.zero,
+        "zero_shard_ranks": config.shard_ranks if config.zero else 1,
         "recompute": {k: v for k, v in recompute.items() if v},
         "offload": "optimizer states in host memory (ZeRO-Offload)" if config.offload_optimizer else "none",
         "mem_headroom": headroom,

@@ -3,7 +3,9 @@ groups of each mesh axis, as the cost model prices them.
 
 Ranks are laid out row-major over the mesh (pp, dp, cp, tp): tp is innermost, so a tp group is a
 run of consecutive ranks inside one node; cp, then dp, then pp take larger strides. Expert
-parallelism shards experts over the innermost `ep` ranks of the dp x cp span (stride tp).
+parallelism shards experts over the innermost `ep` ranks of the dp x cp span (stride tp). Hybrid
+sharding splits dp into (replicas, ranks per replica), replicas outer: a ZeRO shard group is the
+inner dp / dp_replicate ranks times cp (stride tp), and a replica group strides over it.
 """
 from __future__ import annotations
 
@@ -45,15 +47,18 @@ class MeshGroups:
     ep: CommGroup
     dp_cp: CommGroup
     pp: CommGroup
+    shard: CommGroup  # the ranks one ZeRO shard of the dense states spans (dp_cp without hybrid sharding)
+    replicate: CommGroup  # the replicas of one shard under hybrid sharding (size 1 without)
 
 
 def mesh_groups(config: ParallelConfig, devices_per_node: int) -> MeshGroups:
     """Communication groups of every axis of `config` on nodes of `devices_per_node` devices."""
-    return _mesh_groups(config.tp, config.cp, config.dp, config.ep, devices_per_node)
+    return _mesh_groups(config.tp, config.cp, config.dp, config.ep, config.dp_replicate, devices_per_node)
 
 
 @functools.lru_cache(maxsize=MESH_GROUPS_CACHE_SIZE)
-def _mesh_groups(tp: int, cp: int, dp: int, ep: int, devices_per_node: int) -> MeshGroups:
+def _mesh_groups(tp: int, cp: int, dp: int, ep: int, replicas: int, devices_per_node: int) -> MeshGroups:
+    shard = dp * cp // replicas
     return MeshGroups(
         tp=axis_group(tp, 1, devices_per_node),
         cp=axis_group(cp, tp, devices_per_node),
@@ -61,6 +66,8 @@ def _mesh_groups(tp: int, cp: int, dp: int, ep: int, devices_per_node: int) -> M
         ep=axis_group(ep, tp, devices_per_node),
         dp_cp=axis_group(dp * cp, tp, devices_per_node),
         pp=axis_group(2, tp * cp * dp, devices_per_node),
+        shard=axis_group(shard, tp, devices_per_node),
+        replicate=axis_group(replicas, tp * shard, devices_per_node),
     )
 
 

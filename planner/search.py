@@ -36,7 +36,8 @@ from planner.training_code import TrainingCode
 
 # Constraint keys `plan` accepts besides the fixed choices; anything else is a typo.
 BOUND_KEYS = {f"{bound}_{axis}" for bound in ("min", "max") for axis in ("tp", "pp", "dp", "cp", "ep")}
-FIXED_KEYS = {"tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "recompute", "schedule", "offload_optimizer"}
+FIXED_KEYS = {"tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "recompute", "schedule", "offload_optimizer",
+              "dp_replicate"}
 OTHER_KEYS = {"schedules", "allow_tp_across_nodes", "mem_headroom", "top", "exhaustive", "allow_offload"}
 
 # Examples of each rejection reason kept for `--explain`.
@@ -44,7 +45,7 @@ EXPLAIN_EXAMPLES_PER_REASON = 3
 
 
 # Constraints whose value is a positive integer; the other fixed ones take a listed value.
-_POSITIVE_KEYS = {"tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "top"} | BOUND_KEYS
+_POSITIVE_KEYS = {"tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "top", "dp_replicate"} | BOUND_KEYS
 _FLAG_KEYS = {"offload_optimizer", "allow_tp_across_nodes", "exhaustive", "allow_offload"}
 
 
@@ -90,12 +91,13 @@ class _Pass:
     def candidates(self, evaluator: Evaluator, space, graph: ModelGraph, global_batch: int, constraints: dict) -> list:
         """A heap of (bound, order, config) over every valid configuration, with floor work bounds."""
         heap: list[tuple[float, int, ParallelConfig]] = []
+        per_node = min(group.node.devices_per_node for group in evaluator.cluster.groups)
         for degrees in space.degrees:
             if global_batch % degrees[0]:
                 self.rejected.append(Rejection(f"dp={degrees[0]}", _batch_reason(global_batch)))
                 continue
             produced = 0
-            for config in configs_for(degrees, graph, global_batch, constraints):
+            for config in configs_for(degrees, graph, global_batch, constraints, per_node):
                 produced += 1
                 try:
                     check_config(graph, evaluator.cluster, config, global_batch)
@@ -128,7 +130,7 @@ class _Pass:
         bound = self.work_bounds.get(key)
         if bound is None or (refine and not bound.refined):
             bound = self.work_bounds[key] = work_bound(evaluator, priced, refine=refine)
-        tail_key = (key, config.zero, config.offload_optimizer)
+        tail_key = (key, config.zero, config.dp_replicate, config.offload_optimizer)
         if tail_key not in self.tail_bounds:
             self.tail_bounds[tail_key] = tail_bound_s(evaluator, config, bound)
         return pipeline_bound_s(config, bound) + self.tail_bounds[tail_key]

@@ -201,8 +201,27 @@ def zero_options(constraints: dict, dp_cp: int, pp: int) -> list[int]:
     return [0, 1, 3] if pp > 1 else [0, 1, 2, 3]
 
 
-def configs_for(degrees: tuple[int, int, int, int, int], graph: ModelGraph, global_batch: int, constraints: dict):
-    """Every ParallelConfig for one degree tuple: micro-batch, schedule/vpp, ZeRO stage, recompute."""
+def replica_options(constraints: dict, degrees: tuple[int, int, int, int, int], zero: int,
+                    devices_per_node: int | None) -> list[int]:
+    """The fixed `dp_replicate` where it can run, else 1 and, for ZeRO-3 over several nodes, hybrid
+    sharding with one shard group per node (HSDP's usual layout: parameter gathers on the node's
+    links, one all-reduce of the reduced shards over the NICs). Below ZeRO-3 hybrid sharding only
+    trades memory for NIC traffic a reduce-scatter over the nodes already avoids, so only a fixed
+    value tries it. `devices_per_node` None: node size unknown, no hybrid option offered."""
+    dp, tp, _, cp, ep = degrees
+    if "dp_replicate" in constraints:
+        replicas = constraints["dp_replicate"]
+        return [replicas] if dp % replicas == 0 and (replicas == 1 or (zero >= 1 and ep == 1)) else []
+    if zero != 3 or ep > 1 or devices_per_node is None or devices_per_node % (tp * cp):
+        return [1]
+    per_node = devices_per_node // (tp * cp)
+    return [1, dp // per_node] if dp % per_node == 0 and dp > per_node else [1]
+
+
+def configs_for(degrees: tuple[int, int, int, int, int], graph: ModelGraph, global_batch: int, constraints: dict,
+                devices_per_node: int | None = None):
+    """Every ParallelConfig for one degree tuple: micro-batch, schedule/vpp, ZeRO stage, hybrid
+    sharding (`replica_options`, on nodes of `devices_per_node`), recompute."""
     dp, tp, pp, cp, ep = degrees
     if global_batch % dp:
         return
@@ -211,16 +230,25 @@ def configs_for(degrees: tuple[int, int, int, int, int], graph: ModelGraph, glob
         m = global_batch // (dp * mb)
         for schedule, vpp in schedules(pp, len(graph.layers), m, constraints):
             for zero in zero_options(constraints, dp * cp, pp):
-                for recompute in policies:
-                    yield ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp, micro_batch=mb,
-                                         num_microbatches=m, zero=zero, recompute=recompute, schedule=schedule,
-                                         offload_optimizer=bool(constraints.get("offload_optimizer", False)))
+                for replicas in replica_options(constraints, degrees, zero, devices_per_node):
+                    for recompute in policies:
+                        yield ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp, micro_batch=mb,
+                                             num_microbatches=m, zero=zero, recompute=recompute, schedule=schedule,
+                                             offload_optimizer=bool(constraints.get("offload_optimizer", False)),
+                                             dp_replicate=replicas)
 
 
 def why_no_configs(degrees: tuple[int, int, int, int, int], graph: ModelGraph, global_batch: int,
                    constraints: dict) -> str:
     """Why `configs_for(degrees, ...)` yields nothing (its global batch already divides by dp)."""
-    dp, _, pp, _, _ = degrees
+    dp, _, pp, _, ep = degrees
+    replicas = constraints.get("dp_replicate", 1)
+    if dp % replicas:
+        return f"dp_replicate={replicas} does not divide dp={dp}"
+    if replicas > 1 and ep > 1:
+        return f"dp_replicate={replicas}: hybrid sharding of expert-parallel models (ep={ep}) is not supported"
+    if replicas > 1 and constraints.get("zero") == 0:
+        return f"dp_replicate={replicas} needs ZeRO 1-3 (zero=0 shards nothing to replicate)"
     if not micro_batches(global_batch // dp, constraints):
         return (f"micro_batch={constraints['micro_batch']} does not divide the sequences per data-parallel replica "
                 f"(global_batch={global_batch} / dp)")

@@ -143,27 +143,42 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
     like ZeRO-2 once per step, and re-gather once per micro-batch (`zero3_exposed_s`); without
     pipelining ZeRO-3's traffic is all per micro-batch. The `frozen` part of the dense parameters
     takes no gradient: it is gathered, never reduced.
+
+    Hybrid sharding (`ParallelConfig.dp_replicate`): gathers and reduce-scatters run inside a
+    replica's shard group, and the reduced shards are all-reduced across replicas once per step,
+    in the last backward (FSDP2's `set_requires_all_reduce`, `planner.apply`), ZeRO-3's too.
     """
+    blocking = sync is DpSync.BLOCKING
+    if blocking or not node.device.comm_overlaps_compute:
+        fwd_s = bwd_s = 0.0  # nothing hides the traffic
+    replica_s = replica_all_reduce_s(dense - frozen, groups, node, oversubscription)
     if config.zero == 3 and config.pp == 1:
-        return 0.0
+        return max(0.0, replica_s - bwd_s)
     reductions = config.num_microbatches if config.zero == 2 and config.pp == 1 else 1
     expert_group = expert_data_group(config, node)
-    shard = dense / groups.dp_cp.size + expert / expert_group.size if config.zero else dense + expert
+    shard = dense / groups.shard.size + expert / expert_group.size if config.zero else dense + expert
     copies_s = fsdp2_copy_s(precision, node.device, dense + expert, shard, gathers=1, reductions=reductions,
                             trainable_fraction=_trainable_fraction(dense, expert, frozen))
     if config.dp * config.cp == 1:
         return 0.0 if precision is FP32_PRECISION else copies_s
-    blocking = sync is DpSync.BLOCKING
-    if blocking or not node.device.comm_overlaps_compute:
-        fwd_s = bwd_s = 0.0  # nothing hides the traffic
     kind = Collective.ALL_REDUCE if config.zero == 0 or (blocking and config.zero == 1) else Collective.REDUCE_SCATTER
-    reduce_s = state_collective_s(kind, GRAD_REDUCE_BYTES_PER_PARAM, dense - frozen, expert, groups.dp_cp, expert_group, node,
+    reduce_s = state_collective_s(kind, GRAD_REDUCE_BYTES_PER_PARAM, dense - frozen, expert, groups.shard, expert_group, node,
                                   oversubscription)
     gather_s = 0.0
     if config.zero >= 1:
-        gather_s = state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, dense, expert, groups.dp_cp,
+        gather_s = state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, dense, expert, groups.shard,
                                       expert_group, node, oversubscription)
-    return reductions * max(0.0, reduce_s - bwd_s) + max(0.0, gather_s - fwd_s) + copies_s
+    return ((reductions - 1) * max(0.0, reduce_s - bwd_s) + max(0.0, reduce_s + replica_s - bwd_s)
+            + max(0.0, gather_s - fwd_s) + copies_s)
+
+
+def replica_all_reduce_s(trainable_dense: float, groups, node: NodeSpec, oversubscription: float) -> float:
+    """Seconds of hybrid sharding's all-reduce of the reduced fp32 gradient shards of
+    `trainable_dense` parameters across the replicas (0 without replicas)."""
+    if groups.replicate.size == 1 or trainable_dense <= 0:
+        return 0.0
+    return collective_time_s(Collective.ALL_REDUCE, trainable_dense * GRAD_REDUCE_BYTES_PER_PARAM / groups.shard.size,
+                             groups.replicate, node, oversubscription)
 
 
 def zero3_exposed_s(fetch: Zero3Fetch, precision: Precision, dense: float, expert: float, groups, expert_group: CommGroup,
@@ -183,18 +198,19 @@ def zero3_exposed_s(fetch: Zero3Fetch, precision: Precision, dense: float, exper
     in any schedule (each run of k forwards gathers k times and the backward after it once, plus
     one for the step's first forward). Here one gather per micro-batch, in the backward; the extra
     gather and the reduce-scatter are ZeRO-2's once-per-step traffic (`dp_exposed_s`). The `frozen`
-    part of the dense parameters is gathered, never reduced."""
-    gather_s = state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, dense, expert, groups.dp_cp, expert_group,
+    part of the dense parameters is gathered, never reduced. Under hybrid sharding the gathers and
+    reduce-scatters stay inside the shard group; the replicas' all-reduce is `dp_exposed_s`'s."""
+    gather_s = state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, dense, expert, groups.shard, expert_group,
                                   node, oversubscription)
     scatter_s = 0.0 if pipelined else state_collective_s(Collective.REDUCE_SCATTER, GRAD_REDUCE_BYTES_PER_PARAM,
-                                                         dense - frozen, expert, groups.dp_cp, expert_group, node,
+                                                         dense - frozen, expert, groups.shard, expert_group, node,
                                                          oversubscription)
     if fetch is Zero3Fetch.BLOCKING:
         fetch_s = max(gather_s, (dense + expert) * precision.weight_bytes / BLOCKING_FETCH_BYTES_PER_S)
         if pipelined:
             return 0.0, fetch_s
         return fetch_s, fetch_s * (2 if refetch else 1) + max(0.0, scatter_s - bwd_window_s)
-    shard = dense / groups.dp_cp.size + expert / expert_group.size
+    shard = dense / groups.shard.size + expert / expert_group.size
     fwd_copy_s = fsdp2_copy_s(precision, node.device, dense + expert, shard, 1, 0)
     if pipelined:
         return 0.0, max(0.0, gather_s - bwd_window_s) + fwd_copy_s
@@ -219,7 +235,7 @@ def tied_gradient_sum_s(config: ParallelConfig, copied_params: float, node: Node
     whole pipeline does, and otherwise at least one pair crosses nodes."""
     if config.pp == 1 or not copied_params:
         return 0.0
-    shards = config.tp * (config.dp * config.cp if config.zero >= 2 else 1)
+    shards = config.tp * (config.shard_ranks if config.zero >= 2 else 1)
     inner = config.tp * config.cp * config.dp
     if config.devices <= node.devices_per_node:
         group = CommGroup(size=2, ranks_per_node=2, concurrent_per_node=inner)

@@ -357,6 +357,10 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("moe_pp_x_ep", _plan(moe, "cpu:1x4", pp=2, dp=2, ep=2, tp=1, zero=0, schedule="1f1b"), moe),
         ("moe_dp_x_cp", _plan(moe, "cpu:1x4", dp=2, cp=2, ep=1, tp=1, pp=1, zero=0), moe),
         ("moe_ep_x_cp", _plan(moe, "cpu:1x4", dp=2, cp=2, ep=2, tp=1, pp=1, zero=0), moe),
+        # Hybrid sharding: two replicas of a two-rank shard group, over two micro-batches.
+        ("hsdp_zero3", _plan(gpt, "cpu:1x4", dp=4, tp=1, pp=1, zero=3, dp_replicate=2, micro_batch=1), gpt),
+        ("hsdp_zero1", _plan(gpt, "cpu:1x4", dp=4, tp=1, pp=1, zero=1, dp_replicate=2, micro_batch=1), gpt),
+        ("hsdp_cp", _plan(gpt, "cpu:1x4", dp=2, cp=2, tp=1, pp=1, zero=3, dp_replicate=2), gpt),
     ]
     results = {**_run(2, two_rank), **_run(4, four_rank)}
     return {name: (plan, spec, results[name]) for name, plan, spec in two_rank + four_rank}
@@ -465,6 +469,19 @@ def test_tensor_parallel_gathered_outputs(trained):
 
 def test_fsdp_zero3(trained):
     _check(trained["dp_zero3"])
+
+
+@pytest.mark.parametrize("case", ["hsdp_zero3", "hsdp_zero1", "hsdp_cp"])
+def test_hybrid_sharding_trains_like_one_process(trained, case):
+    # Each replica (ranks 0-1 and 2-3: replicas are the outer part of dp) holds the model once
+    # between its two ranks; the replicas' all-reduce, once per step after the last micro-batch,
+    # keeps them equal to one process.
+    plan, spec, result = trained[case]
+    assert plan.config.dp_replicate == 2 and plan.config.shard_ranks == 2
+    _check(trained[case])
+    total = sum(p.numel() for p in _build(str(spec)).parameters())
+    local = result["local_numel"]
+    assert local[0] + local[1] == total and local[2] + local[3] == total
 
 
 @pytest.mark.parametrize("case", ["dp_zero1_accumulate", "dp_zero2_accumulate", "dp_zero1_offload_accumulate"])

@@ -332,6 +332,12 @@ BAD_INPUT = [
     pytest.param(["plan", *RUN_ARGS, "--recompute", "full", "--top", "1", "--timeline", "{bad}/cluster.yaml/t.png"],
                  "cluster.yaml: File exists", id="a chart path under a file"),
     pytest.param(["evaluate", *RUN_ARGS, "--plan", "{bad}/stage.json"], "plan field `stages[0]`", id="a plan with a malformed stage"),
+    pytest.param(["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--zero", "3", "--dp-replicate", "3"],
+                 "dp_replicate=3: must divide dp=8", id="replicas not dividing dp"),
+    pytest.param(["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--dp-replicate", "2"],
+                 "zero=0 shards nothing", id="hybrid sharding without ZeRO"),
+    pytest.param(["plan", *RUN_ARGS, "--zero", "0", "--dp-replicate", "2"], "dp_replicate=2 needs ZeRO 1-3",
+                 id="plan with hybrid sharding and no ZeRO"),
 ]
 
 

@@ -694,6 +694,43 @@ def test_zero2_reduces_gradients_every_micro_batch(gpt350m):
     assert exposed[2] == pytest.approx(4 * reduce_s + gather_s + 47 * per_byte_s, rel=1e-6)
 
 
+def test_hybrid_sharding_reduces_inside_a_replica_and_all_reduces_across(gpt350m):
+    # Two nodes of two CPU ranks, dp=4 as two replicas of one node's two ranks (HSDP). ZeRO-2 over
+    # 4 micro-batches: each reduce-scatter of the fp32 gradients (4 B per parameter P) and the one
+    # bf16 gather (2 B) run inside the node's pair; once per step the reduced halves (4P/2 B) are
+    # all-reduced across the replicas, one rank per node. FSDP2's copies are test_zero2's 47 B per
+    # parameter (the shard is a half in both). The states divide by the shard group's 2 ranks, not 4.
+    # CPU ranks hide no traffic.
+    cluster = load_cluster("cpu:2x2")
+    device, node = stage_devices(cluster, 1)[0]
+    pair, replicas = axis_group(2, 1, 2), axis_group(2, 2, 2)
+    assert (pair.ranks_per_node, replicas.ranks_per_node) == (2, 1)
+    params = gpt350m.params
+    config = ParallelConfig(dp=4, zero=2, micro_batch=1, num_microbatches=4, dp_replicate=2)
+    groups = mesh_groups(config, node.devices_per_node)
+    assert (groups.shard, groups.replicate) == (pair, replicas)
+    estimate = Evaluator(gpt350m, cluster).estimate(config, 16)
+    reduce_s = collective_time_s(Collective.REDUCE_SCATTER, 4 * params, pair, node)
+    all_reduce_s = collective_time_s(Collective.ALL_REDUCE, 4 * params / 2, replicas, node)
+    gather_s = collective_time_s(Collective.ALL_GATHER, 2 * params, pair, node)
+    per_byte_s = params / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
+    assert estimate.time_breakdown["dp_comm_exposed_s"] == pytest.approx(
+        4 * reduce_s + all_reduce_s + gather_s + 47 * per_byte_s, rel=1e-6)
+    row = estimate.memory[0]
+    assert row["optimizer_bytes"] == pytest.approx(12 * params / 2)
+    assert row["grads_bytes"] == pytest.approx(4 * params / 2)
+    # ZeRO-3: a block gathers and reduce-scatters inside the pair, as dp=2 on one node does, and the
+    # step adds the one all-reduce across replicas.
+    zero3 = dataclasses.replace(config, zero=3)
+    evaluator = Evaluator(gpt350m, cluster)
+    one_node = Evaluator(gpt350m, load_cluster("cpu:1x2"))
+    pair_config = dataclasses.replace(zero3, dp=2, dp_replicate=1)
+    table = evaluator.layer_table(zero3, device, node, evaluator.policies(zero3))
+    pair_table = one_node.layer_table(pair_config, *stage_devices(one_node.cluster, 1)[0], one_node.policies(pair_config))
+    assert table[:, COL["fsdp_exposed_s"]] == pytest.approx(pair_table[:, COL["fsdp_exposed_s"]], rel=1e-12)
+    assert evaluator.estimate(zero3, 16).time_breakdown["dp_comm_exposed_s"] == pytest.approx(all_reduce_s, rel=1e-9)
+
+
 def test_pipelined_zero3_gathers_once_per_micro_batch_and_reduces_once_per_step(gpt350m):
     # torch.distributed.pipelining's stages keep FSDP2's parameters gathered from each backward to the
     # next forward and reduce the gradients once, after the last micro-batch (planner.state_cost): a

@@ -68,8 +68,9 @@ def brute_force(graph, cluster_name: str, global_batch: int, constraints: dict):
     cluster = load_cluster(cluster_name)
     evaluator = Evaluator(graph, cluster)
     priced, results, bounds = 0, [], {}
+    per_node = min(group.node.devices_per_node for group in cluster.groups)
     for degrees in enumerate_degrees(graph, cluster, constraints).degrees:
-        for config in configs_for(degrees, graph, global_batch, constraints):
+        for config in configs_for(degrees, graph, global_batch, constraints, per_node):
             try:
                 check_config(graph, cluster, config, global_batch)
             except PlannerError:

@@ -233,3 +233,21 @@ def test_fixed_choices_narrow_configs():
     assert {c.zero for c in configs_for((2, 1, 4, 1, 1), graph, 32, {"zero": 2})} == {2}
     # A micro-batch that does not divide the per-replica batch yields nothing.
     assert list(configs_for((2, 1, 4, 1, 1), graph, 32, {"micro_batch": 3})) == []
+
+
+def test_hybrid_sharding_is_offered_per_node_for_zero3():
+    # 32 devices of 8 per node at tp=2: a node holds 4 data-parallel ranks, so HSDP's usual layout
+    # is dp=16 as 4 replicas of one node's 4 ranks. Only ZeRO-3 tries it (its per-micro-batch
+    # gathers are what staying on the node's links saves); a fixed value is kept at any ZeRO stage
+    # that shards, and refused where it does not divide dp or nothing is sharded.
+    graph = fake_graph(ModelDims(hidden=1024, heads=16, kv_heads=16, layers=6))
+    configs = list(configs_for((16, 2, 1, 1, 1), graph, 64, {}, devices_per_node=8))
+    by_zero = {zero: {c.dp_replicate for c in configs if c.zero == zero} for zero in range(4)}
+    assert by_zero == {0: {1}, 1: {1}, 2: {1}, 3: {1, 4}}
+    assert all(c.shard_ranks == 4 for c in configs if c.dp_replicate == 4)
+    # one node holds the whole data-parallel group: nothing to replicate across
+    assert {c.dp_replicate for c in configs_for((4, 2, 1, 1, 1), graph, 64, {}, devices_per_node=8)} == {1}
+    fixed = list(configs_for((16, 2, 1, 1, 1), graph, 64, {"dp_replicate": 2}, devices_per_node=8))
+    assert {(c.zero, c.dp_replicate) for c in fixed} == {(1, 2), (2, 2), (3, 2)}
+    assert list(configs_for((16, 2, 1, 1, 1), graph, 64, {"dp_replicate": 3})) == []
+    assert list(configs_for((16, 2, 1, 1, 1), graph, 64, {"dp_replicate": 2, "zero": 0})) == []

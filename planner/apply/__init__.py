@@ -15,8 +15,9 @@ job and returns an `AppliedPlan` holding what a training loop needs. Order of ap
    context parallelism over the `cp` axis (`context_parallel`: each rank two chunks of every sequence);
 5. activation checkpointing on the layers the memory plan names (after TP, so recomputation
    replays the TP collectives; before FSDP, so FSDP wraps the checkpointed blocks);
-6. data parallelism on the `dp` axis (the flattened dp x cp axes with context parallelism) by ZeRO
-   stage (`data_parallel`), per block then the root; the experts of an expert-parallel plan first,
+6. data parallelism on the `dp` axis (the flattened dp x cp axes with context parallelism; with
+   hybrid sharding a (replicas, shard group) mesh) by ZeRO stage (`data_parallel`), per block then
+   the root; the experts of an expert-parallel plan first,
    over the `dp / ep` ranks holding the same experts (times cp);
 7. weights tied across pipeline stages (a GPT's embedding and head): each holding stage keeps a
    copy, made equal at once and summed in gradient after every step (`tied`, as Megatron-LM ties them);
@@ -46,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from planner.apply.context_parallel import apply_context_parallel, token_positions
-from planner.apply.data_parallel import apply_data_parallel, mixed_precision_policy
+from planner.apply.data_parallel import apply_data_parallel, data_parallel_mesh, mixed_precision_policy
 from planner.apply.expert_parallel import apply_expert_parallel, check_expert_mesh, expert_mesh
 from planner.apply.pipeline import StageModule, build_schedule, check_schedule, chunk_units
 from planner.apply.recompute import apply_recompute
@@ -130,7 +131,8 @@ class AppliedPlan:
         Gradients are averaged over micro-batches, so they equal those of the mean loss of the slice.
         Under ZeRO-2/3 gradients are reduce-scattered after every micro-batch, so they stay sharded
         as the plan's memory assumes; under ZeRO-0/1 the whole gradients accumulate (as ZeRO-1 and
-        Megatron's distributed optimizer keep them) and are reduced once, after the last. Below
+        Megatron's distributed optimizer keep them) and are reduced once, after the last; hybrid
+        sharding all-reduces the shards across replicas once, after the last, at every stage. Below
         ZeRO-3 the gathered parameters stay from the first micro-batch to the last one's backward,
         so they are gathered (and copied out of FSDP2's buffer) once per step, as priced. Pipeline
         stages run torch's schedule instead, which reduces once, after the last micro-batch, at
@@ -156,6 +158,7 @@ class AppliedPlan:
             if isinstance(model, FSDPModule):
                 last = index == len(chunks) - 1
                 model.set_requires_gradient_sync(config.zero >= 2 or last)
+                model.set_requires_all_reduce(last)
                 model.set_reshard_after_backward(config.zero == 3 or last)
             with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
                 out = model(chunk)
@@ -273,7 +276,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
     experts_mesh = expert_mesh(device.type, config) if config.ep > 1 else None
     # Gradients are averaged over every rank that holds the same parameters: dp, and cp's chunks
     # (for experts: the dp / ep ranks holding the same experts, and cp's chunks).
-    dp_mesh = mesh["dp", "cp"]._flatten("dp_cp") if config.cp > 1 else mesh["dp"]
+    dp_mesh = data_parallel_mesh(device.type, config, mesh)
     edp_mesh = None
     if experts_mesh is not None:
         edp_mesh = experts_mesh["edp", "cp"]._flatten("edp_cp") if config.cp > 1 else experts_mesh["edp"]

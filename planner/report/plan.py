@@ -21,9 +21,12 @@ def mesh_table(plan: Plan) -> Table:
     table.add_column("micro-batch x count", justify="right")
     table.add_column("schedule")
     table.add_column("ZeRO", justify="right")
+    zero = str(config.zero)
+    if config.dp_replicate > 1:
+        zero += f" hybrid {config.dp_replicate}x{config.shard_ranks}"
     table.add_row(str(config.pp), str(config.dp), str(config.cp), str(config.tp), str(config.ep),
                   f"{config.micro_batch} x {config.num_microbatches}",
-                  f"{config.schedule}" + (f" (vpp {config.vpp})" if config.vpp > 1 else ""), str(config.zero))
+                  f"{config.schedule}" + (f" (vpp {config.vpp})" if config.vpp > 1 else ""), zero)
     return table
 
 
@@ -72,7 +75,8 @@ def memory_plan_table(plan: Plan) -> Table:
     table.add_column("what", style="bold")
     table.add_column("value")
     memory = plan.memory_plan
-    table.add_row("ZeRO stage", str(memory.get("zero")))
+    zero, ranks = memory.get("zero"), memory.get("zero_shard_ranks", 1)
+    table.add_row("ZeRO stage", f"{zero}, states sharded over {ranks} ranks" if zero and ranks > 1 else str(zero))
     for policy, layers in memory.get("recompute", {}).items():
         table.add_row(f"recompute {policy}", f"{len(layers)} layers" + (f": {_layer_span(tuple(layers))}" if layers else ""))
     table.add_row("offload", str(memory.get("offload")))
