@@ -68,7 +68,8 @@ MODES = {
         "dp2 ep2 moe": ("moe", {"dp": 2, "ep": 2, "zero": 0})},
     4: {"dp2 x tp2": ("gpt", {"dp": 2, "tp": 2, "zero": 2}),
         "pp2 x dp2": ("gpt", {"pp": 2, "dp": 2, "schedule": "1f1b"}), "dp4 zero3": ("gpt", {"dp": 4, "zero": 3}),
-        "pp2 x dp2 z3": ("gpt", {"pp": 2, "dp": 2, "zero": 3, "schedule": "1f1b"})},
+        "pp2 x dp2 z3": ("gpt", {"pp": 2, "dp": 2, "zero": 3, "schedule": "1f1b"}),
+        "dp4 hsdp2": ("gpt", {"dp": 4, "zero": 3, "dp_replicate": 2})},
 }
 # Degrees a mode leaves out are pinned to 1, so the mode is exactly what its name says.
 PINNED = ("dp", "tp", "pp")
