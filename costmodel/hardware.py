@@ -85,6 +85,7 @@ class DeviceSpec:
         matmul_efficiency: [(op_flops, fraction of peak)] points, ascending in op_flops; the
             achievable fraction of peak of a GEMM of that many FLOPs (interpolated in log space).
         devices_per_node, intra_link, nic: the usual node this device ships in.
+        host_mem_bytes: host (CPU) memory of that usual node, shared by its devices (0 when unknown).
         price_per_hour: on-demand price per device-hour in USD (0 when unknown).
         power_w: board power (0 when unknown).
         description: human-readable product name.
@@ -109,6 +110,7 @@ class DeviceSpec:
     comm_overlaps_compute: bool = True
     price_per_hour: float = 0.0
     power_w: float = 0.0
+    host_mem_bytes: float = 0.0
     source: dict = field(default_factory=dict, compare=False, hash=False)
     description: str = field(default="", compare=False)
     op_tables: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
@@ -116,12 +118,19 @@ class DeviceSpec:
 
 @dataclass(frozen=True)
 class NodeSpec:
-    """A node: `devices_per_node` devices joined by `intra_link`, each with a NIC share `nic`."""
+    """A node: `devices_per_node` devices joined by `intra_link`, each with a NIC share `nic`, and
+    `host_mem_bytes` of host memory shared by the devices (0 when unknown)."""
 
     device: DeviceSpec
     devices_per_node: int
     intra_link: LinkTier
     nic: LinkTier
+    host_mem_bytes: float = 0.0
+
+    @property
+    def host_mem_bytes_per_device(self) -> float:
+        """Each device's share of the node's host memory (0 when unknown)."""
+        return self.host_mem_bytes / self.devices_per_node
 
 
 @dataclass(frozen=True)

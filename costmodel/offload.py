@@ -18,6 +18,13 @@ HOST_LINK_BYTES_PER_S = 25e9
 # reaches about half of it.
 HOST_MEMORY_BYTES_PER_S = 25e9
 
+# Host-memory bytes per parameter whose offloaded states a device owns: FSDP2's CPUOffloadPolicy
+# (what `Plan.apply` runs) keeps the fp32 parameter shard (4), its fp32 gradient (4) and AdamW's two
+# fp32 moments (8) in host memory. ZeRO-Offload's (Ren et al. 2021, §4) fp32 master weights,
+# moments and gradients take the same 16 B. A frozen parameter keeps only its fp32 shard (4).
+HOST_STATE_BYTES_PER_PARAM = 16
+FROZEN_HOST_STATE_BYTES_PER_PARAM = 4
+
 # Host-link copies per parameter: the gradient down and the updated working weight back up, each
 # at the working weight's size (2 B in mixed precision).
 HOST_LINK_COPIES_PER_PARAM = 2
@@ -49,3 +56,28 @@ def offload_step_s(params: float, weight_bytes: float = 2.0, adam_bytes_per_para
         raise ValueError(f"params={params}: must be >= 0")
     return (params * HOST_LINK_COPIES_PER_PARAM * weight_bytes / host_link_bytes_per_s
             + params * adam_bytes_per_param / host_memory_bytes_per_s)
+
+
+def host_state_bytes(trainable_params: float, frozen_params: float = 0.0) -> float:
+    """Host-memory bytes of one device's offloaded states: `trainable_params` and `frozen_params`
+    are the parameters of its shard (HOST_STATE_BYTES_PER_PARAM).
+
+    Example::
+
+        >>> host_state_bytes(1e9) / 1e9
+        16.0
+    """
+    if trainable_params < 0 or frozen_params < 0:
+        raise ValueError(f"params=({trainable_params}, {frozen_params}): must be >= 0")
+    return trainable_params * HOST_STATE_BYTES_PER_PARAM + frozen_params * FROZEN_HOST_STATE_BYTES_PER_PARAM
+
+
+def unchecked_host_note(memory: list[dict]) -> tuple[str, ...]:
+    """A note when offloaded states sit in host memory whose size no profile gives (memory rows of
+    an estimate: `host_bytes`, `host_capacity_bytes` 0 when unknown, `device`)."""
+    unknown = [row for row in memory if row["host_bytes"] > 0 and not row["host_capacity_bytes"]]
+    if not unknown:
+        return ()
+    row = max(unknown, key=lambda r: r["host_bytes"])
+    return (f"the host memory of {row['device']} nodes is unknown (no node.host_mem_bytes in its profile), so the "
+            f"offloaded optimizer states, {row['host_bytes'] / 2**30:.1f} GiB per device, are not checked against it",)

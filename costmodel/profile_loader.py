@@ -59,10 +59,13 @@ _DEVICE_KEYS = ("name", "description", "peak_flops_per_s", "mem_bytes", "mem_bw_
                 "matmul_efficiency", "mem_bw_efficiency", "matmul_sustained_fraction", "comm_overlaps_compute", "node", "nic", "price_per_hour", "power_w",
                 "op_tables", "sources")
 _DEVICE_REQUIRED = ("peak_flops_per_s", "mem_bytes", "mem_bw_bytes_per_s", "node", "nic")
-_NODE_KEYS = ("devices_per_node", "intra_link")
+_NODE_KEYS = ("devices_per_node", "intra_link", "host_mem_bytes")
+_NODE_REQUIRED = ("devices_per_node", "intra_link")
+# `sources` may also name the node's host memory.
+_DEVICE_SOURCE_KEYS = (*_DEVICE_KEYS, "host_mem_bytes")
 _CURVE_KEYS = ("plateau",)
 _CLUSTER_KEYS = ("name", "description", "groups", "oversubscription", "sources")
-_GROUP_KEYS = ("device", "nodes", "devices_per_node", "intra_link", "nic")
+_GROUP_KEYS = ("device", "nodes", "devices_per_node", "intra_link", "nic", "host_mem_bytes")
 
 
 def load_device(name_or_path: str | Path) -> DeviceSpec:
@@ -174,7 +177,7 @@ def _load_shorthand(text: str) -> Cluster:
             raise origin.error("N", f"{total} devices do not fill whole {per_node}-device {device.name} nodes;"
                                f" use a multiple of {per_node} or write NODESxGPUS explicitly")
         nodes, gpus = (1, total) if total <= per_node else (total // per_node, per_node)
-    node = NodeSpec(device, gpus, device.intra_link, device.nic)
+    node = NodeSpec(device, gpus, device.intra_link, device.nic, usual_host_share(device, gpus))
     return Cluster(f"{device.name}:{nodes}x{gpus}", (NodeGroup(node, nodes),),
                    description=f"{nodes} x {gpus} {device.description or device.name}")
 
@@ -235,7 +238,7 @@ def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Pat
     node = data["node"]
     if not isinstance(node, dict):
         raise origin.error("node", "must be a mapping with devices_per_node and intra_link")
-    fields.check_keys(origin, "node.", node, _NODE_KEYS, _NODE_KEYS)
+    fields.check_keys(origin, "node.", node, _NODE_KEYS, _NODE_REQUIRED)
     return DeviceSpec(
         name=fields.text(origin, "name", data.get("name", default_name)),
         peak_flops_per_s=peaks,
@@ -252,8 +255,10 @@ def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Pat
         comm_overlaps_compute=fields.boolean(origin, "comm_overlaps_compute", data.get("comm_overlaps_compute", True)),
         price_per_hour=fields.optional_positive(origin, "price_per_hour", data),
         power_w=fields.optional_positive(origin, "power_w", data),
+        host_mem_bytes=(fields.positive(origin, "node.host_mem_bytes", node["host_mem_bytes"])
+                        if "host_mem_bytes" in node else 0.0),
         op_tables=_op_tables(origin, data.get("op_tables", {}), base),
-        source=fields.sources(origin, "", data.get("sources", {}), _DEVICE_KEYS),
+        source=fields.sources(origin, "", data.get("sources", {}), _DEVICE_SOURCE_KEYS),
         description=fields.text(origin, "description", data.get("description", "")),
     )
 
@@ -310,8 +315,16 @@ def _parse_group(origin: Origin, prefix: str, data, dirs: tuple[Path, ...], base
         if "intra_link" in data else device.intra_link,
         nic=_load_link(origin, f"{prefix}.nic", data["nic"], dirs, base, INTER_NODE_KINDS)
         if "nic" in data else device.nic,
+        host_mem_bytes=fields.positive(origin, f"{prefix}.host_mem_bytes", data["host_mem_bytes"])
+        if "host_mem_bytes" in data else usual_host_share(device, data.get("devices_per_node", device.devices_per_node)),
     )
     return NodeGroup(node, fields.count(origin, f"{prefix}.nodes", data["nodes"]))
+
+
+def usual_host_share(device: DeviceSpec, devices_per_node: int) -> float:
+    """Host memory of a node of `devices_per_node` such devices, each with its share of the usual
+    node's (0 when unknown)."""
+    return device.host_mem_bytes * devices_per_node / device.devices_per_node
 
 
 def _peaks(origin: Origin, value) -> dict[str, float]:

@@ -29,6 +29,7 @@ from costmodel import pipeline
 from costmodel.comm import Collective, CommGroup, collective_time_s
 from costmodel.compute import OpTable, base_dtype, bytes_per_element, peak_flops_per_s
 from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
+from costmodel.offload import host_state_bytes, unchecked_host_note
 from costmodel.profile_loader import load_op_table
 from planner.config import ParallelConfig
 from planner.errors import PlannerError, invalid
@@ -53,7 +54,6 @@ NO_ROOM_BYTES = 1.0
 # FSDP keeps the unsharded parameters of the layer it computes and of the one it prefetches
 # (FSDP2 default forward prefetch of one layer).
 ZERO3_GATHERED_LAYERS = 2
-
 
 # Columns of the per-layer table one device type yields for one configuration (one micro-batch).
 COLUMNS = ("fwd_s", "bwd_s", "compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s",
@@ -311,9 +311,9 @@ class Evaluator:
                    float((rows[:, COL["dense_params"]] + rows[:, COL["expert_params"]]).max()), in_flight, recv_bytes)
             if key not in priced:
                 priced[key] = self._stage_costs(config, device, node, *key[1:])
-            stage_p2p_s, stage_dp_s, stage_optimizer_s, breakdown = priced[key]
+            stage_p2p_s, stage_dp_s, stage_optimizer_s, breakdown, host_bytes = priced[key]
             p2p_s, exposed_dp_s, optimizer_s = max(p2p_s, stage_p2p_s), max(exposed_dp_s, stage_dp_s), max(optimizer_s, stage_optimizer_s)
-            breakdowns.append((device, breakdown))
+            breakdowns.append((device, node, breakdown, host_bytes))
             first, last = layer_ids[0], layer_ids[-1]
             stage_plans.append(StagePlan(
                 index=stage, first_layer=first, last_layer=last, chunks=contiguous_runs(layer_ids),
@@ -350,9 +350,9 @@ class Evaluator:
 
     def _stage_costs(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, total: tuple, last_out_bytes: float,
                      largest_params: float, in_flight: float, recv_bytes: float) -> tuple:
-        """(p2p to the next stage, exposed data-parallel traffic, optimizer step, memory) of one
-        stage from its `layer_table` column sums, its last layer's output, its largest layer and its
-        pipeline receive buffers."""
+        """(p2p to the next stage, exposed data-parallel traffic, optimizer step, memory, host memory of
+        offloaded states) of one stage from its `layer_table` column sums, its last layer's output,
+        its largest layer and its pipeline receive buffers."""
         groups = mesh_groups(config, node.devices_per_node)
         p2p_s = (collective_time_s(Collective.P2P, last_out_bytes / config.seq_split, groups.pp, node, self.cluster.oversubscription)
                  if config.pp > 1 else 0.0)
@@ -368,30 +368,33 @@ class Evaluator:
             temp_bytes=total[COL["temp_bytes"]], grads_at_peak=config.num_microbatches > 1, chunks=config.vpp, comm_buffer_bytes=recv_bytes,
             frozen_params=frozen, buffer_bytes=total[COL["buffer_bytes"]], **state_options(config, self.precision),
         )
-        owned_s = optimizer_step_s(config, self.precision, device, (dense - frozen) / dense_shard + expert / expert_shard)
-        return p2p_s, dp_s, owned_s, breakdown
+        owned = (dense - frozen) / dense_shard + expert / expert_shard
+        host_bytes = host_state_bytes(owned, frozen / dense_shard) if config.offload_optimizer else 0.0
+        return p2p_s, dp_s, optimizer_step_s(config, self.precision, device, owned), breakdown, host_bytes
 
     def _assemble(self, config, global_batch, step_s, pipe_s, time_breakdown, breakdowns, stage_plans, headroom) -> Estimate:
         graph = self.graph
         model_flops = (graph.fwd_flops + graph.bwd_flops) * global_batch / graph.micro_batch
-        peak = float(np.mean([peak_flops_per_s(d, self.dtype_for(d)) for d, _ in breakdowns]))
+        peak = float(np.mean([peak_flops_per_s(d, self.dtype_for(d)) for d, *_ in breakdowns]))
         tflops = model_flops / step_s / self.cluster.num_devices / 1e12
         memory, fits = [], True
-        for plan, (device, breakdown) in zip(stage_plans, breakdowns):
-            fits &= breakdown.total_bytes <= device.mem_bytes * (1 - headroom)
+        for plan, (device, node, breakdown, host_bytes) in zip(stage_plans, breakdowns):
+            host_capacity = node.host_mem_bytes_per_device  # 0: unknown, not checked (`unchecked_host_note`)
+            fits &= breakdown.total_bytes <= device.mem_bytes * (1 - headroom) and not 0 < host_capacity < host_bytes
             memory.append({"stage": plan.index, "device": device.name, "dtype": self.dtype_for(device),  # fp16 where bf16 is missing
-                           "capacity_bytes": device.mem_bytes, **breakdown.to_dict()})
+                           "capacity_bytes": device.mem_bytes, **breakdown.to_dict(), "host_bytes": host_bytes,
+                           "host_capacity_bytes": host_capacity})
         return Estimate(
             step_time_s=step_s,
             tokens_per_s=global_batch * graph.seq_len / step_s,
             tflops_per_gpu=tflops,
             mfu=tflops * 1e12 / peak,
-            peak_memory_bytes=max(b.total_bytes for _, b in breakdowns),
+            peak_memory_bytes=max(b.total_bytes for _, _, b, _ in breakdowns),
             fits=bool(fits),
             time_breakdown=time_breakdown,
             memory=memory,
             stages=stage_plans,
             bubble_fraction=time_breakdown["pp_bubble_s"] / pipe_s if pipe_s > 0 else 0.0,
             config=config,
-            notes=graph.notes,
+            notes=graph.notes + unchecked_host_note(memory),
         )

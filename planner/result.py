@@ -118,6 +118,12 @@ class Estimate:
     config: ParallelConfig | None = None
     notes: tuple[str, ...] = ()  # how the model was traced and measured (`ModelGraph.notes`)
 
+    def host_overflow(self) -> dict | None:
+        """The stage row (of `memory`) whose offloaded optimizer states exceed its devices' share of
+        the node's host memory, if any (a share of 0 is unknown, not checked)."""
+        over = [row for row in self.memory if 0 < row.get("host_capacity_bytes", 0.0) < row.get("host_bytes", 0.0)]
+        return max(over, key=lambda row: row["host_bytes"], default=None)
+
     def to_dict(self) -> dict:
         out = {
             "step_time_s": self.step_time_s,

@@ -84,6 +84,7 @@ class _Pass:
         self.reasons, self.examples, self.rejected = reasons, examples, rejected
         self.total = self.evaluated = self.screened = 0
         self.closest_miss = None
+        self.host_miss = None  # (host bytes, host share, config): the offload plan closest to its host memory
         self.work_bounds: dict[tuple, WorkBound] = {}
         self.tail_bounds: dict[tuple, float] = {}
         self.twins: dict[tuple, tuple[tuple, ParallelConfig]] = {}
@@ -165,6 +166,16 @@ class _Pass:
             else:
                 self.evaluated += 1
                 estimate = evaluator.estimate(config, global_batch, headroom=headroom)
+            host = None if estimate is None else estimate.host_overflow()
+            if host is not None and all(row["total_bytes"] <= row["capacity_bytes"] * (1 - headroom) for row in estimate.memory):
+                self.reasons["host memory"] += 1
+                if self.host_miss is None or host["host_bytes"] < self.host_miss[0]:
+                    self.host_miss = (host["host_bytes"], host["host_capacity_bytes"], config)
+                if len(self.examples.setdefault("host memory", [])) < EXPLAIN_EXAMPLES_PER_REASON:
+                    self.examples["host memory"].append({"what": config.short(), "reason": (
+                        f"offloaded optimizer states need {host['host_bytes'] / 2**30:.1f} GiB of host memory per device, "
+                        f"over its {host['host_capacity_bytes'] / 2**30:.1f} GiB share")})
+                continue
             if estimate is None or not estimate.fits:
                 need = floor_bytes if estimate is None else estimate.peak_memory_bytes
                 at_least = "at least " if estimate is None else ""
@@ -207,7 +218,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
 
     if not ranked:
         raise _nothing_fits(graph, cluster, global_batch, closest_miss, evaluated + screened,
-                            rejected[len(space.rejected):] or rejected)
+                            rejected[len(space.rejected):] or rejected, tally.host_miss)
 
     best_s, best_config, best_estimate = ranked[0]
     plan_memory, best_estimate = memory_plan(evaluator, best_config, best_estimate, global_batch, headroom,
@@ -254,11 +265,21 @@ def _batch_reason(global_batch: int) -> str:
 
 
 def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closest_miss, evaluated: int,
-                  rejected: list[Rejection]) -> PlannerError:
+                  rejected: list[Rejection], host_miss=None) -> PlannerError:
     """INSUFFICIENT_MEMORY with what would fit: more devices, and of a smaller micro-batch, ZeRO-3 with full
-    recompute and optimizer offload whichever the closest miss does not use already. INVALID_INPUT
+    recompute and optimizer offload whichever the closest miss does not use already (offload that
+    fitted the devices but overflowed host memory, `host_miss`, is named as such). INVALID_INPUT
     with the commonest reasons when no configuration was valid at all (`rejected`)."""
     capacity = min(g.node.device.mem_bytes for g in cluster.groups)
+    if host_miss is not None:
+        host_bytes, share, host_config = host_miss
+        overflow = (f"{host_config.short()} fits the devices with its optimizer states offloaded, but they need "
+                    f"{host_bytes / 2**30:.1f} GiB of host memory per device of {share / 2**30:.1f} GiB")
+        if closest_miss is None:
+            return PlannerError(PlannerErrorKind.INSUFFICIENT_MEMORY, (
+                f"no plan fits after {evaluated} candidates: {overflow}; try about "
+                f"{math.ceil(cluster.num_devices * host_bytes / share)}+ devices (ZeRO shards the states over them) "
+                f"or more host memory"))
     if closest_miss is None:
         distinct = sorted({(r.what, r.reason) for r in rejected},  # a second pass (offload) rejects the same again
                           key=lambda item: [int(n) for n in re.findall(r"\d+", item[0])], reverse=True)
@@ -278,7 +299,9 @@ def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closes
         remedies.append("a smaller micro-batch")
     if config.zero < 3 or config.recompute is not Recompute.FULL:
         remedies.append("allowing zero=3 with recompute=full")
-    if not config.offload_optimizer:
+    if host_miss is not None:
+        remedies.append(f"more host memory ({overflow})")
+    elif not config.offload_optimizer:
         remedies.append("allowing optimizer offload")
     return PlannerError(
         PlannerErrorKind.INSUFFICIENT_MEMORY,

@@ -185,6 +185,15 @@ def test_group_override_replaces_only_the_nic():
     assert node.intra_link is load_device("a100-40g").intra_link
 
 
+def test_host_memory_is_each_devices_share_of_the_usual_node_unless_a_group_sets_it():
+    dgx = load_device("h100-sxm").host_mem_bytes
+    assert dgx == 2 * 2**40  # DGX H100: 2 TB
+    assert load_cluster("h100-sxm:2x4").groups[0].node.host_mem_bytes == dgx / 2  # 4 of the node's 8 devices
+    p4d = load_cluster("aws-p4d-16n").groups[0].node
+    assert p4d.host_mem_bytes == 1152 * 2**30 and p4d.host_mem_bytes_per_device == 144 * 2**30
+    assert load_cluster("h800:1x8").groups[0].node.host_mem_bytes == 0  # unknown: not checked
+
+
 def test_load_cluster_accepts_instances_dicts_and_paths(tmp_path):
     cluster = load_cluster("dgx-h100-su")
     assert load_cluster(cluster) is cluster
@@ -232,6 +241,7 @@ DEVICE_ERRORS = [
     ({"node__intra_link__kind": "ib"}, "node.intra_link.kind", "cannot serve here"),
     ({"nic__kind": "infiniband"}, "nic.kind", "not a known LinkKind"),
     ({"price_per_hour": 0}, "price_per_hour", "positive"),
+    ({"node__host_mem_bytes": -1}, "node.host_mem_bytes", "positive"),
     ({"comm_overlaps_compute": "no"}, "comm_overlaps_compute", "true or false"),
     ({"nic__collective_factors": {"allgather": 2.0}}, "nic.collective_factors.allgather", "did you mean 'all_gather'"),
     ({"nic__collective_factors": {"all_gather": 0}}, "nic.collective_factors.all_gather", "positive"),

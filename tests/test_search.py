@@ -404,6 +404,26 @@ def test_offloads_the_optimizer_only_when_nothing_fits_on_the_device():
     assert error.value.kind == PlannerErrorKind.INSUFFICIENT_MEMORY
 
 
+@pytest.mark.parametrize("host_gb, fits", [(64, True), (32, False)])
+def test_offloaded_states_must_fit_the_hosts_memory(host_gb, fits):
+    # The offloaded gpt3-2.7b of the test above keeps, per parameter, FSDP2's fp32 shard, fp32
+    # gradient and two fp32 moments in host memory: 16 B x 2.7e9 = 43 GB, which a one-device node
+    # with 64 GB of host memory holds and one with 32 GB does not; then nothing fits, and the error
+    # says it was the host memory.
+    cluster = {"groups": [{"device": "a10g", "nodes": 1, "devices_per_node": 1, "host_mem_bytes": host_gb * 1e9}]}
+    graph = planner.trace("gpt3-2.7b", seq_len=1024)
+    if fits:
+        plan = planner.plan(graph, cluster, global_batch=8)
+        row = plan.estimate.memory[0]
+        assert plan.config.offload_optimizer and plan.estimate.fits
+        assert row["host_bytes"] == pytest.approx(16 * graph.params) and row["host_capacity_bytes"] == host_gb * 1e9
+        return
+    with pytest.raises(PlannerError) as error:
+        planner.plan(graph, cluster, global_batch=8)
+    assert error.value.kind == PlannerErrorKind.INSUFFICIENT_MEMORY
+    assert f"GiB of host memory per device of {host_gb * 1e9 / 2**30:.1f} GiB" in error.value.message
+
+
 def test_does_not_offload_when_the_device_holds_everything():
     plan = planner.plan("gpt3-125m", "a100-80g:1x1", global_batch=8, seq_len=512)
     assert not plan.config.offload_optimizer

@@ -55,16 +55,27 @@ def memory_table(estimate: Estimate) -> Table:
         values = (row["weights_bytes"], row["grads_bytes"], row["optimizer_bytes"], row["activations_bytes"], other, row["total_bytes"])
         table.add_row(str(row["stage"]), *(f"{v / GIB:.1f}" for v in values), bar(row["total_bytes"] / row["capacity_bytes"], 10))
     priced = ", ".join(dict.fromkeys(f"{row['dtype']} on {row['device']}" for row in estimate.memory if "dtype" in row))
+    host = max(estimate.memory, key=lambda row: row.get("host_bytes", 0.0))
+    offloaded = (f"; offloaded optimizer states: {fmt_bytes(host['host_bytes'])} of host memory per device"
+                 + (f" (of its {fmt_bytes(host['host_capacity_bytes'])} share)" if host["host_capacity_bytes"] else "")
+                 if host.get("host_bytes") else "")
     table.caption = ("each stage at its peak moment (the forward's end, or the optimizer step, where activations "
                      "are gone: a part not alive then shows 0); other = communication buffers + temporaries + CUDA "
-                     "context and allocator fragmentation" + (f"; priced in {priced}" if priced else ""))
+                     "context and allocator fragmentation" + (f"; priced in {priced}" if priced else "") + offloaded)
     return table
+
 
 
 def hints(estimate: Estimate) -> list[str]:
     """What would make the estimated configuration fit, or shrink a large pipeline bubble."""
     out = []
-    if not estimate.fits:
+    host = estimate.host_overflow()
+    if host is not None:
+        out.append(f"Does not fit: stage {host['stage']}'s offloaded optimizer states need {fmt_bytes(host['host_bytes'])} of "
+                   f"host memory per device, over its {fmt_bytes(host['host_capacity_bytes'])} share of the node's; shard "
+                   f"them over more data-parallel devices (--zero 1-3), or keep them on the device.")
+    device_full = any(row["total_bytes"] > row["capacity_bytes"] for row in estimate.memory)
+    if not estimate.fits and (device_full or host is None):
         row = max(estimate.memory, key=lambda r: r["total_bytes"] / r["capacity_bytes"])
         states = row["weights_bytes"] + row["grads_bytes"] + row["optimizer_bytes"]
         fix = (f"its model states ({fmt_bytes(states)}) shrink under ZeRO-3 (--zero 3), over more data-parallel devices,"

@@ -106,6 +106,8 @@ def _render_device(device: DeviceSpec) -> RenderableType:
     _row(table, "matmul efficiency", _curve_brief(device.matmul_efficiency), source.get("matmul_efficiency", ""))
     _row(table, "devices per node", str(device.devices_per_node), source.get("node", ""))
     _row(table, "intra-node link", _link_detail(device.intra_link), device.intra_link.source)
+    _row(table, "host memory per node", f"{device.host_mem_bytes / BYTES_PER_GIB:,.0f} GiB" if device.host_mem_bytes
+         else f"{MISSING} (offloaded states are not checked)", source.get("host_mem_bytes", ""))
     _row(table, "NIC per device", _link_detail(device.nic),
          "; ".join(text for text in (source.get("nic", ""), device.nic.source) if text))
     if device.price_per_hour:
@@ -142,7 +144,7 @@ def _render_cluster(cluster: Cluster) -> RenderableType:
         _row(summary, f"source: {field_name}", text)
     groups = Table(title="Node groups", title_justify="left")
     for column in ("Device", "Nodes", "Devices/node", "Intra-node link", "NIC per device", "Memory GiB",
-                   f"{LIST_DTYPE} TFLOP/s"):
+                   "Host GiB/node", f"{LIST_DTYPE} TFLOP/s"):
         groups.add_column(column)
     for group in cluster.groups:
         node = group.node
@@ -150,6 +152,7 @@ def _render_cluster(cluster: Cluster) -> RenderableType:
         _row(groups, node.device.name, str(group.count), str(node.devices_per_node),
              _link_detail(node.intra_link), _link_detail(node.nic),
              f"{node.device.mem_bytes / BYTES_PER_GIB:.1f}",
+             f"{node.host_mem_bytes / BYTES_PER_GIB:,.0f}" if node.host_mem_bytes else MISSING,
              f"{peak / FLOPS_PER_TFLOP:.1f}" if peak else MISSING)
     groups.caption = "each device's numbers with their sources: paraplan hardware DEVICE (its name or file)"
     return Group(summary, groups)
