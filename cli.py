@@ -65,6 +65,8 @@ def _add_sweep_args(sub) -> None:
     sweep.add_argument("--elementwise", choices=["eager", "fused"], help="how the training code runs memory-bound ops (as for plan)")
     sweep.add_argument("--pp-buffers", dest="pp_buffers", choices=["preallocated", "transient"],
                        help="how the training code's pipeline holds received tensors (as for plan)")
+    sweep.add_argument("--cp-comm", dest="cp_comm", choices=["all_gather", "a2a"],
+                       help="how context parallelism exchanges keys and values (as for plan)")
     sweep.add_argument("--out", required=True, help="results file, .csv or .jsonl; re-running resumes it")
     sweep.add_argument("--workers", type=_positive("workers"), help="local worker processes (default: one per CPU)")
     sweep.add_argument("--executor", choices=["local", "ray"], default="local", help="ray: run points as Ray tasks")
@@ -111,6 +113,10 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool, from_pla
         parser.add_argument("--pp-buffers", choices=["preallocated", "transient"],
                             help="how the training code's pipeline holds received tensors (preallocated: a buffer per "
                                  "micro-batch, torch.distributed.pipelining and Plan.apply; transient: Megatron-LM, DeepSpeed)")
+        parser.add_argument("--cp-comm", choices=["all_gather", "a2a"],
+                            help="how context parallelism exchanges attention's inputs (all_gather: every rank gathers the "
+                                 "keys and values, ring attention, Megatron-Core p2p; a2a: DeepSpeed-Ulysses all-to-all "
+                                 "of heads, Megatron-Core a2a)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -179,7 +185,7 @@ def _training_code(args) -> dict:
     """The training-code flags given to evaluate or plan, as `planner.evaluate`/`planner.plan` take them
     (a flag not given keeps the default, or a saved plan's choice)."""
     given = {"attention": args.attention, "tp_overlap": args.tp_comm_overlap, "loss": args.loss, "zero3_fetch": args.zero3_fetch,
-             "dp_sync": args.dp_sync, "elementwise": args.elementwise, "pp_buffers": args.pp_buffers}
+             "dp_sync": args.dp_sync, "elementwise": args.elementwise, "pp_buffers": args.pp_buffers, "cp_comm": args.cp_comm}
     return {key: value for key, value in given.items() if value is not None}
 
 

@@ -87,7 +87,7 @@ def make_config(constraints: dict | ParallelConfig, num_devices: int, global_bat
 def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_batch: int, seq_len: int | None = None,
              dtype: str | None = None, attention: str | None = None, tp_overlap: bool | None = None, loss: str | None = None,
              zero3_fetch: str | None = None, dp_sync: str | None = None, elementwise: str | None = None,
-             pp_buffers: str | None = None) -> Estimate:
+             pp_buffers: str | None = None, cp_comm: str | None = None) -> Estimate:
     """Predict step time, throughput, MFU and per-stage memory of one configuration.
 
     `config` is the degrees a user gives (`make_config`), a ParallelConfig, or a Plan: a plan is
@@ -106,7 +106,7 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
 
     planned = config if isinstance(config, Plan) else None
     given = {"attention": attention, "tp_overlap": tp_overlap, "loss": loss, "zero3_fetch": zero3_fetch, "dp_sync": dp_sync,
-             "elementwise": elementwise, "pp_buffers": pp_buffers}
+             "elementwise": elementwise, "pp_buffers": pp_buffers, "cp_comm": cp_comm}
     code = TrainingCode.of(**{**(planned.training_code if planned else {}), **{k: v for k, v in given.items() if v is not None}})
     dtype = dtype or (planned.dtype if planned else "bf16")
     graph = model_graph(model, seq_len or (planned.seq_len if planned else None), dtype=dtype)
@@ -148,7 +148,7 @@ def _planned_choices(planned: Plan, graph: ModelGraph, global_batch: int) -> tup
 
 def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype: str = "bf16", attention: str = "flash",
          tp_overlap: bool = False, loss: str = "torch", zero3_fetch: str = "prefetch", dp_sync: str = "overlapped",
-         elementwise: str = "eager", pp_buffers: str = "preallocated", **constraints) -> Plan:
+         elementwise: str = "eager", pp_buffers: str = "preallocated", cp_comm: str = "all_gather", **constraints) -> Plan:
     """Search the plan with the highest throughput that fits in memory.
 
     Args:
@@ -173,6 +173,9 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
         pp_buffers: how the training code's pipeline holds received tensors, "preallocated" (a
             buffer per micro-batch: torch.distributed.pipelining, `Plan.apply`) or "transient"
             (Megatron-LM, DeepSpeed; `planner.pipeline_buffers`).
+        cp_comm: how context parallelism exchanges keys and values, "all_gather" (ring or all-gather
+            of the keys and values: torch, Megatron-Core p2p, `Plan.apply`) or "a2a" (DeepSpeed-Ulysses
+            all-to-all of heads; `planner.layer_comm.CpComm`).
         **constraints: fix a choice (tp=8, zero=3, schedule="1f1b", ...), bound one (max_tp=...,
             max_pp=...), mem_headroom (fraction of memory kept free), top (alternatives kept).
 
@@ -186,7 +189,7 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
     graph = model_graph(model, seq_len, dtype=dtype)
     hardware = _cluster(cluster)
     code = TrainingCode.of(attention=attention, tp_overlap=tp_overlap, loss=loss, zero3_fetch=zero3_fetch, dp_sync=dp_sync,
-                           elementwise=elementwise, pp_buffers=pp_buffers)
+                           elementwise=elementwise, pp_buffers=pp_buffers, cp_comm=cp_comm)
     result = search(graph, hardware, global_batch=global_batch, dtype=dtype, code=code,
                     cluster_name=str(cluster if isinstance(cluster, str) else hardware.name), **constraints)
     return dataclasses.replace(result, layer_params=tuple(layer.params for layer in graph.layers))

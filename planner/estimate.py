@@ -137,7 +137,7 @@ class Evaluator:
                 ep_group=groups.ep, top_k=self.graph.dims.top_k, hidden=self.graph.dims.hidden,
                 table=self.table_for(device, self.dtype_for(device)), attention=self.code.attention,
                 tp_overlap=self.code.tp_overlap, loss=self.code.loss, elementwise=self.code.elementwise,
-            )
+                cp_comm=self.code.cp_comm)
             cost = price_layer(layer, tp_plan_for(layer, config.tp, device, node, ctx.dtype, self.layout_cache, self.graph), ctx)
             self._layer_cache[key] = cost
         return cost
@@ -284,7 +284,7 @@ class Evaluator:
         Raises:
             PlannerError: INVALID_INPUT when the configuration cannot exist.
         """
-        check_config(self.graph, self.cluster, config, global_batch)
+        check_config(self.graph, self.cluster, config, global_batch, self.code.cp_comm)
         graph, m = self.graph, config.num_microbatches
         per_device = self.stage_devices(config.pp)
         policies = self.policies(config, recompute_per_layer)

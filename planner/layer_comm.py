@@ -1,9 +1,11 @@
 """Exposed communication of one layer besides its tensor-parallel layout's collectives: the
-context-parallel ring exchange of keys and values, the expert-parallel all-to-alls, and
-tensor-parallel collectives overlapped with the GEMMs they feed (`planner.layer_cost.price_layer`).
+context-parallel exchange (ring of keys and values, or all-to-all of heads), the expert-parallel
+all-to-alls, and tensor-parallel collectives overlapped with the GEMMs they feed
+(`planner.layer_cost.price_layer`).
 """
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from costmodel.comm import Collective, collective_time_s
@@ -14,11 +16,52 @@ if TYPE_CHECKING:
     from planner.layer_cost import LayerContext
 
 
-def cp_ring_exposed_s(layer: Layer, ctx: LayerContext, attention_fwd_s: float, attention_bwd_s: float) -> tuple[float, float]:
-    """Exposed ring exchange under context parallelism: of K and V in the forward, and of K, V, dK
-    and dV in the backward."""
+class CpComm(StrEnum):
+    """How context parallelism exchanges what attention needs across the cp ranks of a sequence.
+
+    ALL_GATHER: every rank receives the keys and values of the whole sequence and runs its own
+    queries against them (ring attention, Megatron-Core `--cp-comm-type p2p` / `all_gather`, torch's
+    `context_parallel`, Llama 3's all-gather form, `Plan.apply`); the exchange runs beside
+    attention, and the backward returns dK and dV the same way.
+    ALL_TO_ALL: DeepSpeed-Ulysses (Jacobs et al. 2023), Megatron-Core `--cp-comm-type a2a`: an
+    all-to-all turns the queries, keys and values from sequence shards into head shards, attention
+    runs on whole sequences with 1/cp of the heads, and an all-to-all returns the output; the
+    backward runs the four in reverse. Nothing overlaps them. Each rank's heads (after tp) must
+    divide by cp, keys and values too.
+    """
+
+    ALL_GATHER = "all_gather"
+    ALL_TO_ALL = "a2a"
+
+
+def cp_exposed_s(layer: Layer, ctx: LayerContext, attention_fwd_s: float, attention_bwd_s: float) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of the layer's context-parallel exchange (`CpComm`)."""
     if ctx.cp == 1:
         return 0.0, 0.0
+    if ctx.cp_comm is CpComm.ALL_TO_ALL:
+        return cp_all_to_all_s(layer, ctx)
+    return cp_ring_exposed_s(layer, ctx, attention_fwd_s, attention_bwd_s)
+
+
+def cp_all_to_all_s(layer: Layer, ctx: LayerContext) -> tuple[float, float]:
+    """The Ulysses all-to-alls of each attention op (`CpComm.ALL_TO_ALL`): queries, keys, values and
+    output in the forward, their gradients in the backward, each the rank's local tokens of its
+    (tp-split) heads."""
+    fwd_s = 0.0
+    for op in layer.ops:
+        if op.kind != OpKind.ATTENTION:
+            continue
+        heads = op.attrs.get("heads", 1) or 1
+        kv_share = (op.attrs.get("kv_heads", heads) or heads) / heads
+        local_bytes = op.out_bytes * ctx.batch_scale / (ctx.tp * ctx.cp)  # queries and output alike
+        fwd_s += sum(collective_time_s(Collective.ALL_TO_ALL, local_bytes * share, ctx.cp_group, ctx.node)
+                     for share in (1.0, kv_share, kv_share, 1.0))
+    return fwd_s, fwd_s
+
+
+def cp_ring_exposed_s(layer: Layer, ctx: LayerContext, attention_fwd_s: float, attention_bwd_s: float) -> tuple[float, float]:
+    """Exposed ring exchange under context parallelism (`CpComm.ALL_GATHER`): of K and V in the
+    forward, and of K, V, dK and dV in the backward."""
     if not ctx.device.comm_overlaps_compute:
         attention_fwd_s = attention_bwd_s = 0.0  # nothing hides the ring
     fwd_s = bwd_s = 0.0

@@ -15,7 +15,7 @@ from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO, OpTable, OpWork, WorkKin
 from costmodel.hardware import DeviceSpec, NodeSpec
 from planner.fusion import ElementwiseKernels, fused_works
 from planner.graph import Layer, Op, OpKind, Recompute
-from planner.layer_comm import cp_ring_exposed_s, ep_all_to_all_fwd_s, overlapped_tp_comm_s
+from planner.layer_comm import CpComm, cp_exposed_s, ep_all_to_all_fwd_s, overlapped_tp_comm_s
 from planner.loss_cost import LossKernel, fused_loss_saving, loss_temp_copies
 from planner.op_kinds import VIEW_TARGETS
 from planner.parallel_overhead import blocking_collective_kind, sync_wait_s, tp_host_s
@@ -105,6 +105,7 @@ class LayerContext:
     tp_overlap: bool = False
     loss: LossKernel = LossKernel.TORCH
     elementwise: ElementwiseKernels = ElementwiseKernels.EAGER
+    cp_comm: CpComm = CpComm.ALL_GATHER
 
 
 def score_elements(op: Op) -> float:
@@ -313,7 +314,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         tp_exposed_fwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_fwd_s, plan.tp)
         tp_exposed_bwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_bwd_s, plan.tp)
     # Waiting at the layer's collectives counts with the first kind of them the layer has.
-    cp_fwd_s, cp_bwd_s = cp_ring_exposed_s(layer, ctx, attention_fwd_s, attention_bwd_s)
+    cp_fwd_s, cp_bwd_s = cp_exposed_s(layer, ctx, attention_fwd_s, attention_bwd_s)
     ep_fwd_s = ep_all_to_all_fwd_s(layer, ctx)
     if not layer.bwd_work_fraction:  # no backward runs: no backward collectives, nothing to recompute for
         tp_exposed_bwd_s = cp_bwd_s = 0.0

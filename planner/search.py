@@ -101,7 +101,7 @@ class _Pass:
             for config in configs_for(degrees, graph, global_batch, constraints, per_node):
                 produced += 1
                 try:
-                    check_config(graph, evaluator.cluster, config, global_batch)
+                    check_config(graph, evaluator.cluster, config, global_batch, evaluator.code.cp_comm)
                 except PlannerError as error:
                     self.rejected.append(Rejection(config.short(), error.message))
                     continue

@@ -17,6 +17,7 @@ from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, invalid
 from planner.mesh import stage_devices
 from planner.graph import ModelGraph, Recompute
+from planner.layer_comm import CpComm
 
 # Context parallelism is offered from this sequence length up: Megatron-Core and torchtitan use
 # it for long-context training (8K+); at 4K and below attention is under ~15% of a large model's
@@ -264,9 +265,17 @@ def why_no_configs(degrees: tuple[int, int, int, int, int], graph: ModelGraph, g
 ZERO_BUBBLE_RECOMPUTE = (Recompute.NONE, Recompute.FULL)
 
 
-def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, global_batch: int) -> None:
-    """Raises PlannerError(INVALID_INPUT) naming why `config` cannot exist for this model, cluster and batch."""
+def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, global_batch: int,
+                 cp_comm: CpComm = CpComm.ALL_GATHER) -> None:
+    """Raises PlannerError(INVALID_INPUT) naming why `config` cannot exist for this model, cluster and
+    batch, with context parallelism exchanging as `cp_comm` says."""
     dims = graph.dims
+    if config.cp > 1 and cp_comm is CpComm.ALL_TO_ALL:
+        heads, kv_heads = dims.heads // config.tp, max(1, (dims.kv_heads or dims.heads) // config.tp)
+        if not heads or heads % config.cp or kv_heads % config.cp:
+            raise invalid(f"cp={config.cp} with cp_comm=a2a: the all-to-all splits each rank's {heads} query and "
+                          f"{kv_heads} key/value heads (after tp={config.tp}) over cp, which must divide both; pick "
+                          f"such a cp, or cp_comm all_gather")
     if config.devices != cluster.num_devices:
         raise invalid(
             f"dp*tp*pp*cp = {config.dp}*{config.tp}*{config.pp}*{config.cp} = {config.devices}: must equal the cluster's {cluster.num_devices} devices"

@@ -13,6 +13,7 @@ those choices, each with PyTorch's or FSDP2's behaviour (what `Plan.apply` runs)
 | dp_sync | overlapped, blocking | `planner.state_cost.DpSync` |
 | elementwise | eager, fused | `planner.fusion.ElementwiseKernels` |
 | pp_buffers | preallocated, transient | `planner.pipeline_buffers.PipeBuffers` |
+| cp_comm | all_gather, a2a | `planner.layer_comm.CpComm` |
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from enum import StrEnum
 
 from planner.errors import invalid
 from planner.fusion import ElementwiseKernels
+from planner.layer_comm import CpComm
 from planner.layer_cost import AttentionKernel
 from planner.loss_cost import LossKernel
 from planner.pipeline_buffers import PipeBuffers
@@ -38,6 +40,7 @@ class TrainingCode:
     dp_sync: DpSync = DpSync.OVERLAPPED
     elementwise: ElementwiseKernels = ElementwiseKernels.EAGER
     pp_buffers: PipeBuffers = PipeBuffers.PREALLOCATED
+    cp_comm: CpComm = CpComm.ALL_GATHER
 
     @classmethod
     def of(cls, **choices) -> TrainingCode:

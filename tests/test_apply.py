@@ -332,6 +332,8 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("moe_tp", _plan(moe, "cpu:1x2", tp=2, pp=1), moe),
         ("cp", _plan(gpt, "cpu:1x2", cp=2, dp=1, tp=1, pp=1), gpt),
         ("llama_cp", _plan(llama, "cpu:1x2", cp=2, dp=1, tp=1, pp=1), llama),
+        ("cp_a2a", _plan(gpt, "cpu:1x2", cp=2, dp=1, tp=1, pp=1, cp_comm="a2a"), gpt),
+        ("llama_cp_a2a", _plan(llama, "cpu:1x2", cp=2, dp=1, tp=1, pp=1, cp_comm="a2a"), llama),
         ("moe_dp", _plan(moe, "cpu:1x2", dp=2, ep=1, tp=1, pp=1, zero=0), moe),
         ("moe_ep", _plan(moe, "cpu:1x2", dp=2, ep=2, tp=1, pp=1, zero=0), moe),
         ("moe_ep_zero3", _plan(moe, "cpu:1x2", dp=2, ep=2, tp=1, pp=1, zero=3), moe),
@@ -357,6 +359,8 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("moe_pp_x_ep", _plan(moe, "cpu:1x4", pp=2, dp=2, ep=2, tp=1, zero=0, schedule="1f1b"), moe),
         ("moe_dp_x_cp", _plan(moe, "cpu:1x4", dp=2, cp=2, ep=1, tp=1, pp=1, zero=0), moe),
         ("moe_ep_x_cp", _plan(moe, "cpu:1x4", dp=2, cp=2, ep=2, tp=1, pp=1, zero=0), moe),
+        ("cp4_a2a", _plan(gpt, "cpu:1x4", cp=4, dp=1, tp=1, pp=1, cp_comm="a2a"), gpt),
+        ("cp_a2a_x_tp", _plan(gpt, "cpu:1x4", cp=2, tp=2, dp=1, pp=1, cp_comm="a2a"), gpt),
         # Hybrid sharding: two replicas of a two-rank shard group, over two micro-batches.
         ("hsdp_zero3", _plan(gpt, "cpu:1x4", dp=4, tp=1, pp=1, zero=3, dp_replicate=2, micro_batch=1), gpt),
         ("hsdp_zero1", _plan(gpt, "cpu:1x4", dp=4, tp=1, pp=1, zero=1, dp_replicate=2, micro_batch=1), gpt),
@@ -616,6 +620,15 @@ def test_context_parallel(trained, case):
     # embeddings at the tokens' true positions, keys and values gathered, causal mask at true
     # positions): the same losses and updates.
     assert trained[case][0].config.cp == 2
+    _check(trained[case])
+
+
+@pytest.mark.parametrize("case, cp", [("cp_a2a", 2), ("llama_cp_a2a", 2), ("cp4_a2a", 4), ("cp_a2a_x_tp", 2)])
+def test_context_parallel_by_all_to_all_of_heads(trained, case, cp):
+    # DeepSpeed-Ulysses: each rank attends with 1/cp of its heads over the whole sequence between two
+    # all-to-alls (grouped-query key/value heads with their queries; under tp, of the rank's heads).
+    plan = trained[case][0]
+    assert plan.config.cp == cp and plan.training_code["cp_comm"] == "a2a"
     _check(trained[case])
 
 

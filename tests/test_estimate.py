@@ -842,3 +842,29 @@ def test_offloaded_states_on_a_host_of_unknown_size_are_noted_not_checked(gpt350
     assert estimate.fits and any("host memory of h800 nodes is unknown" in note for note in estimate.notes)
     on_device = Evaluator(gpt350m, load_cluster("h800:1x1")).estimate(ParallelConfig(num_microbatches=8), 8)
     assert on_device.memory[0]["host_bytes"] == 0 and not any("host memory" in note for note in on_device.notes)
+
+
+def test_ulysses_context_parallelism_prices_four_all_to_alls_each_way(spec_dir):
+    # cp_comm=a2a (DeepSpeed-Ulysses): per attention op, the forward all-to-alls the rank's local
+    # tokens (s / cp of its tp-split heads) of the queries, keys, values (kv_heads / heads as wide)
+    # and output over the cp group, and the backward their gradients: nothing overlaps them. The
+    # other layers exchange nothing.
+    graph = trace(_spec_file(spec_dir, "gqa", arch="llama", layers=2, hidden=1024, heads=16, kv_heads=4,
+                             ffn_hidden=2816), seq_len=4096)
+    cluster = load_cluster("h100-sxm:1x8")
+    device, node = stage_devices(cluster, 1)[0]
+    config = ParallelConfig(dp=2, tp=2, cp=2, num_microbatches=2)
+    evaluator = Evaluator(graph, cluster, code=TrainingCode.of(cp_comm="a2a"))
+    group = mesh_groups(config, node.devices_per_node).cp
+    for index, layer in enumerate(graph.layers):
+        attention = [op for op in layer.ops if op.kind.value == "attention"]
+        local = [op.out_bytes / (config.tp * config.cp) for op in attention]
+        one_way = sum(collective_time_s(Collective.ALL_TO_ALL, b * share, group, node)
+                      for b in local for share in (1, 4 / 16, 4 / 16, 1))
+        cost = evaluator.layer_cost(index, config, device, node, Recompute.NONE)
+        assert cost.cp_comm_s == pytest.approx(2 * one_way, rel=1e-9)
+        assert (cost.cp_comm_s > 0) == bool(attention)
+    # The heads each rank keeps after tp (16 / 2 = 8 queries, 2 key/value heads) must split over cp.
+    with pytest.raises(PlannerError, match="cp=4 with cp_comm=a2a: .* 8 query and 2 key/value heads"):
+        evaluator.estimate(ParallelConfig(dp=1, tp=2, cp=4, num_microbatches=4), 4)
+    assert Evaluator(graph, cluster).estimate(ParallelConfig(dp=1, tp=2, cp=4, num_microbatches=4), 4).fits

@@ -13,6 +13,12 @@ scores (the masked half of the diagonal blocks) rather than twice it. The traffi
 (every rank receives every other rank's keys and values), which the cost model prices as
 overlapped with attention; here the gather runs before attention rather than beside it. Each rank's loss is the mean over its tokens, so
 averaging gradients over the (dp, cp) ranks gives the whole sequence's.
+
+With the plan's training code at `cp_comm: a2a` (DeepSpeed-Ulysses, `planner.layer_comm.CpComm`)
+attention instead exchanges heads for tokens: an all-to-all sends each rank's tokens of head block
+j to rank j, which then holds 1/cp of the heads over the whole sequence, runs ordinary (causal)
+attention on them, and a second all-to-all returns each rank its tokens of every head. Keys and
+values travel the same way (grouped-query heads in the blocks of their queries).
 """
 from __future__ import annotations
 
@@ -21,9 +27,10 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_tensor_autograd
+from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
+from planner.layer_comm import CpComm
 from planner.zoo.layers import Attention
 
 # Dimension of the sequence in the (b, heads, s, head_dim) queries, keys and values attention reads.
@@ -37,8 +44,9 @@ def token_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
                       torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
 
 
-def apply_context_parallel(module: nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:
-    """Makes `module` run this rank's tokens of `seq_len`-token sequences (see the module docstring)."""
+def apply_context_parallel(module: nn.Module, cp_mesh: DeviceMesh, seq_len: int, cp_comm: CpComm = CpComm.ALL_GATHER) -> None:
+    """Makes `module` run this rank's tokens of `seq_len`-token sequences, exchanging attention's
+    inputs as `cp_comm` says (see the module docstring)."""
     cp = cp_mesh.size()
     positions = token_positions(seq_len, cp, cp_mesh.get_local_rank())
     gathered = torch.cat([token_positions(seq_len, cp, rank) for rank in range(cp)])
@@ -53,7 +61,9 @@ def apply_context_parallel(module: nn.Module, cp_mesh: DeviceMesh, seq_len: int)
     for child in module.modules():
         if hasattr(child, "positions"):
             child.positions = positions
-        if isinstance(child, Attention):
+        if isinstance(child, Attention) and cp_comm is CpComm.ALL_TO_ALL:
+            child.attend = functools.partial(_attend_head_shards, child, cp_mesh, order, torch.argsort(order))
+        elif isinstance(child, Attention):
             child.attend = functools.partial(_attend_whole_sequence, child, cp_mesh, order, chunks)
 
 
@@ -72,3 +82,24 @@ def _attend_whole_sequence(attention: Attention, mesh: DeviceMesh, order: torch.
     return torch.cat([F.scaled_dot_product_attention(q[:, :, queries], k[:, :, :end], v[:, :, :end],
                                                      attn_mask=mask.to(q.device), enable_gqa=gqa)
                       for queries, end, mask in chunks], dim=SEQUENCE_DIM)
+
+
+def _attend_head_shards(attention: Attention, mesh: DeviceMesh, order: torch.Tensor, inverse: torch.Tensor,
+                        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention by head shards: this rank's 1/cp of the heads over the whole sequence, between two
+    all-to-alls (`order` puts the gathered tokens in sequence order, `inverse` back in rank order)."""
+    group, cp = mesh.get_group(), mesh.size()
+    order, inverse = order.to(q.device), inverse.to(q.device)
+
+    def heads_to_ranks(x: torch.Tensor) -> torch.Tensor:  # (b, n, s/cp, d) -> (b, n/cp, s, d)
+        b, n, local, d = x.shape
+        blocks = x.reshape(b, cp, n // cp, local, d).transpose(0, 1).contiguous()  # block j goes to rank j
+        received = all_to_all_single_autograd(blocks, None, None, group)  # block i came from rank i
+        return received.permute(1, 2, 0, 3, 4).reshape(b, n // cp, cp * local, d).index_select(SEQUENCE_DIM, order)
+
+    out = F.scaled_dot_product_attention(heads_to_ranks(q), heads_to_ranks(k), heads_to_ranks(v),
+                                         is_causal=attention.causal, enable_gqa=attention.kv_heads != attention.heads)
+    b, n, seq, d = out.shape
+    blocks = out.index_select(SEQUENCE_DIM, inverse).reshape(b, n, cp, seq // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+    received = all_to_all_single_autograd(blocks, None, None, group)  # rank j's tokens of head block j
+    return received.transpose(0, 1).reshape(b, cp * n, seq // cp, d)
