@@ -65,6 +65,7 @@ MEMORY_TOLERANCE = 0.10
 MODES = {
     2: {"dp2 zero0": ("gpt", {"dp": 2, "zero": 0}), "dp2 zero3": ("gpt", {"dp": 2, "zero": 3}), "tp2": ("gpt", {"tp": 2}),
         "pp2 1f1b": ("gpt", {"pp": 2, "schedule": "1f1b"}), "cp2": ("gpt", {"cp": 2}),
+        "cp2 a2a": ("gpt", {"cp": 2, "cp_comm": "a2a"}),
         "dp2 ep2 moe": ("moe", {"dp": 2, "ep": 2, "zero": 0})},
     4: {"dp2 x tp2": ("gpt", {"dp": 2, "tp": 2, "zero": 2}),
         "pp2 x dp2": ("gpt", {"pp": 2, "dp": 2, "schedule": "1f1b"}), "dp4 zero3": ("gpt", {"dp": 4, "zero": 3}),

@@ -233,6 +233,8 @@ def _collective_factors(origin: Origin, field_name: str, value) -> tuple[tuple[s
 
 def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Path, ...], base: Path) -> DeviceSpec:
     _check_kind(origin, data, "device")
+    if "host_mem_bytes" in data:
+        raise origin.error("host_mem_bytes", "belongs to the node: write it as node.host_mem_bytes")
     fields.check_keys(origin, "", data, _DEVICE_KEYS, _DEVICE_REQUIRED)
     peaks = _peaks(origin, data["peak_flops_per_s"])
     node = data["node"]
@@ -255,8 +257,7 @@ def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Pat
         comm_overlaps_compute=fields.boolean(origin, "comm_overlaps_compute", data.get("comm_overlaps_compute", True)),
         price_per_hour=fields.optional_positive(origin, "price_per_hour", data),
         power_w=fields.optional_positive(origin, "power_w", data),
-        host_mem_bytes=(fields.positive(origin, "node.host_mem_bytes", node["host_mem_bytes"])
-                        if "host_mem_bytes" in node else 0.0),
+        host_mem_bytes=_host_bytes(origin, "node.host_mem_bytes", node),
         op_tables=_op_tables(origin, data.get("op_tables", {}), base),
         source=fields.sources(origin, "", data.get("sources", {}), _DEVICE_SOURCE_KEYS),
         description=fields.text(origin, "description", data.get("description", "")),
@@ -281,6 +282,8 @@ def _check_kind(origin: Origin, data: dict, expected: str) -> None:
 
 def _parse_cluster(origin: Origin, data: dict, default_name: str, dirs: tuple[Path, ...], base: Path) -> Cluster:
     _check_kind(origin, data, "cluster")
+    if "host_mem_bytes" in data:
+        raise origin.error("host_mem_bytes", "belongs to a node group: write it in groups[i] (host memory of one node)")
     fields.check_keys(origin, "", data, _CLUSTER_KEYS, ("groups",))
     groups = data["groups"]
     if not isinstance(groups, list) or not groups:
@@ -315,10 +318,19 @@ def _parse_group(origin: Origin, prefix: str, data, dirs: tuple[Path, ...], base
         if "intra_link" in data else device.intra_link,
         nic=_load_link(origin, f"{prefix}.nic", data["nic"], dirs, base, INTER_NODE_KINDS)
         if "nic" in data else device.nic,
-        host_mem_bytes=fields.positive(origin, f"{prefix}.host_mem_bytes", data["host_mem_bytes"])
-        if "host_mem_bytes" in data else usual_host_share(device, data.get("devices_per_node", device.devices_per_node)),
+        host_mem_bytes=_host_bytes(origin, f"{prefix}.host_mem_bytes", data)
+        or usual_host_share(device, data.get("devices_per_node", device.devices_per_node)),
     )
     return NodeGroup(node, fields.count(origin, f"{prefix}.nodes", data["nodes"]))
+
+
+def _host_bytes(origin: Origin, field_name: str, data: dict) -> float:
+    """A node's `host_mem_bytes` where given (positive), else 0 (unknown)."""
+    if "host_mem_bytes" not in data:
+        return 0.0
+    if data["host_mem_bytes"] == 0:
+        raise origin.error(field_name, "0 bytes; leave the key out where the host memory is unknown")
+    return fields.positive(origin, field_name, data["host_mem_bytes"])
 
 
 def usual_host_share(device: DeviceSpec, devices_per_node: int) -> float:

@@ -9,6 +9,7 @@ inner dp / dp_replicate ranks times cp (stride tp), and a replica group strides 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from math import gcd
@@ -72,12 +73,15 @@ def _mesh_groups(tp: int, cp: int, dp: int, ep: int, replicas: int, devices_per_
 
 
 def expert_data_group(config: ParallelConfig, node: NodeSpec) -> CommGroup:
-    """The group that shares (and reduces gradients of) the same experts: dp*cp/ep ranks, ep*tp apart."""
-    return axis_group(max(1, config.dp * config.cp // config.ep), config.tp * config.ep, node.devices_per_node)
+    """The group that shares the same experts and shards their ZeRO states: dp*cp/ep ranks, ep*tp
+    apart; under hybrid sharding (ep 1) a replica's shard group, as for the dense states."""
+    return axis_group(max(1, config.dp * config.cp // (config.ep * config.dp_replicate)), config.tp * config.ep,
+                      node.devices_per_node)
 
 
 def stage_devices(cluster: Cluster, pp: int) -> list[tuple[DeviceSpec, NodeSpec]]:
-    """The device and node of each pipeline stage (pp is the outermost mesh axis).
+    """The device and node of each pipeline stage (pp is the outermost mesh axis); a stage spanning
+    node groups of one device type gets the first one's links and the smallest host-memory share.
 
     Raises:
         PlannerError: a stage would span node groups of different device types.
@@ -97,5 +101,8 @@ def stage_devices(cluster: Cluster, pp: int) -> list[tuple[DeviceSpec, NodeSpec]
         if len(devices) > 1:
             raise invalid(f"pp={pp}: stage {stage} spans device types {sorted(devices)}; choose pp so each stage sits on one node group")
         node = next(node for lo, hi, node in bounds if lo <= first < hi)
+        tightest = min(nodes, key=lambda n: n.host_mem_bytes_per_device)
+        if tightest.host_mem_bytes_per_device < node.host_mem_bytes_per_device:  # a stage is as roomy as its tightest host
+            node = dataclasses.replace(node, host_mem_bytes=tightest.host_mem_bytes_per_device * node.devices_per_node)
         out.append((node.device, node))
     return out

@@ -68,6 +68,13 @@ def check_constraints(constraints: dict) -> None:
             raise invalid(f"{key}={value!r}: use one of {', '.join(str(c) for c in choices)}")
         if key == "schedules" and (not isinstance(value, (list, tuple)) or not {str(v) for v in value} <= {str(s) for s in Schedule}):
             raise invalid(f"schedules={value!r}: must be a list of {', '.join(str(s) for s in Schedule)}")
+    replicas = constraints.get("dp_replicate", 1)
+    if replicas > 1 and constraints.get("zero") == 0:
+        raise invalid(f"dp_replicate={replicas} with zero=0: hybrid sharding replicates ZeRO shards, and zero=0 shards "
+                      f"nothing; fix zero 1-3 or drop dp_replicate")
+    if replicas > 1 and constraints.get("ep", 1) > 1:
+        raise invalid(f"dp_replicate={replicas} with ep={constraints['ep']}: hybrid sharding of expert-parallel models is "
+                      f"not supported; drop one of them")
     headroom = constraints.get("mem_headroom", 0.0)
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0.0 <= headroom < 0.9:
         raise invalid(f"mem_headroom={headroom!r}: must be a number in [0, 0.9)")
@@ -218,7 +225,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
 
     if not ranked:
         raise _nothing_fits(graph, cluster, global_batch, closest_miss, evaluated + screened,
-                            rejected[len(space.rejected):] or rejected, tally.host_miss)
+                            rejected[len(space.rejected):] or rejected, tally.host_miss, constraints.get("zero"))
 
     best_s, best_config, best_estimate = ranked[0]
     plan_memory, best_estimate = memory_plan(evaluator, best_config, best_estimate, global_batch, headroom,
@@ -265,21 +272,22 @@ def _batch_reason(global_batch: int) -> str:
 
 
 def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closest_miss, evaluated: int,
-                  rejected: list[Rejection], host_miss=None) -> PlannerError:
+                  rejected: list[Rejection], host_miss=None, zero_fixed: int | None = None) -> PlannerError:
     """INSUFFICIENT_MEMORY with what would fit: more devices, and of a smaller micro-batch, ZeRO-3 with full
-    recompute and optimizer offload whichever the closest miss does not use already (offload that
-    fitted the devices but overflowed host memory, `host_miss`, is named as such). INVALID_INPUT
-    with the commonest reasons when no configuration was valid at all (`rejected`)."""
+    recompute and optimizer offload whichever the closest miss does not use already. When offloading
+    the optimizer made a configuration fit the devices but not the host's memory (`host_miss`), that
+    leads: more host memory, or more devices to shard the states over (unless ZeRO is fixed at 0).
+    INVALID_INPUT with the commonest reasons when no configuration was valid at all (`rejected`)."""
     capacity = min(g.node.device.mem_bytes for g in cluster.groups)
+    candidates = f"{evaluated} candidate" + ("" if evaluated == 1 else "s")
     if host_miss is not None:
         host_bytes, share, host_config = host_miss
-        overflow = (f"{host_config.short()} fits the devices with its optimizer states offloaded, but they need "
-                    f"{host_bytes / 2**30:.1f} GiB of host memory per device of {share / 2**30:.1f} GiB")
-        if closest_miss is None:
-            return PlannerError(PlannerErrorKind.INSUFFICIENT_MEMORY, (
-                f"no plan fits after {evaluated} candidates: {overflow}; try about "
-                f"{math.ceil(cluster.num_devices * host_bytes / share)}+ devices (ZeRO shards the states over them) "
-                f"or more host memory"))
+        more = (f" or about {math.ceil(cluster.num_devices * host_bytes / share)}+ devices (ZeRO shards the states over "
+                f"them)" if zero_fixed != 0 else "")
+        return PlannerError(PlannerErrorKind.INSUFFICIENT_MEMORY, (
+            f"no plan fits after {candidates}: {host_config.short()} fits the devices with its optimizer states "
+            f"offloaded, but they need {host_bytes / 2**30:.1f} GiB of host memory per device of {share / 2**30:.1f} "
+            f"GiB; try nodes with more host memory{more}"))
     if closest_miss is None:
         distinct = sorted({(r.what, r.reason) for r in rejected},  # a second pass (offload) rejects the same again
                           key=lambda item: [int(n) for n in re.findall(r"\d+", item[0])], reverse=True)
@@ -299,12 +307,10 @@ def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closes
         remedies.append("a smaller micro-batch")
     if config.zero < 3 or config.recompute is not Recompute.FULL:
         remedies.append("allowing zero=3 with recompute=full")
-    if host_miss is not None:
-        remedies.append(f"more host memory ({overflow})")
-    elif not config.offload_optimizer:
+    if not config.offload_optimizer:
         remedies.append("allowing optimizer offload")
     return PlannerError(
         PlannerErrorKind.INSUFFICIENT_MEMORY,
         f"no plan fits: the closest ({config.short()}) needs {at_least}{need / 2**30:.1f} GiB per device of {capacity / 2**30:.1f} GiB "
-        f"after {evaluated} candidates; try {' or '.join(remedies)}",
+        f"after {candidates}; try {' or '.join(remedies)}",
     )

@@ -248,8 +248,6 @@ def why_no_configs(degrees: tuple[int, int, int, int, int], graph: ModelGraph, g
         return f"dp_replicate={replicas} does not divide dp={dp}"
     if replicas > 1 and ep > 1:
         return f"dp_replicate={replicas}: hybrid sharding of expert-parallel models (ep={ep}) is not supported"
-    if replicas > 1 and constraints.get("zero") == 0:
-        return f"dp_replicate={replicas} needs ZeRO 1-3 (zero=0 shards nothing to replicate)"
     if not micro_batches(global_batch // dp, constraints):
         return (f"micro_batch={constraints['micro_batch']} does not divide the sequences per data-parallel replica "
                 f"(global_batch={global_batch} / dp)")

@@ -151,7 +151,7 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
     blocking = sync is DpSync.BLOCKING
     if blocking or not node.device.comm_overlaps_compute:
         fwd_s = bwd_s = 0.0  # nothing hides the traffic
-    replica_s = replica_all_reduce_s(dense - frozen, groups, node, oversubscription)
+    replica_s = replica_all_reduce_s(dense - frozen + expert, groups, node, oversubscription)
     if config.zero == 3 and config.pp == 1:
         return max(0.0, replica_s - bwd_s)
     reductions = config.num_microbatches if config.zero == 2 and config.pp == 1 else 1
@@ -172,12 +172,13 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
             + max(0.0, gather_s - fwd_s) + copies_s)
 
 
-def replica_all_reduce_s(trainable_dense: float, groups, node: NodeSpec, oversubscription: float) -> float:
-    """Seconds of hybrid sharding's all-reduce of the reduced fp32 gradient shards of
-    `trainable_dense` parameters across the replicas (0 without replicas)."""
-    if groups.replicate.size == 1 or trainable_dense <= 0:
+def replica_all_reduce_s(trainable: float, groups, node: NodeSpec, oversubscription: float) -> float:
+    """Seconds of hybrid sharding's all-reduce of the reduced fp32 gradient shards of `trainable`
+    parameters across the replicas (0 without replicas; experts, only without expert parallelism,
+    shard as the dense parameters do)."""
+    if groups.replicate.size == 1 or trainable <= 0:
         return 0.0
-    return collective_time_s(Collective.ALL_REDUCE, trainable_dense * GRAD_REDUCE_BYTES_PER_PARAM / groups.shard.size,
+    return collective_time_s(Collective.ALL_REDUCE, trainable * GRAD_REDUCE_BYTES_PER_PARAM / groups.shard.size,
                              groups.replicate, node, oversubscription)
 
 

@@ -336,7 +336,7 @@ BAD_INPUT = [
                  "dp_replicate=3: must divide dp=8", id="replicas not dividing dp"),
     pytest.param(["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--dp-replicate", "2"],
                  "zero=0 shards nothing", id="hybrid sharding without ZeRO"),
-    pytest.param(["plan", *RUN_ARGS, "--zero", "0", "--dp-replicate", "2"], "dp_replicate=2 needs ZeRO 1-3",
+    pytest.param(["plan", *RUN_ARGS, "--zero", "0", "--dp-replicate", "2"], "dp_replicate=2 with zero=0: hybrid sharding",
                  id="plan with hybrid sharding and no ZeRO"),
     pytest.param(["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--cp", "8", "--cp-comm", "a2a"],
                  "cp=8 with cp_comm=a2a: the all-to-all splits each rank's 12 query", id="Ulysses cp not dividing the heads"),

@@ -868,3 +868,24 @@ def test_ulysses_context_parallelism_prices_four_all_to_alls_each_way(spec_dir):
     with pytest.raises(PlannerError, match="cp=4 with cp_comm=a2a: .* 8 query and 2 key/value heads"):
         evaluator.estimate(ParallelConfig(dp=1, tp=2, cp=4, num_microbatches=4), 4)
     assert Evaluator(graph, cluster).estimate(ParallelConfig(dp=1, tp=2, cp=4, num_microbatches=4), 4).fits
+
+
+def test_a_stage_over_two_node_groups_gets_the_smaller_host_share():
+    # Two one-node a100-40g groups, the second with 64 GiB of host memory (8 GiB per device against
+    # the DGX's 128): a stage over both holds what its tightest host allows, in either order.
+    groups = [{"device": "a100-40g", "nodes": 1}, {"device": "a100-40g", "nodes": 1, "host_mem_bytes": 64 * 2**30}]
+    for order in (groups, groups[::-1]):
+        ((_, node),) = stage_devices(load_cluster({"groups": order}), 1)
+        assert node.host_mem_bytes_per_device == 8 * 2**30 and node.nic.name == load_cluster({"groups": order}).groups[0].node.nic.name
+    assert [node.host_mem_bytes_per_device for _, node in stage_devices(load_cluster({"groups": groups}), 2)] == [128 * 2**30, 8 * 2**30]
+
+
+def test_hybrid_sharding_shards_the_experts_as_the_dense_states(tiny_moe):
+    # Without expert parallelism the experts live in their blocks' FSDP units, so hybrid sharding
+    # shards their states over a replica's ranks too: ZeRO-1's 12 B of optimizer states per parameter
+    # over dp=4 ranks, then over each of 2 replicas' 2.
+    cluster = load_cluster("a100-80g:1x4")
+    for replicas, shard in ((1, 4), (2, 2)):
+        config = ParallelConfig(dp=4, zero=1, dp_replicate=replicas, num_microbatches=2)
+        row = Evaluator(tiny_moe, cluster).estimate(config, 8).memory[0]
+        assert row["optimizer_bytes"] == pytest.approx(12 * tiny_moe.params / shard)

@@ -242,6 +242,8 @@ DEVICE_ERRORS = [
     ({"nic__kind": "infiniband"}, "nic.kind", "not a known LinkKind"),
     ({"price_per_hour": 0}, "price_per_hour", "positive"),
     ({"node__host_mem_bytes": -1}, "node.host_mem_bytes", "positive"),
+    ({"node__host_mem_bytes": 0}, "node.host_mem_bytes", "leave the key out"),
+    ({"host_mem_bytes": 1.0e12}, "host_mem_bytes", "node.host_mem_bytes"),
     ({"comm_overlaps_compute": "no"}, "comm_overlaps_compute", "true or false"),
     ({"nic__collective_factors": {"allgather": 2.0}}, "nic.collective_factors.allgather", "did you mean 'all_gather'"),
     ({"nic__collective_factors": {"all_gather": 0}}, "nic.collective_factors.all_gather", "positive"),

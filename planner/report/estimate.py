@@ -55,7 +55,8 @@ def memory_table(estimate: Estimate) -> Table:
         values = (row["weights_bytes"], row["grads_bytes"], row["optimizer_bytes"], row["activations_bytes"], other, row["total_bytes"])
         table.add_row(str(row["stage"]), *(f"{v / GIB:.1f}" for v in values), bar(row["total_bytes"] / row["capacity_bytes"], 10))
     priced = ", ".join(dict.fromkeys(f"{row['dtype']} on {row['device']}" for row in estimate.memory if "dtype" in row))
-    host = max(estimate.memory, key=lambda row: row.get("host_bytes", 0.0))
+    host = max(estimate.memory, key=lambda row: (row.get("host_bytes", 0.0) / row["host_capacity_bytes"]
+                                                 if row.get("host_capacity_bytes") else 0.0, row.get("host_bytes", 0.0)))
     offloaded = (f"; offloaded optimizer states: {fmt_bytes(host['host_bytes'])} of host memory per device"
                  + (f" (of its {fmt_bytes(host['host_capacity_bytes'])} share)" if host["host_capacity_bytes"] else "")
                  if host.get("host_bytes") else "")
@@ -71,9 +72,10 @@ def hints(estimate: Estimate) -> list[str]:
     out = []
     host = estimate.host_overflow()
     if host is not None:
+        zero = " with --zero 1-3" if estimate.config is not None and estimate.config.zero == 0 else ""
         out.append(f"Does not fit: stage {host['stage']}'s offloaded optimizer states need {fmt_bytes(host['host_bytes'])} of "
                    f"host memory per device, over its {fmt_bytes(host['host_capacity_bytes'])} share of the node's; shard "
-                   f"them over more data-parallel devices (--zero 1-3), or keep them on the device.")
+                   f"them{zero} over more data-parallel devices, or use nodes with more host memory.")
     device_full = any(row["total_bytes"] > row["capacity_bytes"] for row in estimate.memory)
     if not estimate.fits and (device_full or host is None):
         row = max(estimate.memory, key=lambda r: r["total_bytes"] / r["capacity_bytes"])
