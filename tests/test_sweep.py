@@ -6,6 +6,8 @@ reproduce row for row (all columns but `plan_time_s`, which is a wall time).
 """
 from __future__ import annotations
 
+import json
+
 import os
 import re
 import signal
@@ -20,7 +22,7 @@ import planner
 from costmodel.profile_loader import load_device
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.sweeps.executors import PlanSettings, failure, plan_point
-from planner.sweeps.results import COLUMNS, ResultsFile, read_results
+from planner.sweeps.results import ADDED_COLUMNS, COLUMNS, ResultsFile, read_results
 from planner.sweeps.runner import sweep
 from planner.sweeps.spec import SweepPoint, load_sweep_spec, sweep_spec_from_dict
 from planner.training_code import TrainingCode
@@ -204,6 +206,27 @@ def test_results_round_trip_and_a_partial_last_line_is_cut(tmp_path, suffix, ref
         assert path.read_bytes() == whole
         results.append(reference[3])
     assert read_results(path) == reference[:4]
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_a_file_from_before_the_added_columns_reads_and_resumes_with_them(tmp_path, suffix, reference):
+    # A results file written before `dp_replicate` and `host_bytes` existed: its rows read with those
+    # columns empty, and a sweep appending to it first rewrites it with every column.
+    first = [column for column in COLUMNS if column not in ADDED_COLUMNS]
+    old = [{column: row[column] for column in first} for row in reference[:2]]
+    path = tmp_path / f"old{suffix}"
+    if suffix == ".csv":
+        path.write_text(",".join(first) + "\n" + "".join(
+            ",".join("" if row[c] is None else str(row[c]) for c in first) + "\n" for row in old))
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in old))
+    expected = [{**row, **dict.fromkeys(ADDED_COLUMNS)} for row in old]
+    assert read_results(path) == expected
+    with ResultsFile.open(path) as results:
+        results.append(reference[2])
+    assert read_results(path) == [*expected, reference[2]]
+    if suffix == ".csv":
+        assert path.read_text().splitlines()[0].split(",") == list(COLUMNS)
 
 
 def test_a_point_written_twice_reads_once_as_its_last_row(tmp_path, reference):

@@ -74,7 +74,8 @@ def plan_point(point: SweepPoint, graph: ModelGraph, cluster: Cluster, settings:
                    step_time_s=estimate.step_time_s, tokens_per_s=estimate.tokens_per_s,
                    tflops_per_gpu=estimate.tflops_per_gpu, mfu=estimate.mfu,
                    peak_memory_bytes=estimate.peak_memory_bytes,
-                   capacity_bytes=max(stage["capacity_bytes"] for stage in estimate.memory))
+                   capacity_bytes=max(stage["capacity_bytes"] for stage in estimate.memory),
+                   host_bytes=max(stage.get("host_bytes", 0.0) for stage in estimate.memory))
         if price is not None:
             row["usd_per_million_tokens"] = price / SECONDS_PER_HOUR / estimate.tokens_per_s * TOKENS_PER_MILLION
         if settings.plan_dir is not None:

@@ -45,8 +45,13 @@ COLUMN_TYPES: dict[str, type] = {
     "peak_memory_bytes": float, "capacity_bytes": float,
     "cluster_usd_per_hour": float, "usd_per_million_tokens": float,
     "plan_time_s": float, "plan_path": str,
+    "dp_replicate": int, "host_bytes": float,
 }
 COLUMNS = tuple(COLUMN_TYPES)
+# Columns added after the first results files were written: a file whose columns stop before them
+# reads with them empty, and is rewritten with every column before a sweep appends to it.
+ADDED_COLUMNS = ("dp_replicate", "host_bytes")
+_FIRST_COLUMNS = COLUMNS[:len(COLUMNS) - len(ADDED_COLUMNS)]
 
 
 def results_format(path: str | Path, what: str = "--out") -> ResultsFormat:
@@ -78,7 +83,7 @@ def read_results(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise invalid(f"results file {path}: not found; check the path")
-    rows = _parse(path, results_format(path, "results file"), _whole_lines(path.read_bytes()))
+    rows, _ = _parse(path, results_format(path, "results file"), _whole_lines(path.read_bytes()))
     return list({row_point(row): row for row in rows}.values())
 
 
@@ -100,16 +105,19 @@ class ResultsFile:
         path = Path(path)
         fmt = results_format(path)
         rows: list[dict] = []
+        current = True
         if path.exists():
             data = path.read_bytes()
             whole = _whole_lines(data)
-            rows = _parse(path, fmt, whole)
+            rows, current = _parse(path, fmt, whole)
             if len(whole) != len(data):
                 os.truncate(path, len(whole))
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         results = cls(path, rows, fd)
-        if fmt == ResultsFormat.CSV and os.fstat(fd).st_size == 0:
+        if not current:
+            results.rewrite(rows)
+        elif fmt == ResultsFormat.CSV and os.fstat(fd).st_size == 0:
             results._write(_csv_line(COLUMNS))
         return results
 
@@ -164,25 +172,29 @@ def _whole_lines(data: bytes) -> bytes:
     return data[: data.rfind(b"\n") + 1]
 
 
-def _parse(path: Path, fmt: ResultsFormat, data: bytes) -> list[dict]:
+def _parse(path: Path, fmt: ResultsFormat, data: bytes) -> tuple[list[dict], bool]:
+    """The typed rows, and whether they have every column (False: a file from before `ADDED_COLUMNS`)."""
     try:
         lines = data.decode().splitlines()
     except UnicodeDecodeError as error:
         raise invalid(f"{path}: not a text file (byte {error.start} is not UTF-8); give a sweep's .csv or .jsonl results") from None
     if fmt == ResultsFormat.JSONL:
-        return [_typed_json(path, number, line) for number, line in enumerate(lines, 1) if line.strip()]
+        rows = [_typed_json(path, number, line) for number, line in enumerate(lines, 1) if line.strip()]
+        return [{**dict.fromkeys(ADDED_COLUMNS), **row} for row in rows], all(len(row) == len(COLUMNS) for row in rows)
     if not lines:
-        return []
+        return [], True
     reader = csv.reader(lines)
-    header = next(reader)
-    if tuple(header) != COLUMNS:
+    header = tuple(next(reader))
+    if header not in (COLUMNS, _FIRST_COLUMNS):
         raise invalid(f"{path}:1: the header is not this paraplan's sweep columns; write the sweep to a new --out file")
     rows = []
     for number, values in enumerate(reader, 2):
-        if len(values) != len(COLUMNS):
-            raise invalid(f"{path}:{number}: {len(values)} values for {len(COLUMNS)} columns; the file is damaged, fix or remove that line")
-        rows.append({column: _typed(path, number, column, text) for column, text in zip(COLUMNS, values)})
-    return rows
+        if len(values) != len(header):
+            raise invalid(f"{path}:{number}: {len(values)} values for {len(header)} columns; the file is damaged, fix or remove that line")
+        row = dict.fromkeys(ADDED_COLUMNS)
+        row.update({column: _typed(path, number, column, text) for column, text in zip(header, values)})
+        rows.append({column: row[column] for column in COLUMNS})
+    return rows, header == COLUMNS
 
 
 def _typed(path: Path, number: int, column: str, text: str):
@@ -199,6 +211,6 @@ def _typed_json(path: Path, number: int, line: str) -> dict:
         row = json.loads(line)
     except json.JSONDecodeError as error:
         raise invalid(f"{path}:{number}: not a JSON object ({error.msg}); the file is damaged, fix or remove that line") from None
-    if not isinstance(row, dict) or set(row) != set(COLUMNS):
+    if not isinstance(row, dict) or set(row) not in (set(COLUMNS), set(_FIRST_COLUMNS)):
         raise invalid(f"{path}:{number}: the keys are not this paraplan's sweep columns; write the sweep to a new --out file")
-    return {column: row[column] for column in COLUMNS}
+    return {column: row[column] for column in COLUMNS if column in row}
