@@ -212,7 +212,7 @@ class Evaluator:
                                                            node, self.cluster.oversubscription, *windows,
                                                            refetch=policy is Recompute.FULL, pipelined=config.pp > 1,
                                                            frozen=frozen)
-        fwd = cost.fwd_s + cost.tp_comm_s / 2 + cost.cp_comm_s / 3 + cost.ep_comm_s / 2 + exposed_fwd_s
+        fwd = cost.fwd_s + cost.tp_comm_s / 2 + cost.cp_fwd_comm_s + cost.ep_comm_s / 2 + exposed_fwd_s
         exposed = exposed_fwd_s + exposed_bwd_s
         return (
             fwd, cost.total_s + exposed - fwd, cost.fwd_s + cost.bwd_s, cost.recompute_s, cost.tp_comm_s,

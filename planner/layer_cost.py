@@ -76,6 +76,7 @@ class LayerCost:
     ep_comm_s: float
     act_bytes: float
     temp_bytes: float = 0.0
+    cp_fwd_comm_s: float = 0.0  # the forward's part of cp_comm_s
 
     @property
     def total_s(self) -> float:
@@ -179,20 +180,27 @@ def _layer_level_works(layer: Layer, ctx: LayerContext, split: int) -> tuple[lis
 
 
 def _gathered_kv_bytes(layer: Layer, ctx: LayerContext) -> float:
-    """Gathered keys and values attention keeps for backward under context parallelism (before tp
-    divides them by heads).
+    """What attention's context-parallel exchange adds to the activations kept for backward (before
+    tp divides them by heads).
 
-    Context parallelism runs as Plan.apply and Llama 3 run it: attention all-gathers the keys and
-    values of the whole sequence. Without recompute autograd keeps them as attention's inputs in
-    place of the rank's own share, (cp-1)/cp of them more. Selective recompute keeps collective
-    outputs (`planner.apply.recompute.SAVED_OPS`), so the gathered tensors stay beside the kept
+    The all-gather form (Plan.apply, Llama 3) gathers the keys and values of the whole sequence.
+    Without recompute autograd keeps them as attention's inputs in place of the rank's own share,
+    (cp-1)/cp of them more. Selective recompute keeps collective outputs
+    (`planner.apply.recompute.SAVED_OPS`), so the gathered tensors stay beside the kept
     projections: all of them more. Full and op-level recompute run the gather again in backward.
+    The all-to-all form's attention inputs are the rank's share (1/cp of the heads over the whole
+    sequence), nothing more without recompute; under selective recompute the queries, keys and
+    values the all-to-alls return stay beside the kept projections.
     """
     if ctx.cp == 1 or ctx.recompute not in (Recompute.NONE, Recompute.SELECTIVE):
         return 0.0
-    kept = (ctx.cp - 1) / ctx.cp if ctx.recompute == Recompute.NONE else 1.0
     reads = input_bytes_of(layer)
-    kv_bytes = sum(reads[op.name] - op.out_bytes for op in layer.ops if op.kind == OpKind.ATTENTION)
+    attention = [op for op in layer.ops if op.kind == OpKind.ATTENTION]
+    if ctx.cp_comm is CpComm.ALL_TO_ALL:
+        kept_inputs = sum(reads[op.name] for op in attention) if ctx.recompute == Recompute.SELECTIVE else 0.0
+        return kept_inputs * ctx.batch_scale / ctx.cp
+    kept = (ctx.cp - 1) / ctx.cp if ctx.recompute == Recompute.NONE else 1.0
+    kv_bytes = sum(reads[op.name] - op.out_bytes for op in attention)
     return kv_bytes * ctx.batch_scale * kept
 
 
@@ -320,6 +328,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         tp_exposed_bwd_s = cp_bwd_s = 0.0
     ep_bwd_s = ep_fwd_s if layer.bwd_work_fraction else 0.0
     cp_comm_s, ep_comm_s = cp_fwd_s + cp_bwd_s, ep_fwd_s + ep_bwd_s
+    cp_fwd_comm_s = cp_fwd_s
     waited_at = blocking_collective_kind(layer, plan, ctx)
     if waited_at is not None:
         wait_fwd_s, wait_bwd_s = sync_wait_s(ctx, fwd_s, bwd_s)
@@ -327,13 +336,15 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
             tp_exposed_fwd_s, tp_exposed_bwd_s = tp_exposed_fwd_s + wait_fwd_s, tp_exposed_bwd_s + wait_bwd_s
         elif waited_at == "cp":
             cp_comm_s += wait_fwd_s + wait_bwd_s
+            cp_fwd_comm_s += wait_fwd_s
         else:
             ep_comm_s += wait_fwd_s + wait_bwd_s
     recompute_s = {
         Recompute.NONE: 0.0,
         Recompute.SELECTIVE: attention_fwd_s,
         Recompute.FULL: fwd_s + tp_exposed_fwd_s + cp_fwd_s + ep_fwd_s,  # the forward, its collectives included
-        Recompute.SELECTIVE_OP: (_time_s(op_sac_rerun, ctx) if op_sac_rerun else 0.0)
+        # op-level checkpointing keeps no collective's output: the context-parallel exchange runs again too
+        Recompute.SELECTIVE_OP: (_time_s(op_sac_rerun, ctx) if op_sac_rerun else 0.0) + cp_fwd_s
                                 + sum(t for t, rerun in zip(collective_s, op_sac_reruns_collectives(layer, plan)) if rerun),
     }[ctx.recompute] if layer.bwd_work_fraction else 0.0
     return LayerCost(
@@ -343,6 +354,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         tp_comm_s=tp_exposed_fwd_s + tp_exposed_bwd_s,
         cp_comm_s=cp_comm_s,
         ep_comm_s=ep_comm_s,
+        cp_fwd_comm_s=cp_fwd_comm_s,
         act_bytes=_activation_bytes(layer, ctx, plan.tp),
         temp_bytes=_loss_temp_bytes(layer, plan, ctx),
     )

@@ -46,9 +46,8 @@ class MeshGroups:
     cp: CommGroup
     dp: CommGroup
     ep: CommGroup
-    dp_cp: CommGroup
     pp: CommGroup
-    shard: CommGroup  # the ranks one ZeRO shard of the dense states spans (dp_cp without hybrid sharding)
+    shard: CommGroup  # the ranks one ZeRO shard of the dense states spans (dp x cp without hybrid sharding)
     replicate: CommGroup  # the replicas of one shard under hybrid sharding (size 1 without)
 
 
@@ -65,7 +64,6 @@ def _mesh_groups(tp: int, cp: int, dp: int, ep: int, replicas: int, devices_per_
         cp=axis_group(cp, tp, devices_per_node),
         dp=axis_group(dp, tp * cp, devices_per_node),
         ep=axis_group(ep, tp, devices_per_node),
-        dp_cp=axis_group(dp * cp, tp, devices_per_node),
         pp=axis_group(2, tp * cp * dp, devices_per_node),
         shard=axis_group(shard, tp, devices_per_node),
         replicate=axis_group(replicas, tp * shard, devices_per_node),

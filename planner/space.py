@@ -268,12 +268,6 @@ def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, gl
     """Raises PlannerError(INVALID_INPUT) naming why `config` cannot exist for this model, cluster and
     batch, with context parallelism exchanging as `cp_comm` says."""
     dims = graph.dims
-    if config.cp > 1 and cp_comm is CpComm.ALL_TO_ALL:
-        heads, kv_heads = dims.heads // config.tp, max(1, (dims.kv_heads or dims.heads) // config.tp)
-        if not heads or heads % config.cp or kv_heads % config.cp:
-            raise invalid(f"cp={config.cp} with cp_comm=a2a: the all-to-all splits each rank's {heads} query and "
-                          f"{kv_heads} key/value heads (after tp={config.tp}) over cp, which must divide both; pick "
-                          f"such a cp, or cp_comm all_gather")
     if config.devices != cluster.num_devices:
         raise invalid(
             f"dp*tp*pp*cp = {config.dp}*{config.tp}*{config.pp}*{config.cp} = {config.devices}: must equal the cluster's {cluster.num_devices} devices"
@@ -282,6 +276,8 @@ def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, gl
         raise invalid(f"tp={config.tp}: must divide the {dims.heads} attention heads")
     if dims.kv_heads and config.tp > 1 and dims.kv_heads % config.tp and config.tp % dims.kv_heads:
         raise invalid(f"tp={config.tp}: must divide, or be a multiple of, the {dims.kv_heads} key/value heads")
+    if config.cp > 1 and cp_comm is CpComm.ALL_TO_ALL:
+        _check_head_split(dims.heads, dims.kv_heads, config.tp, config.cp)
     if config.recompute not in graph.recompute_policies:
         raise invalid(f"recompute={config.recompute}: not measured for this model (op-level checkpointing is measured on "
                       "fx/export traces; this one was traced at module level); use none, selective or full")
@@ -311,3 +307,14 @@ def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, gl
         raise invalid(f"num_microbatches={config.num_microbatches}: the interleaved schedule needs a multiple of pp={config.pp}")
     if config.pp > 1 and config.schedule == Schedule.GPIPE and config.num_microbatches < config.pp:
         raise invalid(f"num_microbatches={config.num_microbatches}: GPipe needs at least pp={config.pp} micro-batches")
+
+
+def _check_head_split(heads: int, kv_heads: int, tp: int, cp: int) -> None:
+    """Raises PlannerError unless context parallelism by all-to-all (`CpComm.ALL_TO_ALL`) can split
+    each rank's query and key/value heads (after tp) over cp."""
+    if not heads:
+        raise invalid(f"cp={cp} with cp_comm=a2a: the model has no attention heads to split over cp; use cp_comm all_gather")
+    local, local_kv = heads // tp, max(1, (kv_heads or heads) // tp)
+    if local % cp or local_kv % cp:
+        raise invalid(f"cp={cp} with cp_comm=a2a: the all-to-all splits each rank's {local} query and {local_kv} "
+                      f"key/value heads (after tp={tp}) over cp, which must divide both; pick such a cp, or cp_comm all_gather")

@@ -359,6 +359,8 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("moe_pp_x_ep", _plan(moe, "cpu:1x4", pp=2, dp=2, ep=2, tp=1, zero=0, schedule="1f1b"), moe),
         ("moe_dp_x_cp", _plan(moe, "cpu:1x4", dp=2, cp=2, ep=1, tp=1, pp=1, zero=0), moe),
         ("moe_ep_x_cp", _plan(moe, "cpu:1x4", dp=2, cp=2, ep=2, tp=1, pp=1, zero=0), moe),
+        # Sharded experts reduce over their 2-rank group with the whole dp x cp's divisor (gloo: summed, then scaled).
+        ("moe_ep_x_cp_zero1", _plan(moe, "cpu:1x4", dp=2, cp=2, ep=2, tp=1, pp=1, zero=1), moe),
         ("cp4_a2a", _plan(gpt, "cpu:1x4", cp=4, dp=1, tp=1, pp=1, cp_comm="a2a"), gpt),
         ("cp_a2a_x_tp", _plan(gpt, "cpu:1x4", cp=2, tp=2, dp=1, pp=1, cp_comm="a2a"), gpt),
         # Hybrid sharding: two replicas of a two-rank shard group, over two micro-batches.
@@ -591,7 +593,7 @@ def test_mixture_of_experts_tp2(trained):
 @pytest.mark.parametrize("case, reference_case", [("moe_ep", "moe_dp"), ("moe_ep_zero3", "moe_dp"),
                                                    ("moe_ep_offload", "moe_dp"),
                                                    ("moe_ep_x_tp", "moe_dp_x_tp"), ("moe_pp_x_ep", "moe_pp_x_dp"),
-                                                   ("moe_ep_x_cp", "moe_dp_x_cp")])
+                                                   ("moe_ep_x_cp", "moe_dp_x_cp"), ("moe_ep_x_cp_zero1", "moe_dp_x_cp")])
 def test_expert_parallel_trains_like_data_parallel(trained, case, reference_case):
     # Each data-parallel rank fills its own expert capacity, so a data-parallel MoE run differs from
     # one process holding the whole batch; with ep=2 each rank keeps half the experts (each of them

@@ -745,7 +745,7 @@ def test_pipelined_zero3_gathers_once_per_micro_batch_and_reduces_once_per_step(
     evaluator = Evaluator(gpt350m, cluster)
     config = ParallelConfig(dp=2, pp=2, zero=3, micro_batch=1, num_microbatches=4, schedule=Schedule.ONE_F_ONE_B)
     table = evaluator.layer_table(config, device, node, evaluator.policies(config))
-    group = mesh_groups(config, node.devices_per_node).dp_cp
+    group = mesh_groups(config, node.devices_per_node).shard  # dp x cp
     per_byte_s = 1 / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
     expected_s = [collective_time_s(Collective.ALL_GATHER, 2 * gpt350m.layers[i].params, group, node)
                   + 7 * gpt350m.layers[i].params * per_byte_s for i in blocks]
@@ -864,6 +864,13 @@ def test_ulysses_context_parallelism_prices_four_all_to_alls_each_way(spec_dir):
         cost = evaluator.layer_cost(index, config, device, node, Recompute.NONE)
         assert cost.cp_comm_s == pytest.approx(2 * one_way, rel=1e-9)
         assert (cost.cp_comm_s > 0) == bool(attention)
+        # op-level checkpointing keeps no collective output: its recompute runs the forward all-to-alls again
+        policy_s = {comm: Evaluator(graph, cluster, code=TrainingCode.of(cp_comm=comm)).layer_cost(
+            index, config, device, node, Recompute.SELECTIVE_OP).recompute_s for comm in ("a2a", "all_gather")}
+        if attention:
+            assert cost.cp_fwd_comm_s == pytest.approx(one_way, rel=1e-9)
+            gathered = Evaluator(graph, cluster).layer_cost(index, config, device, node, Recompute.NONE)
+            assert policy_s["a2a"] - policy_s["all_gather"] == pytest.approx(one_way - gathered.cp_fwd_comm_s, rel=1e-9)
     # The heads each rank keeps after tp (16 / 2 = 8 queries, 2 key/value heads) must split over cp.
     with pytest.raises(PlannerError, match="cp=4 with cp_comm=a2a: .* 8 query and 2 key/value heads"):
         evaluator.estimate(ParallelConfig(dp=1, tp=2, cp=4, num_microbatches=4), 4)
@@ -889,3 +896,25 @@ def test_hybrid_sharding_shards_the_experts_as_the_dense_states(tiny_moe):
         config = ParallelConfig(dp=4, zero=1, dp_replicate=replicas, num_microbatches=2)
         row = Evaluator(tiny_moe, cluster).estimate(config, 8).memory[0]
         assert row["optimizer_bytes"] == pytest.approx(12 * tiny_moe.params / shard)
+
+
+def test_context_parallel_activations_by_exchange(spec_dir):
+    # Per rank, attention under the all-gather form keeps the gathered keys and values without
+    # recompute ((cp-1)/cp of the sequence's more than its share), and all of them beside the kept
+    # projections under selective recompute; the all-to-all form keeps its share without
+    # recompute, and under selective the queries, keys and values the all-to-alls return, 1/cp of
+    # the sequence's. tp=1, so nothing else divides them.
+    graph = trace(_spec_file(spec_dir, "gqa-mem", arch="llama", layers=2, hidden=1024, heads=16, kv_heads=4,
+                             ffn_hidden=2816), seq_len=4096)
+    cluster = load_cluster("h100-sxm:1x8")
+    device, node = stage_devices(cluster, 1)[0]
+    config, cp = ParallelConfig(dp=4, cp=2, num_microbatches=2), 2
+    block = next(i for i, layer in enumerate(graph.layers) if layer.kind == LayerKind.BLOCK)
+    (attention,) = [op for op in graph.layers[block].ops if op.kind.value == "attention"]
+    qkv = sum(next(op.out_bytes for op in graph.layers[block].ops if op.name == name) for name in attention.inputs)
+    kv = qkv - attention.out_bytes
+    act = {(comm, policy): Evaluator(graph, cluster, code=TrainingCode.of(cp_comm=comm)).layer_cost(
+        block, config, device, node, policy).act_bytes for comm in ("a2a", "all_gather")
+        for policy in (Recompute.NONE, Recompute.SELECTIVE)}
+    assert act["all_gather", Recompute.NONE] - act["a2a", Recompute.NONE] == pytest.approx(kv * (cp - 1) / cp)
+    assert act["all_gather", Recompute.SELECTIVE] - act["a2a", Recompute.SELECTIVE] == pytest.approx(kv - qkv / cp)

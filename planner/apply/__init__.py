@@ -56,8 +56,8 @@ from planner.apply.tied import TiedCopy, sum_tied_gradients, tie_across_stages
 from planner.apply.validate import ModelMatch, check_world_size, match_model, world_size
 from planner.errors import PlannerError, invalid
 from planner.graph import Recompute
-from planner.layer_comm import CpComm
 from planner.result import Plan
+from planner.training_code import TrainingCode
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 
@@ -264,7 +264,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
     """
     check_world_size(plan)
     match, tp_plan = check_applicable(plan, model)
-    config = plan.config
+    config, code = plan.config, TrainingCode.of(**plan.training_code)
     loss_module = getattr(model, "loss", None)
     if config.pp > 1 and loss_fn is None and not isinstance(loss_module, nn.modules.loss._Loss):
         raise invalid("loss_fn: the model has no `loss` module; pass loss_fn=(logits, targets) -> loss for pipelining")
@@ -300,7 +300,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
         experts = (apply_expert_parallel(module, experts_mesh["ep", "tp"], match.layouts)
                    if experts_mesh is not None else [])
         if config.cp > 1:
-            apply_context_parallel(module, mesh["cp"], plan.seq_len, CpComm(plan.training_code.get("cp_comm", CpComm.ALL_GATHER)))
+            apply_context_parallel(module, mesh["cp"], plan.seq_len, code.cp_comm)
         recomputed.update(apply_recompute(module, plan.memory_plan, units))
         if config.dp * config.cp > 1 or mp_policy is not None or config.offload_optimizer:
             own_units = [module.get_submodule(u) for u in units if u not in match.tied]

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
+from planner.errors import invalid
 from planner.layer_comm import CpComm
 from planner.zoo.layers import Attention
 
@@ -89,6 +90,9 @@ def _attend_head_shards(attention: Attention, mesh: DeviceMesh, order: torch.Ten
     """Attention by head shards: this rank's 1/cp of the heads over the whole sequence, between two
     all-to-alls (`order` puts the gathered tokens in sequence order, `inverse` back in rank order)."""
     group, cp = mesh.get_group(), mesh.size()
+    if q.shape[1] % cp or k.shape[1] % cp:
+        raise invalid(f"cp_comm=a2a: this rank's {q.shape[1]} query and {k.shape[1]} key/value heads do not split over "
+                      f"cp={cp}; the plan was made for a model with other heads, re-plan for this one")
     order, inverse = order.to(q.device), inverse.to(q.device)
 
     def heads_to_ranks(x: torch.Tensor) -> torch.Tensor:  # (b, n, s/cp, d) -> (b, n/cp, s, d)

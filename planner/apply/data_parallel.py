@@ -92,7 +92,11 @@ def apply_data_parallel(root: nn.Module, units: list[nn.Module], dp_mesh: Device
     """
     policy = mp_policy or MixedPrecisionPolicy()
     for module in experts:
-        _wrap(module, edp_mesh, zero, policy, offload).set_gradient_divide_factor(float(dp_mesh.size()))
+        wrapped = _wrap(module, edp_mesh, zero, policy, offload)
+        wrapped.set_gradient_divide_factor(float(dp_mesh.size()))
+        if (zero or offload) and edp_mesh.size() > 1 and edp_mesh.device_type == "cpu":
+            # a sharded reduction by another divisor than its group's size is a pre-multiplied sum, which gloo lacks
+            wrapped.set_force_sum_reduction_for_comms(True)
     for module in [unit for unit in units if any(True for _ in unit.parameters())] + [root]:
         _wrap(module, dp_mesh, zero, policy, offload)
 
