@@ -21,7 +21,7 @@ import pytest
 import planner
 from costmodel.profile_loader import load_device
 from planner.errors import PlannerError, PlannerErrorKind
-from planner.sweeps.executors import PlanSettings, failure, plan_point
+from planner.sweeps.executors import PlanSettings, failure, plan_file_name, plan_point
 from planner.sweeps.results import ADDED_COLUMNS, COLUMNS, ResultsFile, read_results
 from planner.sweeps.runner import sweep
 from planner.sweeps.spec import SweepPoint, load_sweep_spec, sweep_spec_from_dict
@@ -227,6 +227,16 @@ def test_a_file_from_before_the_added_columns_reads_and_resumes_with_them(tmp_pa
     assert read_results(path) == [*expected, reference[2]]
     if suffix == ".csv":
         assert path.read_text().splitlines()[0].split(",") == list(COLUMNS)
+
+
+def test_plan_files_keep_model_names_apart():
+    # A built-in name keeps its dots (Path.stem would cut llama3.1-8b and llama3.1-70b both to llama3);
+    # a spec file is named by its stem.
+    names = {model: plan_file_name(SweepPoint(model, "h100-sxm:1x8", 64, 2048))
+             for model in ("llama3.1-8b", "llama3.1-70b", "specs/my-gpt.yaml", "pkg.models:build")}
+    assert len(set(names.values())) == 4
+    assert names["llama3.1-8b"] == "llama3.1-8b_h100-sxm_1x8_gb64_s2048.json"
+    assert names["specs/my-gpt.yaml"].startswith("my-gpt_h100")
 
 
 def test_a_point_written_twice_reads_once_as_its_last_row(tmp_path, reference):

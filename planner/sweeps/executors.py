@@ -113,9 +113,16 @@ def base_row(point: SweepPoint, cluster: Cluster, settings: PlanSettings) -> dic
     }
 
 
+# Model spec files, named in a plan's file name by their stem.
+SPEC_SUFFIXES = (".yaml", ".yml", ".json")
+
+
 def plan_file_name(point: SweepPoint) -> str:
-    """A file name for the plan of `point`: its fields joined, anything but [A-Za-z0-9.-] made '_'."""
-    text = f"{Path(point.model).stem}__{point.cluster}__gb{point.global_batch}__s{point.seq_len}"
+    """A file name for the plan of `point`: its fields joined (a spec file by its stem; a built-in
+    name or factory whole, dots kept: llama3.1-8b and llama3.1-70b stay apart), anything but
+    [A-Za-z0-9.-] made '_'."""
+    model = Path(point.model).stem if point.model.endswith(SPEC_SUFFIXES) else point.model
+    text = f"{model}__{point.cluster}__gb{point.global_batch}__s{point.seq_len}"
     return re.sub(r"[^A-Za-z0-9.-]+", "_", text) + ".json"
 
 
