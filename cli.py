@@ -207,10 +207,10 @@ def _evaluated_config(args):
 
 
 def _with_apply_note(plan, model: str):
-    """`plan` with a note when `Plan.apply` would refuse it for `model` (checked for tensor and
-    pipeline parallelism, which depend on the model's module structure; importing the apply costs
-    a second otherwise spared)."""
-    if plan.config.tp == 1 and plan.config.pp == 1:
+    """`plan` with a note when `Plan.apply` would refuse it for `model` (checked for tensor, pipeline
+    and context parallelism, which depend on the model's module structure; importing the apply
+    costs a second otherwise spared)."""
+    if plan.config.tp == 1 and plan.config.pp == 1 and plan.config.cp == 1:
         return plan
     from planner.apply import apply_note
 

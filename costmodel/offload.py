@@ -74,7 +74,7 @@ def host_state_bytes(trainable_params: float, frozen_params: float = 0.0) -> flo
 
 def unchecked_host_note(memory: list[dict]) -> tuple[str, ...]:
     """A note when offloaded states sit in host memory whose size no profile gives (memory rows of
-    an estimate: `host_bytes`, `host_capacity_bytes` 0 when unknown, `device`)."""
+    an estimate: `host_bytes`, `host_capacity_bytes` None when unknown, `device`)."""
     unknown = [row for row in memory if row["host_bytes"] > 0 and not row["host_capacity_bytes"]]
     if not unknown:
         return ()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from planner.apply import mixed_precision_policy  # noqa: E402
-from planner.errors import PlannerError  # noqa: E402
+from planner.errors import PlannerError, invalid  # noqa: E402
 from planner.models import resolve_model  # noqa: E402
 from planner.result import Plan  # noqa: E402
 
@@ -50,6 +50,10 @@ def main() -> int:
 def train(plan_path: str, model_name: str | None, steps: int) -> int:
     plan = Plan.load(plan_path)
     source = resolve_model(model_name or plan.model)
+    vocab = source.dims.vocab
+    if not vocab:
+        raise invalid(f"--model {model_name or plan.model}: no token vocabulary is known for it, so this example cannot "
+                      f"make its batches; train it in your own loop with Plan.apply and its own data")
     gpu = torch.cuda.is_available()
     if not gpu:
         torch.set_num_threads(1)
@@ -61,7 +65,6 @@ def train(plan_path: str, model_name: str | None, steps: int) -> int:
     optimizer = torch.optim.AdamW(list(applied.parameters()), lr=LEARNING_RATE)
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     generator = torch.Generator().manual_seed(SEED + 1)
-    vocab = source.dims.vocab
     rank = dist.get_rank()
     times_s = []
     for step in range(steps):

@@ -379,8 +379,8 @@ class Evaluator:
         tflops = model_flops / step_s / self.cluster.num_devices / 1e12
         memory, fits = [], True
         for plan, (device, node, breakdown, host_bytes) in zip(stage_plans, breakdowns):
-            host_capacity = node.host_mem_bytes_per_device  # 0: unknown, not checked (`unchecked_host_note`)
-            fits &= breakdown.total_bytes <= device.mem_bytes * (1 - headroom) and not 0 < host_capacity < host_bytes
+            host_capacity = node.host_mem_bytes_per_device or None  # unknown: not checked (`unchecked_host_note`)
+            fits &= breakdown.total_bytes <= device.mem_bytes * (1 - headroom) and not (host_capacity and host_bytes > host_capacity)
             memory.append({"stage": plan.index, "device": device.name, "dtype": self.dtype_for(device),  # fp16 where bf16 is missing
                            "capacity_bytes": device.mem_bytes, **breakdown.to_dict(), "host_bytes": host_bytes,
                            "host_capacity_bytes": host_capacity})

@@ -120,8 +120,8 @@ class Estimate:
 
     def host_overflow(self) -> dict | None:
         """The stage row (of `memory`) whose offloaded optimizer states exceed its devices' share of
-        the node's host memory, if any (a share of 0 is unknown, not checked)."""
-        over = [row for row in self.memory if 0 < row.get("host_capacity_bytes", 0.0) < row.get("host_bytes", 0.0)]
+        the node's host memory, if any (a share of None is unknown, not checked)."""
+        over = [row for row in self.memory if 0 < (row.get("host_capacity_bytes") or 0.0) < row.get("host_bytes", 0.0)]
         return max(over, key=lambda row: row["host_bytes"], default=None)
 
     def to_dict(self) -> dict:

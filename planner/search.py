@@ -225,7 +225,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
 
     if not ranked:
         raise _nothing_fits(graph, cluster, global_batch, closest_miss, evaluated + screened,
-                            rejected[len(space.rejected):] or rejected, tally.host_miss, constraints.get("zero"))
+                            rejected[len(space.rejected):] or rejected, tally.host_miss, constraints)
 
     best_s, best_config, best_estimate = ranked[0]
     plan_memory, best_estimate = memory_plan(evaluator, best_config, best_estimate, global_batch, headroom,
@@ -272,22 +272,26 @@ def _batch_reason(global_batch: int) -> str:
 
 
 def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closest_miss, evaluated: int,
-                  rejected: list[Rejection], host_miss=None, zero_fixed: int | None = None) -> PlannerError:
+                  rejected: list[Rejection], host_miss=None, constraints: dict | None = None) -> PlannerError:
     """INSUFFICIENT_MEMORY with what would fit: more devices, and of a smaller micro-batch, ZeRO-3 with full
-    recompute and optimizer offload whichever the closest miss does not use already. When offloading
-    the optimizer made a configuration fit the devices but not the host's memory (`host_miss`), that
-    leads: more host memory, or more devices to shard the states over (unless ZeRO is fixed at 0).
-    INVALID_INPUT with the commonest reasons when no configuration was valid at all (`rejected`)."""
+    recompute, optimizer offload and no fixed hybrid-sharding replicas whichever the closest miss
+    does not use already. When offloading the optimizer made a configuration fit the devices but
+    not the host's memory (`host_miss`), that leads: more host memory, or more devices to shard the
+    states over (unless ZeRO is fixed at 0). INVALID_INPUT with the commonest reasons when no
+    configuration was valid at all (`rejected`). `constraints`: the user's fixed choices."""
+    constraints = constraints or {}
+    replicas = (f" or without the fixed --dp-replicate {constraints['dp_replicate']} (its replicas each hold the states)"
+                if constraints.get("dp_replicate", 1) > 1 else "")
     capacity = min(g.node.device.mem_bytes for g in cluster.groups)
     candidates = f"{evaluated} candidate" + ("" if evaluated == 1 else "s")
     if host_miss is not None:
         host_bytes, share, host_config = host_miss
         more = (f" or about {math.ceil(cluster.num_devices * host_bytes / share)}+ devices (ZeRO shards the states over "
-                f"them)" if zero_fixed != 0 else "")
+                f"them)" if constraints.get("zero") != 0 else "")
         return PlannerError(PlannerErrorKind.INSUFFICIENT_MEMORY, (
             f"no plan fits after {candidates}: {host_config.short()} fits the devices with its optimizer states "
             f"offloaded, but they need {host_bytes / 2**30:.1f} GiB of host memory per device of {share / 2**30:.1f} "
-            f"GiB; try nodes with more host memory{more}"))
+            f"GiB; try nodes with more host memory{more}{replicas}"))
     if closest_miss is None:
         distinct = sorted({(r.what, r.reason) for r in rejected},  # a second pass (offload) rejects the same again
                           key=lambda item: [int(n) for n in re.findall(r"\d+", item[0])], reverse=True)
@@ -312,5 +316,5 @@ def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closes
     return PlannerError(
         PlannerErrorKind.INSUFFICIENT_MEMORY,
         f"no plan fits: the closest ({config.short()}) needs {at_least}{need / 2**30:.1f} GiB per device of {capacity / 2**30:.1f} GiB "
-        f"after {candidates}; try {' or '.join(remedies)}",
+        f"after {candidates}; try {' or '.join(remedies)}{replicas}",
     )

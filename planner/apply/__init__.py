@@ -58,6 +58,7 @@ from planner.errors import PlannerError, invalid
 from planner.graph import Recompute
 from planner.result import Plan
 from planner.training_code import TrainingCode
+from planner.zoo.layers import Attention
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 
@@ -215,6 +216,9 @@ def check_applicable(plan: Plan, model: nn.Module) -> tuple[ModelMatch, TensorPa
     if config.pp > 1 and nested is not None:
         raise unsupported(f"pipeline stages: block {nested} sits in a nested module, which Plan.apply does not cut "
                           f"into stages; plan with --pp 1 to apply it")
+    if config.cp > 1 and not any(isinstance(module, Attention) for module in model.modules()):
+        raise unsupported(f"cp={config.cp}: Plan.apply splits sequences through the zoo's Attention modules, and this "
+                          f"model has none (its attention would see only this rank's tokens); plan with --cp 1 to apply it")
     tp_plan = None
     if config.tp > 1:
         tp_plan = tensor_parallel_plan(model, list(match.units), list(match.blocks), match.layouts, config.tp,
@@ -225,8 +229,8 @@ def check_applicable(plan: Plan, model: nn.Module) -> tuple[ModelMatch, TensorPa
 def apply_note(plan: Plan, model) -> str:
     """Why `apply_plan` would refuse `plan` for `model` (a name, spec file or factory reference,
     built on `meta` for the check), or "" when it would run it. The planner prices any layout and
-    stage split; `Plan.apply` runs tensor parallelism on the zoo's module structure and pipelines
-    top-level blocks (`check_applicable`)."""
+    stage split; `Plan.apply` runs tensor parallelism on the zoo's module structure, pipelines
+    top-level blocks and splits sequences through the zoo's attention (`check_applicable`)."""
     from planner.models import resolve_model
 
     with torch.device("meta"):

@@ -71,27 +71,45 @@ def hints(estimate: Estimate) -> list[str]:
     """What would make the estimated configuration fit, or shrink a large pipeline bubble."""
     out = []
     host = estimate.host_overflow()
+    config = estimate.config
     if host is not None:
-        zero = " with --zero 1-3" if estimate.config is not None and estimate.config.zero == 0 else ""
         out.append(f"Does not fit: stage {host['stage']}'s offloaded optimizer states need {fmt_bytes(host['host_bytes'])} of "
-                   f"host memory per device, over its {fmt_bytes(host['host_capacity_bytes'])} share of the node's; shard "
-                   f"them{zero} over more data-parallel devices, or use nodes with more host memory.")
+                   f"host memory per device, over its {fmt_bytes(host['host_capacity_bytes'])} share of the node's; they "
+                   f"shrink {_or(_state_fixes(config, offload=False))}, or on nodes with more host memory.")
     device_full = any(row["total_bytes"] > row["capacity_bytes"] for row in estimate.memory)
     if not estimate.fits and (device_full or host is None):
         row = max(estimate.memory, key=lambda r: r["total_bytes"] / r["capacity_bytes"])
         states = row["weights_bytes"] + row["grads_bytes"] + row["optimizer_bytes"]
-        fix = (f"its model states ({fmt_bytes(states)}) shrink under ZeRO-3 (--zero 3), over more data-parallel devices,"
-               " or with --offload-optimizer" if states >= row["activations_bytes"] else
+        fix = (f"its model states ({fmt_bytes(states)}) shrink {_or(_state_fixes(config, offload=True))}"
+               if states >= row["activations_bytes"] else
                f"its activations ({fmt_bytes(row['activations_bytes'])}) shrink with recompute (--recompute full),"
                " a smaller --micro-batch, or more tp, cp or pp")
         out.append(f"Does not fit: stage {row['stage']} needs {fmt_bytes(row['total_bytes'])} of "
                    f"{fmt_bytes(row['capacity_bytes'])}; {fix}. `paraplan plan` searches for what fits.")
-    config = estimate.config
     if config is not None and config.pp > 1 and estimate.bubble_fraction > BUBBLE_HINT_FRACTION:
         interleave = "" if config.vpp > 1 else " or an interleaved schedule (--vpp 2 or more)"
         out.append(f"The pipeline bubble idles the devices {estimate.bubble_fraction:.0%} of the step: more "
                    f"micro-batches (a larger --global-batch or a smaller --micro-batch){interleave} shrink it.")
     return out
+
+
+def _state_fixes(config, offload: bool) -> list[str]:
+    """What shrinks `config`'s model states per device, of the levers it does not pull already:
+    ZeRO (to stage 3), fewer hybrid-sharding replicas, more data-parallel devices, and (`offload`)
+    optimizer offload."""
+    fixes = []
+    if config is None or config.zero < 3:
+        fixes.append("under ZeRO-3 (--zero 3)")
+    if config is not None and config.dp_replicate > 1:
+        fixes.append("with fewer hybrid-sharding replicas (--dp-replicate)")
+    fixes.append("over more data-parallel devices")
+    if offload and (config is None or not config.offload_optimizer):
+        fixes.append("with --offload-optimizer")
+    return fixes
+
+
+def _or(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
 
 
 def trace_notes(estimate: Estimate) -> list[Text]:
