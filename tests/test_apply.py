@@ -715,6 +715,10 @@ def test_blocks_in_a_torch_encoder_train_as_one_process_does(trained):
     pipelined = _plan(ENCODER_MODEL, "cpu:1x2", pp=2, tp=1, dp=1, schedule="1f1b", micro_batch=2)
     with pytest.raises(PlannerError, match="block encoder.layers.0 sits in a nested module.*plan with --pp 1"):
         check_applicable(pipelined, _build(ENCODER_MODEL))
+    # torch's own attention cannot be split over sequence chunks: context parallelism is refused too.
+    split = _plan(ENCODER_MODEL, "cpu:1x2", cp=2, pp=1, tp=1, dp=1)
+    with pytest.raises(PlannerError, match="cp=2: Plan.apply splits sequences through the zoo's Attention.*plan with --cp 1"):
+        check_applicable(split, _build(ENCODER_MODEL))
 
 
 def test_heads_that_do_not_split_over_tp_are_rejected(spec_dir):

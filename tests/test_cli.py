@@ -134,6 +134,20 @@ def test_evaluate_says_what_would_fit_and_how_to_shrink_a_bubble(capsys):
     assert code == 0 and "Does not fit" not in out and "bubble idles" not in out
 
 
+def test_what_would_fit_names_only_levers_not_pulled(capsys):
+    # llama3-405b over 16 H100s already at ZeRO-3 with its optimizer offloaded, in two replicas:
+    # neither the device nor its 256 GiB share of host memory holds the states. Fewer replicas or
+    # more devices would; ZeRO-3 and offload are no news.
+    code, out, _ = run(["evaluate", "--model", "llama3-405b", "--cluster", "h100-sxm:2x8", "--global-batch", "16",
+                        "--seq-len", "4096", "--tp", "8", "--pp", "1", "--zero", "3", "--recompute", "full",
+                        "--micro-batch", "1", "--offload-optimizer", "--dp-replicate", "2"], capsys)
+    text = " ".join(out.split())
+    assert code == 0
+    assert re.search(r"offloaded optimizer states need [\d.]+ GiB of host memory per device, over its 256.00 GiB share", text)
+    assert "shrink with fewer hybrid-sharding replicas (--dp-replicate) or over more data-parallel devices" in text
+    assert "--zero 3" not in text and "with --offload-optimizer" not in text
+
+
 def test_plan_and_evaluate_carry_the_trace_notes(capsys):
     # How the model was measured (here: frozen parameters) reaches the results, not only `inspect`.
     workload = ["--model", "tests.fixtures.custom_models:frozen_first_block_gpt_factory", "--cluster", "a100-80g:1x2",

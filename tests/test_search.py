@@ -424,6 +424,16 @@ def test_offloaded_states_must_fit_the_hosts_memory(host_gb, fits):
     assert f"GiB of host memory per device of {host_gb * 1e9 / 2**30:.1f} GiB" in error.value.message
 
 
+def test_nothing_fits_names_a_fixed_hybrid_replica_count():
+    # Four replicas of llama3-405b's states over 32 H100s fit nowhere, offloaded or not; without the
+    # fixed replicas it plans (ZeRO-3 over all 8 dp ranks with offload).
+    with pytest.raises(PlannerError) as error:
+        planner.plan("llama3-405b", "h100-sxm:4x8", global_batch=16, seq_len=4096, dp_replicate=4)
+    assert error.value.kind == PlannerErrorKind.INSUFFICIENT_MEMORY
+    assert "without the fixed --dp-replicate 4" in error.value.message
+    assert planner.plan("llama3-405b", "h100-sxm:4x8", global_batch=16, seq_len=4096).estimate.fits
+
+
 def test_does_not_offload_when_the_device_holds_everything():
     plan = planner.plan("gpt3-125m", "a100-80g:1x1", global_batch=8, seq_len=512)
     assert not plan.config.offload_optimizer
