@@ -58,13 +58,12 @@ def memory_table(estimate: Estimate) -> Table:
     host = max(estimate.memory, key=lambda row: (row.get("host_bytes", 0.0) / row["host_capacity_bytes"]
                                                  if row.get("host_capacity_bytes") else 0.0, row.get("host_bytes", 0.0)))
     offloaded = (f"; offloaded optimizer states: {fmt_bytes(host['host_bytes'])} of host memory per device"
-                 + (f" (of its {fmt_bytes(host['host_capacity_bytes'])} share)" if host["host_capacity_bytes"] else "")
+                 + (f" (of its {fmt_bytes(host['host_capacity_bytes'])} share)" if host.get("host_capacity_bytes") else "")
                  if host.get("host_bytes") else "")
     table.caption = ("each stage at its peak moment (the forward's end, or the optimizer step, where activations "
                      "are gone: a part not alive then shows 0); other = communication buffers + temporaries + CUDA "
                      "context and allocator fragmentation" + (f"; priced in {priced}" if priced else "") + offloaded)
     return table
-
 
 
 def hints(estimate: Estimate) -> list[str]:
