@@ -71,13 +71,3 @@ def host_state_bytes(trainable_params: float, frozen_params: float = 0.0) -> flo
         raise ValueError(f"params=({trainable_params}, {frozen_params}): must be >= 0")
     return trainable_params * HOST_STATE_BYTES_PER_PARAM + frozen_params * FROZEN_HOST_STATE_BYTES_PER_PARAM
 
-
-def unchecked_host_note(memory: list[dict]) -> tuple[str, ...]:
-    """A note when offloaded states sit in host memory whose size no profile gives (memory rows of
-    an estimate: `host_bytes`, `host_capacity_bytes` None when unknown, `device`)."""
-    unknown = [row for row in memory if row["host_bytes"] > 0 and not row["host_capacity_bytes"]]
-    if not unknown:
-        return ()
-    row = max(unknown, key=lambda r: r["host_bytes"])
-    return (f"the host memory of {row['device']} nodes is unknown (no node.host_mem_bytes in its profile), so the "
-            f"offloaded optimizer states, {row['host_bytes'] / 2**30:.1f} GiB per device, are not checked against it",)

@@ -29,7 +29,7 @@ from costmodel import pipeline
 from costmodel.comm import Collective, CommGroup, collective_time_s
 from costmodel.compute import OpTable, base_dtype, bytes_per_element, peak_flops_per_s
 from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
-from costmodel.offload import host_state_bytes, unchecked_host_note
+from costmodel.offload import host_state_bytes
 from costmodel.profile_loader import load_op_table
 from planner.config import ParallelConfig
 from planner.errors import PlannerError, invalid
@@ -37,7 +37,7 @@ from planner.graph import LayerKind, ModelGraph, Recompute
 from planner.layer_cost import LayerContext, LayerCost, price_layer
 from planner.mesh import expert_data_group, mesh_groups, stage_devices
 from planner.pipeline_buffers import chunk_recv_bytes, recv_buffer_bytes
-from planner.result import Estimate, StagePlan, contiguous_runs
+from planner.result import Estimate, StagePlan, contiguous_runs, unchecked_host_note
 from planner.space import check_config
 from planner.stage_problem import StageProblem
 from planner.state_cost import (dp_exposed_s, optimizer_step_s, precision_of, state_options, tied_gradient_sum_s,

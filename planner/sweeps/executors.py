@@ -24,6 +24,7 @@ from costmodel.hardware import Cluster
 from planner.api import plan
 from planner.errors import PlannerError, PlannerErrorKind, invalid
 from planner.graph import ModelGraph
+from planner.models import SPEC_SUFFIXES
 from planner.sweeps.results import COLUMN_TYPES, PointStatus
 from planner.sweeps.spec import SweepPoint
 from planner.training_code import TrainingCode
@@ -111,10 +112,6 @@ def base_row(point: SweepPoint, cluster: Cluster, settings: PlanSettings) -> dic
         "cluster_usd_per_hour": (sum(g.count * g.node.devices_per_node * g.node.device.price_per_hour for g in cluster.groups)
                                  if all(prices) else None),
     }
-
-
-# Model spec files, named in a plan's file name by their stem.
-SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 def plan_file_name(point: SweepPoint) -> str:
