@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     hardware.add_argument("name", nargs="?")
     inspect = sub.add_parser("inspect", help="per-layer FLOPs, parameters and activation bytes")
     _add_model_args(inspect, needs_batch=False)
-    inspect.add_argument("--micro-batch", type=_positive("micro-batch"), default=1)
+    inspect.add_argument("--micro-batch", type=_positive("micro-batch"), help="sequences per forward (default: 1, or the "
+                         "batch of the example inputs a model fixes)")
     inspect.add_argument("--dtype", default="bf16", choices=TRAINING_DTYPES,
                          help="training dtype the model is traced in (activation bytes follow it)")
     evaluate = sub.add_parser("evaluate", help="predict one parallel configuration")
@@ -243,7 +244,10 @@ def _run(args) -> int:
         from planner.api import model_graph
         from planner.report.inspect import inspect_json, render_inspect
 
-        graph = model_graph(args.model, seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype)
+        graph = model_graph(args.model, seq_len=args.seq_len, micro_batch=args.micro_batch or 1, dtype=args.dtype)
+        if args.micro_batch not in (None, graph.micro_batch):
+            raise invalid(f"micro-batch={args.micro_batch}: model `{graph.name}` has fixed example inputs of "
+                          f"{graph.micro_batch} samples; leave --micro-batch out or give {graph.micro_batch}")
         if args.json:
             _print_json(inspect_json(graph))
         else:
@@ -335,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     except ProfileError as error:
         sys.stderr.write(f"paraplan: {error}\n")
         return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("paraplan: interrupted\n")
+        return 130
     except BrokenPipeError:
         # the reader (e.g. `| head`) closed the pipe: nothing left to say
         sys.stderr.close()

@@ -192,4 +192,7 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
                            elementwise=elementwise, pp_buffers=pp_buffers, cp_comm=cp_comm)
     result = search(graph, hardware, global_batch=global_batch, dtype=dtype, code=code,
                     cluster_name=str(cluster if isinstance(cluster, str) else hardware.name), **constraints)
-    return dataclasses.replace(result, layer_params=tuple(layer.params for layer in graph.layers))
+    # A model named by reference (a spec file's path, not just its stem) is kept as given, so that
+    # `evaluate --plan` and `examples/train.py` find it again.
+    return dataclasses.replace(result, model=model if isinstance(model, str) else result.model,
+                               layer_params=tuple(layer.params for layer in graph.layers))

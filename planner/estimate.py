@@ -137,10 +137,17 @@ class Evaluator:
                 ep_group=groups.ep, top_k=self.graph.dims.top_k, hidden=self.graph.dims.hidden,
                 table=self.table_for(device, self.dtype_for(device)), attention=self.code.attention,
                 tp_overlap=self.code.tp_overlap, loss=self.code.loss, elementwise=self.code.elementwise,
-                cp_comm=self.code.cp_comm)
+                cp_comm=self.code.cp_comm, oversubscription=self.cluster.oversubscription)
             cost = price_layer(layer, tp_plan_for(layer, config.tp, device, node, ctx.dtype, self.layout_cache, self.graph), ctx)
             self._layer_cache[key] = cost
         return cost
+
+    def whole_params(self, index: int, config: ParallelConfig, device: DeviceSpec, node: NodeSpec) -> int:
+        """Parameters of layer `index` outside the experts that every tp rank holds whole (`TpPlan.whole_params`)."""
+        layer = self.graph.layers[index]
+        if config.tp == 1 or not layer.ops:
+            return 0
+        return tp_plan_for(layer, config.tp, device, node, self.dtype_for(device), self.layout_cache, self.graph).whole_params
 
     def policies(self, config: ParallelConfig, recompute_per_layer: tuple[Recompute, ...] | None = None) -> tuple[Recompute, ...]:
         """Recompute policy per layer: the config's policy on blocks, none on embedding and head."""
@@ -197,7 +204,8 @@ class Evaluator:
         layer = self.graph.layers[index]
         cost = self.layer_cost(index, config, device, node, policy)
         copies = self.graph.stage_copy_params[index] if config.pp > 1 else 0
-        dense = (layer.params - layer.expert_params + copies) / config.tp
+        shared = layer.params - layer.expert_params + copies
+        dense = (shared + min(self.whole_params(index, config, device, node), shared) * (config.tp - 1)) / config.tp
         expert = layer.expert_params / (config.ep * config.tp)
         frozen = layer.frozen_params / config.tp
         gathered = config.zero == 3 and config.pp > 1  # all, at a pipelined backward's end (`stage_memory`)
@@ -396,5 +404,5 @@ class Evaluator:
             stages=stage_plans,
             bubble_fraction=time_breakdown["pp_bubble_s"] / pipe_s if pipe_s > 0 else 0.0,
             config=config,
-            notes=graph.notes + unchecked_host_note(memory),
+            notes=graph.notes + graph.recompute_notes(config.recompute) + unchecked_host_note(memory),
         )

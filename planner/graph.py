@@ -168,6 +168,14 @@ class ModelGraph:
     def blocks(self) -> tuple[Layer, ...]:
         return tuple(layer for layer in self.layers if layer.kind == LayerKind.BLOCK)
 
+    def recompute_notes(self, recompute: Recompute) -> tuple[str, ...]:
+        """A note when `recompute` is asked of a model none of whose layers is a block: recompute
+        applies to blocks only, so nothing is recomputed."""
+        if recompute == Recompute.NONE or self.blocks:
+            return ()
+        return (f"recompute={recompute} recomputes blocks, and no layer of this model is one (blocks are the "
+                f"structurally identical children of an nn.ModuleList or nn.Sequential), so nothing is recomputed",)
+
     @functools.cached_property
     def tied_users(self) -> tuple[tuple[tuple[int, Op], ...], ...]:
         """Per group of `tied`, the (layer index, op) of each module using the shared weight, in layer

@@ -54,7 +54,7 @@ def cp_all_to_all_s(layer: Layer, ctx: LayerContext) -> tuple[float, float]:
         heads = op.attrs.get("heads", 1) or 1
         kv_share = (op.attrs.get("kv_heads", heads) or heads) / heads
         local_bytes = op.out_bytes * ctx.batch_scale / (ctx.tp * ctx.cp)  # queries and output alike
-        fwd_s += sum(collective_time_s(Collective.ALL_TO_ALL, local_bytes * share, ctx.cp_group, ctx.node)
+        fwd_s += sum(collective_time_s(Collective.ALL_TO_ALL, local_bytes * share, ctx.cp_group, ctx.node, ctx.oversubscription)
                      for share in (1.0, kv_share, kv_share, 1.0))
     return fwd_s, fwd_s
 
@@ -71,7 +71,7 @@ def cp_ring_exposed_s(layer: Layer, ctx: LayerContext, attention_fwd_s: float, a
         heads = op.attrs.get("heads", 1) or 1
         kv_heads = op.attrs.get("kv_heads", heads) or heads
         kv_bytes = 2 * op.out_bytes * kv_heads / heads * ctx.batch_scale / ctx.tp
-        ring_s = collective_time_s(Collective.ALL_GATHER, kv_bytes, ctx.cp_group, ctx.node)
+        ring_s = collective_time_s(Collective.ALL_GATHER, kv_bytes, ctx.cp_group, ctx.node, ctx.oversubscription)
         fwd_s += max(0.0, ring_s - attention_fwd_s)
         bwd_s += max(0.0, 2 * ring_s - attention_bwd_s)
     return fwd_s, bwd_s
@@ -83,7 +83,7 @@ def ep_all_to_all_fwd_s(layer: Layer, ctx: LayerContext) -> float:
         return 0.0
     tokens = ctx.batch_scale * layer_tokens(layer) / (ctx.cp * (ctx.tp if ctx.sequence_parallel else 1))
     per_rank_bytes = tokens * ctx.top_k * ctx.hidden * bytes_per_element(base_dtype(ctx.dtype))
-    return 2 * collective_time_s(Collective.ALL_TO_ALL, per_rank_bytes, ctx.ep_group, ctx.node)
+    return 2 * collective_time_s(Collective.ALL_TO_ALL, per_rank_bytes, ctx.ep_group, ctx.node, ctx.oversubscription)
 
 
 def layer_tokens(layer: Layer) -> float:

@@ -57,11 +57,14 @@ class TpPlan:
         split_ops: names of ops whose FLOPs and bytes are divided by tp.
         collectives: (collective, bytes, producer op) per forward at the traced micro-batch: the
             producer's output is converted; backward runs the conjugate collectives of the same sizes.
+        whole_params: parameters outside the experts that every tp rank holds whole: modules the
+            layout replicates (norms; an embedding or head whose vocabulary tp does not divide).
     """
 
     tp: int
     split_ops: frozenset[str] = frozenset()
     collectives: tuple[tuple[Collective, float, str], ...] = ()
+    whole_params: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,7 @@ class LayerContext:
     loss: LossKernel = LossKernel.TORCH
     elementwise: ElementwiseKernels = ElementwiseKernels.EAGER
     cp_comm: CpComm = CpComm.ALL_GATHER
+    oversubscription: float = 1.0  # the cluster's, for groups that span nodes
 
 
 def score_elements(op: Op) -> float:
@@ -312,7 +316,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         fwd_s, bwd_s = fwd_s + host_fwd_s, bwd_s + host_bwd_s
     attention_fwd_s = _time_s(attention_fwd, ctx) if attention_fwd else 0.0
     attention_bwd_s = _time_s(attention_bwd, ctx) if attention_bwd else 0.0
-    collective_s = [collective_time_s(kind, size * ctx.batch_scale / ctx.cp, ctx.tp_group, ctx.node)
+    collective_s = [collective_time_s(kind, size * ctx.batch_scale / ctx.cp, ctx.tp_group, ctx.node, ctx.oversubscription)
                     for kind, size, _ in plan.collectives]
     tp_fwd_s = sum(collective_s)
     tp_exposed_fwd_s = tp_exposed_bwd_s = tp_fwd_s

@@ -9,13 +9,12 @@ inner dp / dp_replicate ranks times cp (stride tp), and a replica group strides 
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from math import gcd
 
 from costmodel.comm import CommGroup
-from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
+from costmodel.hardware import Cluster, DeviceSpec, LinkTier, NodeSpec
 from planner.config import ParallelConfig
 from planner.errors import invalid
 
@@ -78,8 +77,9 @@ def expert_data_group(config: ParallelConfig, node: NodeSpec) -> CommGroup:
 
 
 def stage_devices(cluster: Cluster, pp: int) -> list[tuple[DeviceSpec, NodeSpec]]:
-    """The device and node of each pipeline stage (pp is the outermost mesh axis); a stage spanning
-    node groups of one device type gets the first one's links and the smallest host-memory share.
+    """The device and node of each pipeline stage (pp is the outermost mesh axis). A stage spanning
+    node groups of one device type runs at its slowest group (`slowest_node`): in group order or
+    not, its collectives wait for the slowest link and the smallest node.
 
     Raises:
         PlannerError: a stage would span node groups of different device types.
@@ -94,13 +94,26 @@ def stage_devices(cluster: Cluster, pp: int) -> list[tuple[DeviceSpec, NodeSpec]
     out = []
     for stage in range(pp):
         first, last = stage * per_stage, (stage + 1) * per_stage - 1
-        nodes = {node for lo, hi, node in bounds if lo <= first < hi or lo <= last < hi or (first < lo and hi <= last + 1)}
+        nodes = list(dict.fromkeys(node for lo, hi, node in bounds
+                                   if lo <= first < hi or lo <= last < hi or (first < lo and hi <= last + 1)))
         devices = {node.device.name for node in nodes}
         if len(devices) > 1:
             raise invalid(f"pp={pp}: stage {stage} spans device types {sorted(devices)}; choose pp so each stage sits on one node group")
         node = next(node for lo, hi, node in bounds if lo <= first < hi)
-        tightest = min(nodes, key=lambda n: n.host_mem_bytes_per_device)
-        if tightest.host_mem_bytes_per_device < node.host_mem_bytes_per_device:  # a stage is as roomy as its tightest host
-            node = dataclasses.replace(node, host_mem_bytes=tightest.host_mem_bytes_per_device * node.devices_per_node)
+        node = slowest_node(nodes) if len(nodes) > 1 else node
         out.append((node.device, node))
     return out
+
+
+def slowest_node(nodes: list[NodeSpec]) -> NodeSpec:
+    """One node standing for node groups of one device type that a stage spans: the fewest devices
+    per node, the slowest intra-node link and NIC (lowest bandwidth reached, then highest latency)
+    and the smallest host-memory share of any of them."""
+    def slowest(links: list[LinkTier]) -> LinkTier:
+        return min(links, key=lambda link: (link.bw_bytes_per_s * link.efficiency, -link.latency_s, link.name))
+
+    per_node = min(node.devices_per_node for node in nodes)
+    host_share = min(node.host_mem_bytes_per_device for node in nodes)
+    return NodeSpec(device=nodes[0].device, devices_per_node=per_node,
+                    intra_link=slowest([node.intra_link for node in nodes]), nic=slowest([node.nic for node in nodes]),
+                    host_mem_bytes=host_share * per_node)

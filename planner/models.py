@@ -84,7 +84,7 @@ def resolve_model(model: str | nn.Module | ModelSpec,
         raise invalid(f"model: expected a built-in name, a spec file, 'package.module:factory', "
                       f"a ModelSpec or an nn.Module, got {type(model).__name__}; fix: pass one "
                       f"of those")
-    if model.endswith(SPEC_SUFFIXES):
+    if model.lower().endswith(SPEC_SUFFIXES):
         return _spec_source(load_spec(Path(model)), example_inputs)
     if model in zoo_specs():
         return _spec_source(zoo_specs()[model], example_inputs)
@@ -156,6 +156,11 @@ def _factory_source(ref: str, example_inputs: Any) -> ModelSource:
         requested = {"seq_len": seq_len, "micro_batch": micro_batch}
         with torch.device("meta"):
             inputs = _call_factory(ref, factory, {k: requested[k] for k in probe})[1]
+        got = {"seq_len": _token_seq_len(inputs), "micro_batch": _batch_of(inputs)}
+        for key in probe:
+            if got[key] != requested[key] and not (key == "seq_len" and got[key] == NO_SEQUENCE_SEQ_LEN):
+                raise invalid(f"model `{ref}`: called with {key}={requested[key]}, the factory returned example inputs "
+                              f"with {key} {got[key]}; fix: shape the example inputs by the factory's {key} argument")
         return _zeros_like_inputs(inputs, device)
 
     def fixed_inputs(micro_batch: int, seq_len: int, device: torch.device) -> tuple:
@@ -186,7 +191,7 @@ def _load_factory(ref: str) -> Callable:
                       f"module and the factory, e.g. 'mypkg.models:build'")
     try:
         py_module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - user code may raise anything on import
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code may raise anything on import, or exit
         raise invalid(f"model `{ref}`: cannot import module `{module_name}` ({_describe(exc)}); "
                       f"fix: check the module path and that it is importable from the current "
                       f"directory or PYTHONPATH") from None
@@ -231,11 +236,13 @@ def _call_factory(ref: str, factory: Callable, kwargs: dict) -> tuple[nn.Module,
     or None)."""
     try:
         result = factory(**kwargs)
-    except Exception as exc:  # noqa: BLE001 - user code may raise anything
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code may raise anything, or exit
         args = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        fix = ("give its other arguments defaults: it is called with none, or with seq_len= and micro_batch="
+               if isinstance(exc, TypeError) and "argument" in str(exc) else
+               "make it build the model on the ambient device (meta while planning) without loading weights")
         raise invalid(f"model `{ref}`: the factory raised {_describe(exc)} when called as "
-                      f"{ref.partition(':')[2]}({args}); fix: make it build the model on the "
-                      f"ambient device (meta while planning) without loading weights") from None
+                      f"{ref.partition(':')[2]}({args}); fix: {fix}") from None
     if isinstance(result, nn.Module):
         return result, None
     if (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):

@@ -1,7 +1,8 @@
 """Tensor-parallel plan of a layer: the sharding ILP's layout turned into what the cost model needs.
 
-The layout holds the fewest parameters per device any layout reaches (every large weight sharded,
-as the memory model assumes), and among those is the fastest.
+The layout holds the fewest parameters per device any layout reaches, and among those is the
+fastest. Weights it cannot split (a vocabulary tp does not divide) stay whole on every rank, and
+the memory model counts them so (`TpPlan.whole_params`).
 
 One layout is solved per (layer signature, tp, device, dtype) and reused by every identical block
 and every configuration of the search. Costs handed to the ILP are those of the traced micro-batch
@@ -9,10 +10,13 @@ on the tp group inside one node (tp is innermost on the mesh).
 """
 from __future__ import annotations
 
+import math
+
 from costmodel.comm import Collective, collective_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
 from planner.graph import Layer, ModelGraph, Op
 from planner.layer_cost import TpPlan, op_time_s
+from planner.layering import EXPERTS_MODULE
 from planner.mesh import axis_group
 from planner.sharding import Layout, solve_layout
 from planner.tp_strategies import Placement, weight_split_dim
@@ -86,7 +90,19 @@ def tp_plan_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype
         tp=tp,
         split_ops=frozenset(own[choice.name] for choice in layout.choices if choice.strategy.compute_shards > 1 and choice.name in own),
         collectives=tuple((Collective(str(call.kind)), call.bytes, own.get(call.producer, call.producer)) for call in layout.collectives),
+        whole_params=whole_params(layer, layout),
     )
+
+
+def whole_params(layer: Layer, layout: Layout) -> int:
+    """Parameters outside the experts of `layer` that `layout` leaves whole on every tp rank: each
+    module's weights counted once (its ops share one placement)."""
+    shards = {choice.name: choice.strategy.param_shards for choice in layout.choices}
+    whole: dict[str, int] = {}
+    for op, choice in zip(layer.ops, layout.choices):
+        if op.param_shapes and shards[choice.name] == 1 and EXPERTS_MODULE not in op.fqn.split("."):
+            whole[op.fqn] = max(whole.get(op.fqn, 0), sum(math.prod(shape) for shape in op.param_shapes))
+    return sum(whole.values())
 
 
 def layouts_for(evaluator, config) -> dict[str, str]:

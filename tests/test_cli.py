@@ -269,6 +269,19 @@ def test_evaluate_prices_a_saved_plan_as_planned(capsys, tmp_path):
     assert config["micro_batch"] == planned["config"]["micro_batch"]
 
 
+def test_a_plan_of_a_spec_file_names_the_file(capsys, tmp_path):
+    # The plan keeps the spec file's path (not its stem, which is no built-in name, nor a built-in
+    # name the file shadows), so evaluate --plan alone finds the model again.
+    spec = tmp_path / "llama3-8b.yaml"
+    spec.write_text("arch: llama\nlayers: 2\nhidden: 256\nheads: 4\nkv_heads: 2\nffn_hidden: 512\nvocab: 1024\n")
+    path = tmp_path / "plan.json"
+    code, out, _ = run(["plan", "--model", str(spec), "--seq-len", "128", "--cluster", "a100-80g:1x2", "--global-batch", "4",
+                        "--out", str(path), "--json"], capsys)
+    assert code == 0 and json.loads(out)["model"] == str(spec)
+    code, out, _ = run(["evaluate", "--plan", str(path), "--json"], capsys)
+    assert code == 0 and json.loads(out)["step_time_s"] == Plan.load(path).estimate.step_time_s
+
+
 def test_tables_render_without_json(capsys):
     code, out, _ = run(["evaluate", *RUN_ARGS, "--tp", "2", "--pp", "2"], capsys)
     assert code == 0 and "step time" in out and "Memory per device" in out
@@ -329,6 +342,12 @@ BAD_INPUT = [
     pytest.param(["evaluate", "--model", "{bad}/typo.yaml", "--seq-len", "16", "--cluster", "a100-80g:1x8", "--global-batch", "8",
                   "--tp", "1", "--pp", "1"], "did you mean `heads`", id="spec file with a typo key"),
     pytest.param(["hardware", "h100-sxn"], "h100-sxn", id="unknown hardware name"),
+    pytest.param(["inspect", "--model", "tests.fixtures.custom_models:fixed_inputs_despite_arguments_factory", "--seq-len", "128"],
+                 "called with seq_len=128, the factory returned example inputs with seq_len 64", id="factory inputs of another shape"),
+    pytest.param(["inspect", "--model", "tests.fixtures.custom_models:fixed_tiny_gpt_factory", "--micro-batch", "8"],
+                 "fixed example inputs of 2 samples", id="micro-batch a model's inputs fix"),
+    pytest.param(["inspect", "--model", "tests.fixtures.custom_models:exiting_factory"], "raised SystemExit: config missing",
+                 id="factory that exits"),
     pytest.param(["plan", *RUN_ARGS, "--out", "{bad}/plan.txt"], "plan.txt", id="unknown plan file extension"),
     pytest.param(["evaluate", *RUN_ARGS, "--tp", "2"], "--pp required", id="evaluate without degrees or a plan"),
     pytest.param(["evaluate", *MODEL_ARGS, "--tp", "2"], "--cluster, --global-batch, --pp required",
@@ -364,6 +383,15 @@ def test_bad_input_is_one_line_and_exit_2(capsys, bad_files, argv, mentions):
     assert out == ""
     assert err.count("\n") == 1 and err.startswith("paraplan")
     assert mentions in err
+
+
+def test_an_interrupt_is_one_line_and_exit_130(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_run", interrupted)
+    code, out, err = run(["plan", *RUN_ARGS], capsys)
+    assert (code, out, err) == (130, "", "paraplan: interrupted\n")
 
 
 def test_nothing_fits_exits_3_saying_what_would(capsys):

@@ -58,8 +58,8 @@ FIG1_BYTES_PER_PARAM = 2 + 4 + 12
 
 def _spec_file(directory, name: str, **dims) -> str:
     path = directory / f"{name}.yaml"
-    body = "\n".join(f"{key}: {value}" for key, value in dims.items())
-    path.write_text(f"arch: gpt\nvocab: {KORTHIKANTI_VOCAB}\nmax_seq_len: {KORTHIKANTI_SEQ}\n{body}\n")
+    fields = {"arch": "gpt", "vocab": KORTHIKANTI_VOCAB, "max_seq_len": KORTHIKANTI_SEQ, **dims}
+    path.write_text("".join(f"{key}: {value}\n" for key, value in fields.items()))
     return str(path)
 
 
@@ -216,11 +216,13 @@ def test_zero_divides_model_states_by_the_data_parallel_group(gpt350m, zero):
     # (P = all parameters): weights 2P/t (ZeRO-3 as FSDP2: no bf16 shard, the fp32 shard is the
     # master copy, only two gathered copies of the largest layer, FSDP's current + prefetched
     # layer), gradients 4P/t in fp32 (ZeRO-2+: /dp), Adam states 12P/t (ZeRO-1+: /dp). With two
-    # micro-batches the gradients accumulate, so they are alive at the peak.
+    # micro-batches the gradients accumulate, so they are alive at the peak. The LayerNorms'
+    # weights and biases (two per block and the final one, 2h each) stay whole on both tp ranks.
     tp, dp = 2, 4
     evaluator = Evaluator(gpt350m, load_cluster("a100-80g:1x8"))
     estimate = evaluator.estimate(ParallelConfig(dp=dp, tp=tp, num_microbatches=2, zero=zero), 8)
-    per_device = gpt350m.params / tp
+    norms = (2 * len(gpt350m.blocks) + 1) * 2 * gpt350m.dims.hidden
+    per_device = (gpt350m.params - norms) / tp + norms
     largest = max(layer.params for layer in gpt350m.layers) / tp
     weights = 2 * ZERO3_GATHERED_LAYERS * largest if zero == 3 else 2 * per_device
     row = estimate.memory[0]
@@ -243,6 +245,28 @@ def test_pipeline_stages_each_hold_a_copy_of_a_tied_weight(spec_dir):
         ParallelConfig(dp=2 // pp, pp=pp, num_microbatches=2 * pp), 4).memory] for tie, graph in graphs.items() for pp in (1, 2)}
     assert weights[(False, 1)][0] - weights[(True, 1)][0] == pytest.approx(2 * vocab_by_hidden)
     assert weights[(True, 2)] == pytest.approx(weights[(False, 2)])
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_vocabulary_tp_does_not_divide_stays_whole_on_every_rank(spec_dir, zero):
+    # At tp=2 a GPT with V = 1000 runs a vocabulary-parallel embedding (1000 h / 2 parameters per
+    # device); with V = 1001 the embedding cannot split its rows and every rank holds it whole
+    # (1001 h). The head splits either way (by its V columns, or by its h rows when V is odd):
+    # V h / 2. The rest of the two models is the same, so per device the parameters differ by
+    # h (1001 - 500) + h / 2: the bf16 weights by 2 B each, the fp32 gradients by 4 B and the Adam
+    # states by 12 B (over the dp=2 shards under ZeRO-1).
+    hidden = 256
+    rows = {}
+    for vocab in (1000, 1001):
+        path = spec_dir / f"vocab-{vocab}.yaml"
+        path.write_text(f"arch: gpt\nlayers: 2\nhidden: {hidden}\nheads: 4\nvocab: {vocab}\nmax_seq_len: 128\n"
+                        "tie_embeddings: false\n")
+        rows[vocab] = Evaluator(trace(str(path), seq_len=128), load_cluster("a100-80g:1x4")).estimate(
+            ParallelConfig(dp=2, tp=2, num_microbatches=2, zero=zero), 4).memory[0]
+    extra = hidden * (1001 - 500) + hidden / 2
+    assert rows[1001]["weights_bytes"] - rows[1000]["weights_bytes"] == pytest.approx(2 * extra)
+    assert rows[1001]["grads_bytes"] - rows[1000]["grads_bytes"] == pytest.approx(4 * extra)
+    assert rows[1001]["optimizer_bytes"] - rows[1000]["optimizer_bytes"] == pytest.approx(12 * extra / (2 if zero else 1))
 
 
 @pytest.mark.parametrize("pp", [2, 8])
@@ -883,8 +907,34 @@ def test_a_stage_over_two_node_groups_gets_the_smaller_host_share():
     groups = [{"device": "a100-40g", "nodes": 1}, {"device": "a100-40g", "nodes": 1, "host_mem_bytes": 64 * 2**30}]
     for order in (groups, groups[::-1]):
         ((_, node),) = stage_devices(load_cluster({"groups": order}), 1)
-        assert node.host_mem_bytes_per_device == 8 * 2**30 and node.nic.name == load_cluster({"groups": order}).groups[0].node.nic.name
+        assert node.host_mem_bytes_per_device == 8 * 2**30
     assert [node.host_mem_bytes_per_device for _, node in stage_devices(load_cluster({"groups": groups}), 2)] == [128 * 2**30, 8 * 2**30]
+
+
+def test_a_stage_over_two_node_groups_runs_at_the_slower_one(gpt350m):
+    # One 8-GPU node on its usual 200 Gb/s HDR NIC and two 4-GPU nodes on 25 Gb/s Ethernet: a stage
+    # over all three takes the smaller node and the slower NIC whatever the group order, so dp=16
+    # prices as on four 4-GPU nodes all on Ethernet.
+    fast = {"device": "a100-80g", "nodes": 1}
+    slow = {"device": "a100-80g", "nodes": 2, "devices_per_node": 4, "nic": "eth-25g-8gpu"}
+    uniform = load_cluster({"groups": [{**slow, "nodes": 4}]})
+    config = ParallelConfig(dp=16, zero=1, num_microbatches=1)
+    expected = Evaluator(gpt350m, uniform).estimate(config, 16).step_time_s
+    for order in ([fast, slow], [slow, fast]):
+        cluster = load_cluster({"groups": order})
+        ((_, node),) = stage_devices(cluster, 1)
+        assert node.devices_per_node == 4 and node.nic.name == "eth-25g-8gpu"
+        assert Evaluator(gpt350m, cluster).estimate(config, 16).step_time_s == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("tp, spans_nodes", [(16, True), (8, False)])
+def test_fabric_oversubscription_slows_tensor_parallel_groups_that_span_nodes(gpt350m, tp, spans_nodes):
+    # A 4:1 oversubscribed fabric quarters the NIC bandwidth a collective crossing nodes gets (the
+    # data-parallel ones and, here, tensor parallelism's); a tp group inside a node never crosses it.
+    config = ParallelConfig(dp=16 // tp, tp=tp, num_microbatches=2)
+    tp_s = [Evaluator(gpt350m, load_cluster({"groups": [{"device": "a100-80g", "nodes": 2}], "oversubscription": ratio}))
+            .estimate(config, 2 * config.dp).time_breakdown["tp_comm_s"] for ratio in (1, 4)]
+    assert (tp_s[1] > 1.05 * tp_s[0]) if spans_nodes else (tp_s[1] == pytest.approx(tp_s[0], rel=1e-12))
 
 
 def test_hybrid_sharding_shards_the_experts_as_the_dense_states(tiny_moe):

@@ -296,6 +296,18 @@ def test_data_dependent_model_falls_back_to_module_level():
     assert any("up" in n and "never used" in n for n in graph.notes)
 
 
+def test_recompute_asked_of_a_model_without_blocks_says_nothing_is_recomputed():
+    # Recompute applies to blocks; the data-dependent net has one layer and no block container.
+    graph = trace(f"{FIXTURES}:dynamic_factory")
+    config = {"tp": 1, "pp": 1, "micro_batch": 4}
+    full = planner.evaluate(graph, "cpu:1x1", {**config, "recompute": "full"}, global_batch=4)
+    none = planner.evaluate(graph, "cpu:1x1", {**config, "recompute": "none"}, global_batch=4)
+    assert full.step_time_s == none.step_time_s and full.peak_memory_bytes == none.peak_memory_bytes
+    assert [n for n in full.notes if n not in none.notes] == [
+        "recompute=full recomputes blocks, and no layer of this model is one (blocks are the structurally identical "
+        "children of an nn.ModuleList or nn.Sequential), so nothing is recomputed"]
+
+
 class _ShapeBranching(nn.Module):
     """A zoo GPT behind Python control flow on a shape: torch.fx cannot follow it, export can."""
 

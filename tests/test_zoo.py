@@ -316,6 +316,28 @@ def test_spec_text_errors_are_one_line():
         assert "\n" not in caught.value.message
 
 
+@pytest.mark.parametrize("text, origin, message", [
+    ("arch: gpt\nlayers: 2\nlayers: 4\n", "twice.yaml", "key 'layers' given twice"),
+    ('{"arch": "gpt", "layers": 2, "layers": 4}', "twice.json", "key 'layers' given twice"),
+    ('{"arch": "gpt", "layers": 2,}', "trailing.JSON", "not valid JSON"),
+])
+def test_a_key_given_twice_or_invalid_json_is_refused(text, origin, message):
+    # YAML and JSON parsers keep the last of two equal keys silently; JSON is read as JSON, not as
+    # the YAML that forgives a trailing comma.
+    with pytest.raises(PlannerError, match=message) as caught:
+        parse_spec_text(text, origin)
+    assert "\n" not in caught.value.message
+
+
+@pytest.mark.parametrize("text, origin", [
+    ('{"arch": "llama", "layers": 2, "hidden": 64, "heads": 4, "ffn_hidden": 128, "vocab": 9, "rope_theta": 1e6}', "sci.json"),
+    ("arch: llama\nlayers: 2\nhidden: 64\nheads: 4\nffn_hidden: 128\nvocab: 9\nrope_theta: 1e6\n", "sci.yaml"),
+])
+def test_a_float_in_exponent_form_is_a_number(text, origin):
+    # Hugging Face configs write rope_theta as 1e6, which YAML 1.1 reads as a string.
+    assert parse_spec_text(text, origin).rope_theta == 1e6
+
+
 def test_missing_spec_file_is_invalid_input(tmp_path):
     with pytest.raises(PlannerError, match="not found") as caught:
         load_spec(tmp_path / "absent.yaml")

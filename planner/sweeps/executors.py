@@ -9,6 +9,7 @@ per finished point, in completion order, and `None` when a poll interval passes 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import multiprocessing
 import re
 import signal
@@ -82,7 +83,8 @@ def plan_point(point: SweepPoint, graph: ModelGraph, cluster: Cluster, settings:
         if settings.plan_dir is not None:
             path = Path(settings.plan_dir) / plan_file_name(point)
             path.parent.mkdir(parents=True, exist_ok=True)
-            result.save(path)
+            # The point's own model and cluster references, so that `evaluate --plan` finds them again.
+            dataclasses.replace(result, model=point.model, cluster=point.cluster).save(path)
             row["plan_path"] = str(path)
     row["plan_time_s"] = time.perf_counter() - started
     return row
@@ -118,7 +120,7 @@ def plan_file_name(point: SweepPoint) -> str:
     """A file name for the plan of `point`: its fields joined (a spec file by its stem; a built-in
     name or factory whole, dots kept: llama3.1-8b and llama3.1-70b stay apart), anything but
     [A-Za-z0-9.-] made '_'."""
-    model = Path(point.model).stem if point.model.endswith(SPEC_SUFFIXES) else point.model
+    model = Path(point.model).stem if point.model.lower().endswith(SPEC_SUFFIXES) else point.model
     text = f"{model}__{point.cluster}__gb{point.global_batch}__s{point.seq_len}"
     return re.sub(r"[^A-Za-z0-9.-]+", "_", text) + ".json"
 

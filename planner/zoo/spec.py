@@ -47,6 +47,7 @@ Example::
 from __future__ import annotations
 
 import difflib
+import json
 import math
 from dataclasses import dataclass
 from enum import StrEnum
@@ -213,14 +214,38 @@ def parse_spec_text(text: str, origin: str) -> ModelSpec:
     Raises:
         PlannerError: INVALID_INPUT when the text is not valid YAML or the spec is invalid.
     """
+    is_json = str(origin).lower().endswith(".json")
     try:
-        data = yaml.safe_load(text)
+        data = json.loads(text, object_pairs_hook=_unique_pairs) if is_json else yaml.load(text, Loader=_UniqueKeyLoader)
     except (yaml.YAMLError, ValueError, OverflowError, RecursionError) as exc:
         # PyYAML raises ValueError/OverflowError for scalars it resolves but cannot construct
-        # (e.g. the timestamp "2001-13-45").
-        shape = '{"key": value, ...}' if str(origin).endswith(".json") else "one `key: value` per line"
-        raise invalid(f"{origin}: not valid YAML/JSON ({_one_line(exc)}); fix: write a mapping, {shape}") from None
+        # (e.g. the timestamp "2001-13-45"); json raises ValueError.
+        shape = '{"key": value, ...}' if is_json else "one `key: value` per line"
+        raise invalid(f"{origin}: not valid {'JSON' if is_json else 'YAML'} ({_one_line(exc)}); "
+                      f"fix: write a mapping, {shape}, each key once") from None
     return parse_spec(data, origin)
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
+    """A JSON object's pairs as a dict; ValueError for a key given twice (json keeps the last silently)."""
+    keys = [key for key, _ in pairs]
+    twice = next((key for key in keys if keys.count(key) > 1), None)
+    if twice is not None:
+        raise ValueError(f"key {twice!r} given twice")
+    return dict(pairs)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping key given twice (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def parse_spec(data: Any, origin: str) -> ModelSpec:
@@ -279,6 +304,7 @@ def _checked_value(origin: str, key: str, value: Any) -> Any:
                                f"write `{key}: true` or `{key}: false`")
         return value
     if expected is float:
+        value = _number_text(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                 math.isfinite(value) and value > 0):
             raise _field_error(origin, key, f"expected a positive number, got {_show(value)}",
@@ -291,6 +317,17 @@ def _checked_value(origin: str, key: str, value: Any) -> Any:
         bound = "zero or more" if key in _MAY_BE_ZERO else "positive"
         raise _field_error(origin, key, f"must be {bound}, got {value}",
                            f"use a {bound} integer")
+    return value
+
+
+def _number_text(value: Any) -> Any:
+    """A float written in exponent form without a dot ("1e6", which YAML 1.1 reads as a string) as
+    that number; any other value unchanged."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
     return value
 
 
