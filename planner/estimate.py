@@ -31,13 +31,13 @@ from costmodel.compute import OpTable, base_dtype, bytes_per_element, peak_flops
 from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
 from costmodel.offload import host_state_bytes
 from costmodel.profile_loader import load_op_table
-from planner.config import ParallelConfig
+from planner.config import TRAINING_DTYPES, ParallelConfig
 from planner.errors import PlannerError, invalid
 from planner.graph import LayerKind, ModelGraph, Recompute
 from planner.layer_cost import LayerContext, LayerCost, price_layer
 from planner.mesh import expert_data_group, mesh_groups, stage_devices
 from planner.pipeline_buffers import chunk_recv_bytes, recv_buffer_bytes
-from planner.result import Estimate, StagePlan, contiguous_runs, unchecked_host_note
+from planner.result import Estimate, StagePlan, contiguous_runs, substituted_dtype_note, unchecked_host_note
 from planner.space import check_config
 from planner.stage_problem import StageProblem
 from planner.state_cost import (dp_exposed_s, optimizer_step_s, precision_of, state_options, tied_gradient_sum_s,
@@ -121,7 +121,9 @@ class Evaluator:
             return self.dtype
         if self.dtype == "bf16" and "fp16" in device.peak_flops_per_s:
             return "fp16"
-        raise invalid(f"--dtype {self.dtype}: {device.name} has no {self.dtype} peak; use one of {sorted(device.peak_flops_per_s)}")
+        usable = [dtype for dtype in TRAINING_DTYPES if dtype in device.peak_flops_per_s]
+        raise invalid(f"dtype {self.dtype} (--dtype, bf16 by default): {device.name} has no {self.dtype} peak; "
+                      f"fix: pass --dtype {' or '.join(usable) or 'with a peak in its profile'}")
 
     def layer_cost(self, index: int, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, recompute: Recompute) -> LayerCost:
         layer = self.graph.layers[index]
@@ -404,5 +406,6 @@ class Evaluator:
             stages=stage_plans,
             bubble_fraction=time_breakdown["pp_bubble_s"] / pipe_s if pipe_s > 0 else 0.0,
             config=config,
-            notes=graph.notes + graph.recompute_notes(config.recompute) + unchecked_host_note(memory),
+            notes=(graph.notes + graph.recompute_notes(config.recompute) + substituted_dtype_note(memory, self.dtype)
+                   + unchecked_host_note(memory)),
         )

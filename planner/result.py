@@ -160,6 +160,13 @@ class Estimate:
         )
 
 
+def substituted_dtype_note(memory: list[dict], dtype: str) -> tuple[str, ...]:
+    """A note when stages compute in another dtype than `dtype` (bf16 asked of a device without it,
+    priced in fp16; `Estimate.memory` rows: `device`, `dtype`)."""
+    other = {row["device"]: row["dtype"] for row in memory if row["dtype"] != dtype}
+    return tuple(f"{device} has no {dtype}: priced in {used}" for device, used in other.items())
+
+
 def unchecked_host_note(memory: list[dict]) -> tuple[str, ...]:
     """A note when offloaded states sit in host memory whose size no profile gives (`Estimate.memory`
     rows: `host_bytes`, `host_capacity_bytes` None when unknown, `device`)."""

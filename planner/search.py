@@ -309,7 +309,7 @@ def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closes
     remedies = [f"about {math.ceil(cluster.num_devices * need / capacity)}+ devices"]
     if config.micro_batch > 1:
         remedies.append("a smaller micro-batch")
-    if config.zero < 3 or config.recompute is not Recompute.FULL:
+    if (config.zero < 3 and cluster.num_devices > 1) or config.recompute is not Recompute.FULL:  # one device shards nothing
         remedies.append("allowing zero=3 with recompute=full")
     if not config.offload_optimizer:
         remedies.append("allowing optimizer offload")

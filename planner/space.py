@@ -1,7 +1,8 @@
 """Enumerate the ParallelConfigs that can exist for a model on a cluster; keep a reason for each rejection.
 
 Degrees: tp divides the heads and stays inside a node (tp is innermost on the mesh, so a group
-spanning nodes would run every per-layer collective over the NICs) unless `allow_tp_across_nodes`;
+spanning nodes would run every per-layer collective over the NICs) unless `allow_tp_across_nodes`
+or the user fixes tp;
 pp divides the devices left and never exceeds the layers; 2*cp divides the sequence (the
 load-balanced split cuts it into 2*cp chunks, each rank taking one from each end) and cp is only
 offered from `CP_MIN_SEQ_LEN` tokens (below it attention is a small share of the work);
@@ -79,9 +80,13 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) ->
     per_node = min(g.node.devices_per_node for g in cluster.groups)
     dims = graph.dims
     has_ops = any(layer.ops for layer in graph.layers)
+    for key in ("tp", "pp", "dp", "cp"):
+        if key in constraints and devices % constraints[key]:
+            space.rejected.append(Rejection(f"{key}={constraints[key]}", f"does not divide the cluster's {devices} devices"))
     tp_options = []
     for tp in divisors(devices):
-        if tp > per_node and not constraints.get("allow_tp_across_nodes"):
+        # A tp the user fixes may cross nodes, as `evaluate` prices it; the search keeps to a node.
+        if tp > per_node and not constraints.get("allow_tp_across_nodes") and constraints.get("tp") != tp:
             if tp <= 64:
                 space.rejected.append(Rejection(f"tp={tp}", f"exceeds the {per_node} devices of a node (tp collectives would cross the NICs)"))
             continue
@@ -171,7 +176,11 @@ def schedules(pp: int, layers: int, num_microbatches: int, constraints: dict) ->
         fixed_pipelining = constraints.get("vpp", 1) > 1 or constraints.get("schedule", Schedule.ONE_F_ONE_B) != Schedule.ONE_F_ONE_B
         return [] if fixed_pipelining else [(Schedule.ONE_F_ONE_B, 1)]
     allowed = constraints.get("schedules") or ([constraints["schedule"]] if "schedule" in constraints else None)
-    out = [(Schedule.ONE_F_ONE_B, 1), (Schedule.ZERO_BUBBLE, 1)]
+    out = [(Schedule.ONE_F_ONE_B, 1)]
+    # torch's multi-stage schedules (zero bubble, interleaved) run whole rounds of m // pp
+    # micro-batches (`planner.apply.pipeline.check_schedule`); interleaved needs m % pp == 0 anyway.
+    if num_microbatches < pp or num_microbatches % (num_microbatches // pp) == 0:
+        out.append((Schedule.ZERO_BUBBLE, 1))
     if num_microbatches >= pp:
         out.append((Schedule.GPIPE, 1))
     if num_microbatches % pp == 0:

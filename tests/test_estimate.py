@@ -846,6 +846,7 @@ def test_heterogeneous_cluster_v100_stage_is_slower(gpt350m):
     (a100, a100_node), (v100, v100_node) = stage_devices(cluster, 2)
     assert evaluator.dtype_for(v100) == "fp16"
     assert [row["dtype"] for row in estimate.memory] == ["bf16", "fp16"]  # the output says so
+    assert "v100-32g has no bf16: priced in fp16" in estimate.notes
     policies = evaluator.policies(config)
     block = next(i for i, layer in enumerate(gpt350m.layers) if layer.kind == LayerKind.BLOCK)
 

@@ -300,6 +300,10 @@ def test_nothing_fits_suggests_only_what_the_closest_miss_lacks():
     message = error.value.message
     assert "z0" in message and "zero=3 with recompute=full" in message
     assert "micro-batch" not in message
+    # On one device ZeRO shards nothing: more devices is the remedy, not ZeRO-3.
+    with pytest.raises(PlannerError) as error:
+        planner.plan(graph, "a100-40g:1x1", global_batch=8, allow_offload=False, micro_batch=1, recompute="full")
+    assert "devices" in error.value.message and "zero=3" not in error.value.message
 
 
 @pytest.mark.parametrize("constraints, reason, example", [

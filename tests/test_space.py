@@ -86,6 +86,9 @@ def test_tp_stays_inside_a_node_unless_allowed():
     assert any(r.what == "tp=16" and "8 devices of a node" in r.reason for r in default.rejected)
     across = enumerate_degrees(graph, cluster, {"allow_tp_across_nodes": True})
     assert {tp for _, tp, *_ in across.degrees} == {1, 2, 4, 8, 16}
+    # A tp the user fixes is taken as given (DESIGN.md: a flag given to plan fixes that choice).
+    fixed = enumerate_degrees(graph, cluster, {"tp": 16})
+    assert {tp for _, tp, *_ in fixed.degrees} == {16}
 
 
 def test_tp_must_divide_heads_with_a_reason():
@@ -213,10 +216,21 @@ def test_configs_cover_the_batch_and_respect_schedule_rules(global_batch):
                 assert pp * config.vpp <= len(graph.layers)
             if config.schedule == Schedule.GPIPE:
                 assert config.num_microbatches >= pp
+            if config.schedule == Schedule.ZERO_BUBBLE:  # torch runs whole rounds of m // pp micro-batches
+                assert config.num_microbatches < pp or config.num_microbatches % (config.num_microbatches // pp) == 0
             if pp == 1:
                 assert config.schedule == Schedule.ONE_F_ONE_B
         assert len(set(configs)) == len(configs)
     assert seen_interleaved == (global_batch >= 2)
+
+
+def test_zero_bubble_is_offered_only_for_micro_batch_counts_torch_runs():
+    # ScheduleInterleavedZeroBubble splits m micro-batches into rounds of m // pp: 16 on 3 stages
+    # are rounds of 5, which 16 is not a multiple of; 15 and 18 are, and 2 (< pp) is one round.
+    from planner.space import schedules
+
+    zero_bubble = {m: (Schedule.ZERO_BUBBLE, 1) in schedules(3, 24, m, {}) for m in (2, 15, 16, 18)}
+    assert zero_bubble == {2: True, 15: True, 16: False, 18: True}
 
 
 def test_fixed_choices_narrow_configs():

@@ -84,6 +84,22 @@ def test_grid_expands_every_combination_with_canonical_cluster_names(tmp_path):
     assert spec.settings == "dtype=bf16 attention=flash"
 
 
+def test_a_device_file_is_its_own_cluster_even_under_a_built_in_name(tmp_path):
+    # A copy of the h100-sxm profile at half its peak keeps the built-in's `name:`; given by its path
+    # (in `devices` or in a `clusters` shorthand) its points stay apart from the built-in's.
+    (tmp_path / "devices").mkdir()
+    text = (REPO / "profiles" / "devices" / "h100-sxm.yaml").read_text()
+    text = text.replace("bf16: 989.4e+12", "bf16: 494.7e+12")
+    assert "bf16: 494.7e+12" in text
+    (tmp_path / "devices" / "h100-sxm.yaml").write_text(text)
+    path = write(tmp_path, "models: [gpt3-125m]\ndevices: [h100-sxm, devices/h100-sxm.yaml]\ncluster_sizes: [8]\n"
+                           "clusters: [devices/h100-sxm.yaml:1x8]\nglobal_batches: [64]\nseq_lens: [512]\n")
+    spec = load_sweep_spec(path)
+    slow = f"{tmp_path / 'devices' / 'h100-sxm.yaml'}:1x8"
+    assert list(spec.clusters) == ["h100-sxm:1x8", slow]
+    assert spec.clusters[slow].groups[0].node.device.peak_flops_per_s["bf16"] == 494.7e12
+
+
 def test_tp_overlap_is_a_sweep_setting(tmp_path):
     path = write(tmp_path, "models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\n"
                            "tp_overlap: true\nconstraints: {tp: 4}\n")
@@ -290,6 +306,19 @@ def test_rerun_plans_only_missing_points_and_matches_an_uninterrupted_run(tmp_pa
     assert sweep(GRID, out, workers=1).planned == 0
     with pytest.raises(PlannerError, match="planned with 'dtype=bf16 attention=flash', this sweep uses 'dtype=fp16"):
         sweep({**GRID, "dtype": "fp16"}, out, workers=1)
+
+
+def test_rows_of_a_cluster_file_edited_since_are_refused(tmp_path):
+    # Resuming after the cluster file grew from 1 to 2 nodes would keep rows priced for 8 devices.
+    cluster = tmp_path / "mine.yaml"
+    cluster.write_text("groups:\n  - {device: a100-80g, nodes: 1}\n")
+    grid = {**GRID, "devices": [], "cluster_sizes": [], "clusters": [str(cluster)]}
+    grid = {key: value for key, value in grid.items() if value}
+    out = tmp_path / "results.csv"
+    assert sweep(grid, out, workers=1).planned == 1
+    cluster.write_text("groups:\n  - {device: a100-80g, nodes: 2}\n")
+    with pytest.raises(PlannerError, match="planned for 8 devices on 1 nodes, the cluster now has 16 on 2"):
+        sweep(grid, out, workers=1)
 
 
 def test_a_model_that_fails_to_trace_becomes_rows(tmp_path, monkeypatch):

@@ -200,7 +200,7 @@ def _grid_points(entries: dict[str, _Entry], base: Path, clusters: dict[str, Clu
     seq_lens = [_positive(entries["seq_lens"], i, value) for i, value in enumerate(lists["seq_lens"])]
     names: list[str] = []
     if "devices" in lists:
-        devices = [_device(entries["devices"], i, value) for i, value in enumerate(lists["devices"])]
+        devices = [_device(entries["devices"], i, value, base) for i, value in enumerate(lists["devices"])]
         sizes = [_positive(entries["cluster_sizes"], i, value) for i, value in enumerate(lists["cluster_sizes"])]
         for device, (j, size) in product(devices, enumerate(sizes)):
             names.append(_cluster(entries["cluster_sizes"].item(j), f"{device}:{size}", base, clusters))
@@ -280,24 +280,32 @@ def _model(entry: _Entry, index: int, value, base: Path) -> str:
     return name
 
 
-def _device(entry: _Entry, index: int, value) -> str:
-    name = _text(entry, index, value)
+def _device(entry: _Entry, index: int, value, base: Path) -> str:
+    """A built-in device's name, or a device file's path (a file's profile may reuse a built-in name)."""
+    name = _relative(_text(entry, index, value), base)
     try:
-        return load_device(name).name
+        device = load_device(name)
     except ProfileError as error:
         raise invalid(f"{entry.item(index)}: {error}") from None
+    return name if name.endswith(PROFILE_SUFFIXES) else device.name
 
 
 def _cluster(where: str, spelling: str, base: Path, clusters: dict[str, Cluster]) -> str:
     """The point's name for a cluster: the file path as written for a cluster file, else the
     cluster's own name (canonical `DEVICE:NODESxGPUS` for shorthands, so `h100-sxm:16` and
-    `h100-sxm:2x8` are one cluster)."""
-    spelling = _relative(spelling, base)
+    `h100-sxm:2x8` are one cluster), with a device file's path as written in place of its profile's
+    name (which may be a built-in device's)."""
+    device, _, size = spelling.rpartition(":")
+    device_file = _relative(device, base) if device.endswith(PROFILE_SUFFIXES) else ""
+    spelling = f"{device_file}:{size}" if device_file else _relative(spelling, base)
     try:
         cluster = load_cluster(spelling)
     except ProfileError as error:
         raise invalid(f"{where}: {error}") from None
-    name = spelling if spelling.endswith(PROFILE_SUFFIXES) else cluster.name
+    if spelling.endswith(PROFILE_SUFFIXES):
+        name = spelling
+    else:
+        name = f"{device_file}:{cluster.name.rpartition(':')[2]}" if device_file else cluster.name
     clusters[name] = cluster
     return name
 
