@@ -298,7 +298,10 @@ def run_profile(out: str | Path, *, like: str | None = None, quick: bool = False
     try:
         with Progress(disable=not show_progress or rank != 0, transient=True) as progress:
             measured = measure(quick=quick, progress=progress)
-        return write_profile(out, measured, base) if rank == 0 else []
+        written = write_profile(out, measured, base) if rank == 0 else []
+        if started_group:
+            dist.barrier()  # leave together: a rank tearing gloo down while another still works can abort
+        return written
     finally:
         if started_group:
             dist.destroy_process_group()
