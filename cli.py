@@ -221,6 +221,10 @@ def _with_apply_note(plan, model: str):
     return dataclasses.replace(plan, estimate=dataclasses.replace(plan.estimate, notes=(*plan.estimate.notes, note)))
 
 
+# Characters the inspect table needs to show its numbers whole (layer name and nine numeric columns).
+INSPECT_MIN_WIDTH = 120
+
+
 def _print_json(data: dict) -> None:
     print(json.dumps(data, indent=2))
 
@@ -251,7 +255,8 @@ def _run(args) -> int:
         if args.json:
             _print_json(inspect_json(graph))
         else:
-            console.print(render_inspect(graph))
+            # Nine columns of numbers: below this width rich would cut them short; wider lines wrap, whole.
+            Console(width=max(console.width, INSPECT_MIN_WIDTH)).print(render_inspect(graph))
         return 0
     if args.command == "evaluate":
         import planner

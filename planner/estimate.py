@@ -78,9 +78,10 @@ class Evaluator:
         if bytes_per_element(base_dtype(graph.dtype)) != bytes_per_element(base_dtype(dtype)):
             raise invalid(f"dtype={dtype!r}: {graph.name} was traced in {graph.dtype}, whose activations differ in size; "
                           f"fix: trace it with dtype={dtype!r}")
-        if graph.params and sum(layer.frozen_params for layer in graph.layers) == graph.params:
-            raise invalid(f"model `{graph.name}`: every parameter is frozen (requires_grad=False), so there is nothing to "
-                          f"train; fix: unfreeze the parameters to train")
+        if sum(layer.frozen_params for layer in graph.layers) == graph.params:
+            what = "every parameter is frozen (requires_grad=False)" if graph.params else "it has no parameters"
+            raise invalid(f"model `{graph.name}`: {what}, so there is nothing to train; fix: plan a model with parameters "
+                          f"that take gradients")
         self.code = code
         self.graph = graph
         self.cluster = cluster

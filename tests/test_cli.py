@@ -282,6 +282,18 @@ def test_a_plan_of_a_spec_file_names_the_file(capsys, tmp_path):
     assert code == 0 and json.loads(out)["step_time_s"] == Plan.load(path).estimate.step_time_s
 
 
+def test_peak_memory_names_the_fullest_device_of_a_mixed_cluster(capsys):
+    # Stage 0 on 80 GB A100s, stage 1 on 32 GB V100s: the summary gives the fuller one, against its own capacity.
+    code, out, _ = run(["evaluate", *MODEL_ARGS, "--cluster", "hetero-a100-v100-8n", "--global-batch", "64", "--tp", "4",
+                        "--pp", "2", "--json"], capsys)
+    rows = json.loads(out)["memory"]
+    fullest = max(rows, key=lambda row: row["total_bytes"] / row["capacity_bytes"])
+    assert code == 0 and fullest["device"] == "v100-32g"
+    code, out, _ = run(["evaluate", *MODEL_ARGS, "--cluster", "hetero-a100-v100-8n", "--global-batch", "64", "--tp", "4",
+                        "--pp", "2"], capsys)
+    assert re.search(rf"peak memory .* of {fullest['capacity_bytes'] / 2**30:.2f} GiB on v100-32g", out)
+
+
 def test_tables_render_without_json(capsys):
     code, out, _ = run(["evaluate", *RUN_ARGS, "--tp", "2", "--pp", "2"], capsys)
     assert code == 0 and "step time" in out and "Memory per device" in out

@@ -831,6 +831,8 @@ def test_frozen_layers_hold_no_gradients_or_moments_and_reduce_nothing():
 def test_a_model_with_every_parameter_frozen_is_refused():
     with pytest.raises(PlannerError, match="every parameter is frozen .* nothing to train"):
         evaluate("tests.fixtures.custom_models:frozen_gpt_factory", "a100-80g:1x2", {"tp": 1, "pp": 1}, global_batch=8)
+    with pytest.raises(PlannerError, match="it has no parameters, so there is nothing to train"):
+        evaluate("tests.fixtures.custom_models:parameterless_factory", "a100-80g:1x2", {"tp": 1, "pp": 1}, global_batch=8)
 
 
 def test_heterogeneous_cluster_v100_stage_is_slower(gpt350m):

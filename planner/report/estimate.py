@@ -27,8 +27,11 @@ def summary_table(estimate: Estimate, title: str) -> Table:
     table.add_row("throughput", f"{estimate.tokens_per_s:,.0f} tokens/s")
     table.add_row("model TFLOP/s per device", f"{estimate.tflops_per_gpu:.1f}")
     table.add_row("MFU", f"{estimate.mfu:.1%}")
-    capacity = max(row["capacity_bytes"] for row in estimate.memory)
-    table.add_row("peak memory", f"{fmt_bytes(estimate.peak_memory_bytes)} of {fmt_bytes(capacity)}  {bar(estimate.peak_memory_bytes / capacity)}")
+    # The fullest stage against its own device (on a mixed cluster the largest bytes may sit on the larger device).
+    fullest = max(estimate.memory, key=lambda row: row["total_bytes"] / row["capacity_bytes"])
+    where = f" on {fullest['device']}" if len({row["device"] for row in estimate.memory}) > 1 else ""
+    table.add_row("peak memory", f"{fmt_bytes(fullest['total_bytes'])} of {fmt_bytes(fullest['capacity_bytes'])}{where}  "
+                                 f"{bar(fullest['total_bytes'] / fullest['capacity_bytes'])}")
     table.add_row("fits", "[green]yes[/green]" if estimate.fits else "[red]no[/red]")
     return table
 
