@@ -6,7 +6,9 @@ loads and validates them into these types. Bandwidths are per device and per dir
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -160,6 +162,13 @@ class Cluster:
     def num_nodes(self) -> int:
         return sum(g.count for g in self.groups)
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """12 hex digits that change with any priced field of the hardware (groups, devices, links,
+        oversubscription), not with names, descriptions or sources: a sweep resumes into its rows
+        only while this stays the same."""
+        return hashlib.sha256(repr((_priced_fields(self.groups), self.oversubscription)).encode()).hexdigest()[:12]
+
     @property
     def homogeneous(self) -> bool:
         return len({g.node for g in self.groups}) == 1
@@ -175,3 +184,14 @@ class Cluster:
     def devices(self) -> tuple[DeviceSpec, ...]:
         """The DeviceSpec of every global rank, in rank order."""
         return tuple(node.device for node in self.nodes() for _ in range(node.devices_per_node))
+
+
+def _priced_fields(value):
+    """`value` as nested tuples of its dataclasses' compared fields (those that change a price)."""
+    if dataclasses.is_dataclass(value):
+        return tuple((f.name, _priced_fields(getattr(value, f.name))) for f in dataclasses.fields(value) if f.compare)
+    if isinstance(value, (tuple, list)):
+        return tuple(_priced_fields(item) for item in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(key), _priced_fields(item)) for key, item in value.items()))
+    return value

@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from costmodel.errors import ProfileError
+from costmodel.strict_parse import load_text
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 PROFILES_PATH_ENV = "PARAPLAN_PROFILES_PATH"
@@ -112,9 +113,11 @@ def read_mapping(path: Path) -> dict:
     except (OSError, UnicodeDecodeError) as exc:
         raise ProfileError(f"{path}: cannot read ({exc}); check the file") from None
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = load_text(text, path.suffix == ".json")
     except json.JSONDecodeError as exc:
         raise ProfileError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    except ValueError as exc:  # a JSON key given twice
+        raise ProfileError(f"{path}: invalid JSON ({exc})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""

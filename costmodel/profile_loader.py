@@ -292,9 +292,16 @@ def _parse_cluster(origin: Origin, data: dict, default_name: str, dirs: tuple[Pa
     if oversubscription < 1.0:
         raise origin.error("oversubscription", f"{oversubscription!r} is below 1; use 1.0 for a full-bisection"
                            " fabric or N for N:1 oversubscription")
+    parsed = tuple(_parse_group(origin, f"groups[{i}]", g, dirs, base) for i, g in enumerate(groups))
+    for i, group in enumerate(parsed):  # the cost model keys devices by name
+        same_name = next((j for j, other in enumerate(parsed[:i]) if other.node.device.name == group.node.device.name
+                          and other.node.device != group.node.device), None)
+        if same_name is not None:
+            raise origin.error(f"groups[{i}].device", f"a different profile than groups[{same_name}]'s is also named "
+                               f"{group.node.device.name!r}; give one of them its own `name:`")
     return Cluster(
         name=fields.text(origin, "name", data.get("name", default_name)),
-        groups=tuple(_parse_group(origin, f"groups[{i}]", g, dirs, base) for i, g in enumerate(groups)),
+        groups=parsed,
         oversubscription=oversubscription,
         description=fields.text(origin, "description", data.get("description", "")),
         source=fields.sources(origin, "", data.get("sources", {}), _CLUSTER_KEYS),

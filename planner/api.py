@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from costmodel.errors import ProfileError
 from costmodel.hardware import Cluster
@@ -9,7 +10,7 @@ from costmodel.profile_loader import load_cluster
 from planner.config import ParallelConfig, Schedule
 from planner.errors import invalid
 from planner.graph import ModelGraph, Recompute
-from planner.result import Estimate, Plan
+from planner.result import Estimate, Plan, stored_reference
 
 # Keys `make_config` reads; anything else is a typo, reported rather than ignored.
 CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "recompute", "schedule", "offload_optimizer",
@@ -124,8 +125,9 @@ def _planned_choices(planned: Plan, graph: ModelGraph, global_batch: int) -> tup
     names = tuple(layer.name for layer in graph.layers)
     params = tuple(layer.params for layer in graph.layers)
     if names != planned.layer_names or (planned.layer_params and params != planned.layer_params):
-        raise invalid(f"plan: made for {planned.model} ({len(planned.layer_names)} layers), not for this model "
-                      f"({len(names)} layers, other sizes or names); evaluate it with the model it was planned for")
+        raise invalid(f"plan: made for {planned.model} as it was then ({len(planned.layer_names)} traced layers), not for "
+                      f"this model ({len(names)} traced layers, or other sizes or names); evaluate it with the model it was "
+                      f"planned for, or re-plan")
     staged = [name for stage in planned.stages for name in stage.layer_names]
     if sorted(staged) != sorted(names):
         odd = sorted(set(staged) ^ set(names)) or sorted(name for name in set(staged) if staged.count(name) > 1)
@@ -191,8 +193,9 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
     code = TrainingCode.of(attention=attention, tp_overlap=tp_overlap, loss=loss, zero3_fetch=zero3_fetch, dp_sync=dp_sync,
                            elementwise=elementwise, pp_buffers=pp_buffers, cp_comm=cp_comm)
     result = search(graph, hardware, global_batch=global_batch, dtype=dtype, code=code,
-                    cluster_name=str(cluster if isinstance(cluster, str) else hardware.name), **constraints)
-    # A model named by reference (a spec file's path, not just its stem) is kept as given, so that
+                    cluster_name=stored_reference(str(cluster)) if isinstance(cluster, (str, Path)) else hardware.name,
+                    **constraints)
+    # A model named by reference (a spec file's path, not just its stem) is kept, so that
     # `evaluate --plan` and `examples/train.py` find it again.
-    return dataclasses.replace(result, model=model if isinstance(model, str) else result.model,
+    return dataclasses.replace(result, model=stored_reference(model) if isinstance(model, str) else result.model,
                                layer_params=tuple(layer.params for layer in graph.layers))

@@ -5,6 +5,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from costmodel.profile_files import PROFILE_SUFFIXES
 from planner.config import ParallelConfig
 from planner.errors import invalid
 
@@ -158,6 +159,18 @@ class Estimate:
             config=ParallelConfig.from_dict(data["config"]) if "config" in data else None,
             notes=tuple(data.get("notes", ())),
         )
+
+
+def stored_reference(ref: str) -> str:
+    """A model or cluster reference as a plan stores it: a spec, cluster or device file (also the
+    device file of `FILE:NODESxGPUS`; spec files take the profiles' suffixes) by its absolute path,
+    since a plan is re-priced and applied from other directories; names and factories as given."""
+    head, colon, shape = ref.rpartition(":")
+    if colon and head.lower().endswith(PROFILE_SUFFIXES) and Path(head).is_file():
+        return f"{Path(head).resolve()}:{shape}"
+    if ref.lower().endswith(PROFILE_SUFFIXES) and Path(ref).is_file():
+        return str(Path(ref).resolve())
+    return ref
 
 
 def substituted_dtype_note(memory: list[dict], dtype: str) -> tuple[str, ...]:

@@ -309,7 +309,9 @@ def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closes
     remedies = [f"about {math.ceil(cluster.num_devices * need / capacity)}+ devices"]
     if config.micro_batch > 1:
         remedies.append("a smaller micro-batch")
-    if (config.zero < 3 and cluster.num_devices > 1) or config.recompute is not Recompute.FULL:  # one device shards nothing
+    # ZeRO needs data-parallel ranks to shard over: none when the fixed tp and pp take every device.
+    shardable = cluster.num_devices // (constraints.get("tp", 1) * constraints.get("pp", 1)) > 1 and constraints.get("dp") != 1
+    if (config.zero < 3 and shardable) or config.recompute is not Recompute.FULL:
         remedies.append("allowing zero=3 with recompute=full")
     if not config.offload_optimizer:
         remedies.append("allowing optimizer offload")

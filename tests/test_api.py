@@ -170,7 +170,7 @@ def test_a_plan_evaluates_only_on_the_model_it_was_made_for(gpipe_plan, small_gr
     # Another layer count, and the same 24 blocks with other sizes (gpt3-350m: hidden 1024, not 2048).
     _, plan = gpipe_plan
     for other in (small_graph, planner.trace("gpt3-350m", seq_len=2048)):
-        with pytest.raises(PlannerError, match=r"plan: made for gpt3-1.3b \(26 layers\), not for this model"):
+        with pytest.raises(PlannerError, match=r"plan: made for gpt3-1.3b as it was then \(26 traced layers\), not for this model"):
             planner.evaluate(other, "a10g:1x4", plan, global_batch=64)
 
 

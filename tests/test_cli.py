@@ -122,12 +122,17 @@ def test_evaluate_json_contract(capsys):
 
 def test_evaluate_says_what_would_fit_and_how_to_shrink_a_bubble(capsys):
     # llama3-70b on 8 devices without ZeRO: ~70e9 x 18 B / 8 ranks of model states, far over 80 GB.
+    # All 8 are pipeline stages (dp = 1), so ZeRO would have no data-parallel ranks to shard over.
     code, out, _ = run(["evaluate", "--model", "llama3-70b", "--cluster", "h100-sxm:1x8", "--global-batch", "8",
                         "--seq-len", "2048", "--tp", "1", "--pp", "8", "--micro-batch", "1", "--recompute", "full"], capsys)
     text = " ".join(out.split())
     assert code == 0
     assert re.search(r"Does not fit: stage \d+ needs [\d.]+ GiB of 79.19 GiB; its model states \([\d.]+ GiB\) shrink "
-                     r"under ZeRO-3 \(--zero 3\)", text)
+                     r"over more data-parallel devices", text)
+    assert "--zero 3" not in text
+    code, out, _ = run(["evaluate", "--model", "llama3-70b", "--cluster", "h100-sxm:1x8", "--global-batch", "8",
+                        "--seq-len", "2048", "--tp", "1", "--pp", "4", "--micro-batch", "1", "--recompute", "full"], capsys)
+    assert code == 0 and re.search(r"shrink under ZeRO-3 \(--zero 3\)", " ".join(out.split()))  # dp = 2: it shards
     # 8 micro-batches over 8 stages: (p - 1) / (m + p - 1) = 7/15 of 1F1B's step is bubble.
     assert re.search(r"The pipeline bubble idles the devices 4\d% of the step: .* an interleaved schedule \(--vpp 2", text)
     code, out, _ = run(["evaluate", *RUN_ARGS, "--tp", "2", "--pp", "1"], capsys)
@@ -269,17 +274,22 @@ def test_evaluate_prices_a_saved_plan_as_planned(capsys, tmp_path):
     assert config["micro_batch"] == planned["config"]["micro_batch"]
 
 
-def test_a_plan_of_a_spec_file_names_the_file(capsys, tmp_path):
-    # The plan keeps the spec file's path (not its stem, which is no built-in name, nor a built-in
-    # name the file shadows), so evaluate --plan alone finds the model again.
-    spec = tmp_path / "llama3-8b.yaml"
-    spec.write_text("arch: llama\nlayers: 2\nhidden: 256\nheads: 4\nkv_heads: 2\nffn_hidden: 512\nvocab: 1024\n")
-    path = tmp_path / "plan.json"
-    code, out, _ = run(["plan", "--model", str(spec), "--seq-len", "128", "--cluster", "a100-80g:1x2", "--global-batch", "4",
-                        "--out", str(path), "--json"], capsys)
-    assert code == 0 and json.loads(out)["model"] == str(spec)
-    code, out, _ = run(["evaluate", "--plan", str(path), "--json"], capsys)
-    assert code == 0 and json.loads(out)["step_time_s"] == Plan.load(path).estimate.step_time_s
+def test_a_plan_of_files_names_them_by_absolute_path(capsys, tmp_path, monkeypatch):
+    # The plan keeps the spec and cluster files' paths (not the spec's stem, which is no built-in
+    # name, nor a built-in name the file shadows), made absolute: evaluate --plan alone finds them
+    # again from another directory, where the relative paths would name other files or none.
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "llama3-8b.yaml").write_text(
+        "arch: llama\nlayers: 2\nhidden: 256\nheads: 4\nkv_heads: 2\nffn_hidden: 512\nvocab: 1024\n")
+    (tmp_path / "work" / "pair.yaml").write_text("groups:\n  - {device: h100-sxm, nodes: 1, devices_per_node: 2}\n")
+    monkeypatch.chdir(tmp_path / "work")
+    code, out, _ = run(["plan", "--model", "llama3-8b.yaml", "--seq-len", "128", "--cluster", "pair.yaml", "--global-batch", "4",
+                        "--out", "plan.json", "--json"], capsys)
+    planned = json.loads(out)
+    assert code == 0 and (planned["model"], planned["cluster"]) == (str(Path("llama3-8b.yaml").resolve()), str(Path("pair.yaml").resolve()))
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run(["evaluate", "--plan", "work/plan.json", "--json"], capsys)
+    assert code == 0 and json.loads(out)["step_time_s"] == planned["step_time_s"]
 
 
 def test_peak_memory_names_the_fullest_device_of_a_mixed_cluster(capsys):

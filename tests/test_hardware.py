@@ -298,12 +298,30 @@ def test_bad_cluster_spec_is_one_line(spec, fix):
     assert "\n" not in str(err.value) and fix in str(err.value)
 
 
-@pytest.mark.parametrize("text, fix", [("a: [1, 2\n", "invalid YAML"), ("- 1\n- 2\n", "top level must be a mapping")])
-def test_unparseable_file_is_one_line(tmp_path, text, fix):
-    path = _write(tmp_path, "broken.yaml", text)
+@pytest.mark.parametrize("name, text, fix", [
+    ("broken.yaml", "a: [1, 2\n", "invalid YAML"),
+    ("broken.yaml", "- 1\n- 2\n", "top level must be a mapping"),
+    ("twice.yaml", "name: d\nmem_bytes: 8.0e+10\nmem_bytes: 4.0e+10\n", "key 'mem_bytes' given twice"),
+    ("twice.json", '{"name": "d", "mem_bytes": 8.0e+10, "mem_bytes": 4.0e+10}', "key 'mem_bytes' given twice"),
+])
+def test_unparseable_file_is_one_line(tmp_path, name, text, fix):
+    # A key given twice would otherwise be read as whichever came last.
+    path = _write(tmp_path, name, text)
     with pytest.raises(ProfileError) as err:
         load_device(path)
     assert "\n" not in str(err.value) and str(path) in str(err.value) and fix in str(err.value)
+
+
+def test_two_device_profiles_of_one_name_in_a_cluster_are_refused(tmp_path):
+    # The cost model keys devices by name: a slowed copy of h100-sxm keeping its name would be priced
+    # as whichever group came first.
+    text = (PROFILES_DIR / "devices" / "h100-sxm.yaml").read_text().replace("bf16: 989.4e+12", "bf16: 400.0e+12")
+    slow = _write(tmp_path, "slow.yaml", text)
+    cluster = _write(tmp_path, "mixed.yaml", f"groups:\n  - {{device: h100-sxm, nodes: 1}}\n  - {{device: {slow}, nodes: 1}}\n")
+    with pytest.raises(ProfileError, match=r"groups\[1\]\.device: a different profile than groups\[0\]'s is also named 'h100-sxm'"):
+        load_cluster(cluster)
+    same = _write(tmp_path, "same.yaml", "groups:\n  - {device: h100-sxm, nodes: 1}\n  - {device: h100-sxm, nodes: 2, nic: eth-25g-8gpu}\n")
+    assert load_cluster(same).num_devices == 24
 
 
 def test_unknown_device_lists_nearest_names():

@@ -226,8 +226,8 @@ def test_results_round_trip_and_a_partial_last_line_is_cut(tmp_path, suffix, ref
 
 @pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
 def test_a_file_from_before_the_added_columns_reads_and_resumes_with_them(tmp_path, suffix, reference):
-    # A results file written before `dp_replicate` and `host_bytes` existed: its rows read with those
-    # columns empty, and a sweep appending to it first rewrites it with every column.
+    # A results file written before `dp_replicate`, `host_bytes` and `hardware` existed: its rows
+    # read with those columns empty, and a sweep appending to it first rewrites it with every column.
     first = [column for column in COLUMNS if column not in ADDED_COLUMNS]
     old = [{column: row[column] for column in first} for row in reference[:2]]
     path = tmp_path / f"old{suffix}"
@@ -308,16 +308,20 @@ def test_rerun_plans_only_missing_points_and_matches_an_uninterrupted_run(tmp_pa
         sweep({**GRID, "dtype": "fp16"}, out, workers=1)
 
 
-def test_rows_of_a_cluster_file_edited_since_are_refused(tmp_path):
-    # Resuming after the cluster file grew from 1 to 2 nodes would keep rows priced for 8 devices.
+@pytest.mark.parametrize("edited", ["groups:\n  - {device: a100-80g, nodes: 2}\n",
+                                    "groups:\n  - {device: a100-80g, nodes: 1, nic: eth-25g-8gpu}\n"])
+def test_rows_of_a_cluster_file_edited_since_are_refused(tmp_path, edited):
+    # Resuming after the cluster file changed (more nodes, a slower NIC) would keep rows priced for
+    # the old hardware; a renamed or re-described cluster prices the same and resumes.
     cluster = tmp_path / "mine.yaml"
     cluster.write_text("groups:\n  - {device: a100-80g, nodes: 1}\n")
-    grid = {**GRID, "devices": [], "cluster_sizes": [], "clusters": [str(cluster)]}
-    grid = {key: value for key, value in grid.items() if value}
+    grid = {key: value for key, value in {**GRID, "clusters": [str(cluster)]}.items() if key not in ("devices", "cluster_sizes")}
     out = tmp_path / "results.csv"
     assert sweep(grid, out, workers=1).planned == 1
-    cluster.write_text("groups:\n  - {device: a100-80g, nodes: 2}\n")
-    with pytest.raises(PlannerError, match="planned for 8 devices on 1 nodes, the cluster now has 16 on 2"):
+    cluster.write_text("name: renamed\ndescription: the same node\ngroups:\n  - {device: a100-80g, nodes: 1}\n")
+    assert sweep(grid, out, workers=1).planned == 0
+    cluster.write_text(edited)
+    with pytest.raises(PlannerError, match=r"was planned for other hardware \(fingerprint [0-9a-f]{12}, now [0-9a-f]{12}"):
         sweep(grid, out, workers=1)
 
 

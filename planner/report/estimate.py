@@ -97,10 +97,10 @@ def hints(estimate: Estimate) -> list[str]:
 
 def _state_fixes(config, offload: bool) -> list[str]:
     """What shrinks `config`'s model states per device, of the levers it does not pull already:
-    ZeRO (to stage 3), fewer hybrid-sharding replicas, more data-parallel devices, and (`offload`)
-    optimizer offload."""
+    ZeRO (to stage 3; on one data-parallel rank it shards nothing), fewer hybrid-sharding replicas,
+    more data-parallel devices, and (`offload`) optimizer offload."""
     fixes = []
-    if config is None or config.zero < 3:
+    if config is None or (config.zero < 3 and config.shard_ranks > 1):
         fixes.append("under ZeRO-3 (--zero 3)")
     if config is not None and config.dp_replicate > 1:
         fixes.append("with fewer hybrid-sharding replicas (--dp-replicate)")

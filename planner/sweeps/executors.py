@@ -26,6 +26,7 @@ from planner.api import plan
 from planner.errors import PlannerError, PlannerErrorKind, invalid
 from planner.graph import ModelGraph
 from planner.models import SPEC_SUFFIXES
+from planner.result import stored_reference
 from planner.sweeps.results import COLUMN_TYPES, PointStatus
 from planner.sweeps.spec import SweepPoint
 from planner.training_code import TrainingCode
@@ -84,7 +85,7 @@ def plan_point(point: SweepPoint, graph: ModelGraph, cluster: Cluster, settings:
             path = Path(settings.plan_dir) / plan_file_name(point)
             path.parent.mkdir(parents=True, exist_ok=True)
             # The point's own model and cluster references, so that `evaluate --plan` finds them again.
-            dataclasses.replace(result, model=point.model, cluster=point.cluster).save(path)
+            dataclasses.replace(result, model=stored_reference(point.model), cluster=stored_reference(point.cluster)).save(path)
             row["plan_path"] = str(path)
     row["plan_time_s"] = time.perf_counter() - started
     return row
@@ -109,7 +110,7 @@ def base_row(point: SweepPoint, cluster: Cluster, settings: PlanSettings) -> dic
         "model": point.model, "cluster": point.cluster, "global_batch": point.global_batch, "seq_len": point.seq_len,
         "settings": settings.settings,
         "device": "+".join(dict.fromkeys(group.node.device.name for group in cluster.groups)),
-        "devices": cluster.num_devices, "nodes": cluster.num_nodes,
+        "devices": cluster.num_devices, "nodes": cluster.num_nodes, "hardware": cluster.fingerprint,
         # The cluster's price, when every device type in it has one (0 means unknown in profiles).
         "cluster_usd_per_hour": (sum(g.count * g.node.devices_per_node * g.node.device.price_per_hour for g in cluster.groups)
                                  if all(prices) else None),

@@ -45,13 +45,13 @@ COLUMN_TYPES: dict[str, type] = {
     "peak_memory_bytes": float, "capacity_bytes": float,
     "cluster_usd_per_hour": float, "usd_per_million_tokens": float,
     "plan_time_s": float, "plan_path": str,
-    "dp_replicate": int, "host_bytes": float,
+    "dp_replicate": int, "host_bytes": float, "hardware": str,
 }
 COLUMNS = tuple(COLUMN_TYPES)
-# Columns added after the first results files were written: a file whose columns stop before them
-# reads with them empty, and is rewritten with every column before a sweep appends to it.
-ADDED_COLUMNS = ("dp_replicate", "host_bytes")
-_FIRST_COLUMNS = COLUMNS[:len(COLUMNS) - len(ADDED_COLUMNS)]
+# Columns added after the first results files were written, in the order they came: a file whose
+# columns stop before some of them reads with those empty, and is rewritten with every column
+# before a sweep appends to it.
+ADDED_COLUMNS = ("dp_replicate", "host_bytes", "hardware")
 
 
 def results_format(path: str | Path, what: str = "--out") -> ResultsFormat:
@@ -185,7 +185,7 @@ def _parse(path: Path, fmt: ResultsFormat, data: bytes) -> tuple[list[dict], boo
         return [], True
     reader = csv.reader(lines)
     header = tuple(next(reader))
-    if header not in (COLUMNS, _FIRST_COLUMNS):
+    if header != COLUMNS[:len(header)] or not set(COLUMNS[len(header):]) <= set(ADDED_COLUMNS):
         raise invalid(f"{path}:1: the header is not this paraplan's sweep columns; write the sweep to a new --out file")
     rows = []
     for number, values in enumerate(reader, 2):
@@ -211,6 +211,6 @@ def _typed_json(path: Path, number: int, line: str) -> dict:
         row = json.loads(line)
     except json.JSONDecodeError as error:
         raise invalid(f"{path}:{number}: not a JSON object ({error.msg}); the file is damaged, fix or remove that line") from None
-    if not isinstance(row, dict) or set(row) not in (set(COLUMNS), set(_FIRST_COLUMNS)):
+    if not isinstance(row, dict) or not (set(COLUMNS) - set(ADDED_COLUMNS) <= set(row) <= set(COLUMNS)):
         raise invalid(f"{path}:{number}: the keys are not this paraplan's sweep columns; write the sweep to a new --out file")
     return {column: row[column] for column in COLUMNS if column in row}

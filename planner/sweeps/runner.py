@@ -173,11 +173,11 @@ def _unfinished(spec: SweepSpec, results: ResultsFile) -> list[SweepPoint]:
         if point in wanted and row["settings"] != spec.settings:
             raise invalid(f"{results.path}: {point.model} on {point.cluster} was planned with {row['settings']!r}, this sweep uses "
                           f"{spec.settings!r}; write to a new --out file or use the same settings")
-        cluster = spec.clusters.get(point.cluster)  # a cluster file edited since: its rows are stale
-        if point in wanted and row["devices"] is not None and (row["devices"], row["nodes"]) != (cluster.num_devices, cluster.num_nodes):
-            raise invalid(f"{results.path}: {point.model} on {point.cluster} was planned for {row['devices']} devices on "
-                          f"{row['nodes']} nodes, the cluster now has {cluster.num_devices} on {cluster.num_nodes}; "
-                          f"write to a new --out file, or restore the cluster file")
+        cluster = spec.clusters.get(point.cluster)  # a cluster or device file edited since: its rows are stale
+        if point in wanted and row["hardware"] is not None and row["hardware"] != cluster.fingerprint:
+            raise invalid(f"{results.path}: {point.model} on {point.cluster} was planned for other hardware (fingerprint "
+                          f"{row['hardware']}, now {cluster.fingerprint}: its files changed since); write to a new --out "
+                          f"file, or restore the files")
         finished.add(point)
     return [point for point in spec.points if point not in finished]
 

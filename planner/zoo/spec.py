@@ -47,7 +47,6 @@ Example::
 from __future__ import annotations
 
 import difflib
-import json
 import math
 from dataclasses import dataclass
 from enum import StrEnum
@@ -56,6 +55,7 @@ from typing import Any
 
 import yaml
 
+from costmodel.strict_parse import load_text
 from planner.errors import PlannerError, invalid
 from planner.graph import ModelDims
 
@@ -202,7 +202,7 @@ def load_spec(path: str | Path) -> ModelSpec:
 
 
 def parse_spec_text(text: str, origin: str) -> ModelSpec:
-    """Parses YAML (or JSON, a subset of YAML) spec text and validates it.
+    """Parses YAML spec text (JSON when `origin` ends in .json) and validates it; a key given twice is an error.
 
     Args:
         text: file contents.
@@ -216,7 +216,7 @@ def parse_spec_text(text: str, origin: str) -> ModelSpec:
     """
     is_json = str(origin).lower().endswith(".json")
     try:
-        data = json.loads(text, object_pairs_hook=_unique_pairs) if is_json else yaml.load(text, Loader=_UniqueKeyLoader)
+        data = load_text(text, is_json)
     except (yaml.YAMLError, ValueError, OverflowError, RecursionError) as exc:
         # PyYAML raises ValueError/OverflowError for scalars it resolves but cannot construct
         # (e.g. the timestamp "2001-13-45"); json raises ValueError.
@@ -224,28 +224,6 @@ def parse_spec_text(text: str, origin: str) -> ModelSpec:
         raise invalid(f"{origin}: not valid {'JSON' if is_json else 'YAML'} ({_one_line(exc)}); "
                       f"fix: write a mapping, {shape}, each key once") from None
     return parse_spec(data, origin)
-
-
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
-    """A JSON object's pairs as a dict; ValueError for a key given twice (json keeps the last silently)."""
-    keys = [key for key, _ in pairs]
-    twice = next((key for key in keys if keys.count(key) > 1), None)
-    if twice is not None:
-        raise ValueError(f"key {twice!r} given twice")
-    return dict(pairs)
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a mapping key given twice (PyYAML keeps the last silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
 
 
 def parse_spec(data: Any, origin: str) -> ModelSpec:
