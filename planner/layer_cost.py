@@ -58,7 +58,7 @@ class TpPlan:
         collectives: (collective, bytes, producer op) per forward at the traced micro-batch: the
             producer's output is converted; backward runs the conjugate collectives of the same sizes.
         whole_params: parameters outside the experts that every tp rank holds whole: modules the
-            layout replicates (norms; an embedding or head whose vocabulary tp does not divide).
+            layout replicates (norms; an embedding whose vocabulary tp does not divide).
     """
 
     tp: int

@@ -279,7 +279,8 @@ def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, gl
     dims = graph.dims
     if config.devices != cluster.num_devices:
         raise invalid(
-            f"dp*tp*pp*cp = {config.dp}*{config.tp}*{config.pp}*{config.cp} = {config.devices}: must equal the cluster's {cluster.num_devices} devices"
+            f"dp*tp*pp*cp = {config.dp}*{config.tp}*{config.pp}*{config.cp} = {config.devices}: must equal the cluster's "
+            f"{cluster.num_devices} devices; fix: price it on a cluster of {config.devices} devices, or change the degrees"
         )
     if dims.heads and dims.heads % config.tp:
         raise invalid(f"tp={config.tp}: must divide the {dims.heads} attention heads")

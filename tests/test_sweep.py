@@ -21,7 +21,7 @@ import pytest
 import planner
 from costmodel.profile_loader import load_device
 from planner.errors import PlannerError, PlannerErrorKind
-from planner.sweeps.executors import PlanSettings, failure, plan_file_name, plan_point
+from planner.sweeps.executors import PlanSettings, base_row, failure, plan_file_name, plan_point
 from planner.sweeps.results import ADDED_COLUMNS, COLUMNS, ResultsFile, read_results
 from planner.sweeps.runner import sweep
 from planner.sweeps.spec import SweepPoint, load_sweep_spec, sweep_spec_from_dict
@@ -98,6 +98,10 @@ def test_a_device_file_is_its_own_cluster_even_under_a_built_in_name(tmp_path):
     slow = f"{tmp_path / 'devices' / 'h100-sxm.yaml'}:1x8"
     assert list(spec.clusters) == ["h100-sxm:1x8", slow]
     assert spec.clusters[slow].groups[0].node.device.peak_flops_per_s["bf16"] == 494.7e12
+    # Rows (and the charts, which group by the device column) keep the two apart too.
+    settings = PlanSettings(spec.dtype, spec.code, spec.constraints, spec.settings)
+    rows = [base_row(point, spec.clusters[point.cluster], settings) for point in spec.points]
+    assert [row["device"] for row in rows] == ["h100-sxm", str(tmp_path / "devices" / "h100-sxm.yaml")]
 
 
 def test_tp_overlap_is_a_sweep_setting(tmp_path):

@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Iterator
 
 from costmodel.errors import ProfileError
 from costmodel.hardware import Cluster
+from costmodel.profile_files import PROFILE_SUFFIXES
 from planner.api import plan
 from planner.errors import PlannerError, PlannerErrorKind, invalid
 from planner.graph import ModelGraph
@@ -109,12 +110,21 @@ def base_row(point: SweepPoint, cluster: Cluster, settings: PlanSettings) -> dic
         **dict.fromkeys(COLUMN_TYPES),
         "model": point.model, "cluster": point.cluster, "global_batch": point.global_batch, "seq_len": point.seq_len,
         "settings": settings.settings,
-        "device": "+".join(dict.fromkeys(group.node.device.name for group in cluster.groups)),
+        "device": _device_label(point, cluster),
         "devices": cluster.num_devices, "nodes": cluster.num_nodes, "hardware": cluster.fingerprint,
         # The cluster's price, when every device type in it has one (0 means unknown in profiles).
         "cluster_usd_per_hour": (sum(g.count * g.node.devices_per_node * g.node.device.price_per_hour for g in cluster.groups)
                                  if all(prices) else None),
     }
+
+
+def _device_label(point: SweepPoint, cluster: Cluster) -> str:
+    """The `device` column: the device file of a `FILE:NODESxGPUS` point as written (its profile may
+    reuse a built-in's name, and the charts group rows by this column), else the device names."""
+    device_file = point.cluster.rpartition(":")[0]
+    if device_file.lower().endswith(PROFILE_SUFFIXES):
+        return device_file
+    return "+".join(dict.fromkeys(group.node.device.name for group in cluster.groups))
 
 
 def plan_file_name(point: SweepPoint) -> str:
