@@ -310,7 +310,7 @@ def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closes
     if config.micro_batch > 1:
         remedies.append("a smaller micro-batch")
     # ZeRO needs data-parallel ranks to shard over: none when the fixed tp and pp take every device.
-    shardable = cluster.num_devices // (constraints.get("tp", 1) * constraints.get("pp", 1)) > 1 and constraints.get("dp") != 1
+    shardable = cluster.num_devices // ((constraints.get("tp") or 1) * (constraints.get("pp") or 1)) > 1 and constraints.get("dp") != 1
     if (config.zero < 3 and shardable) or config.recompute is not Recompute.FULL:
         remedies.append("allowing zero=3 with recompute=full")
     if not config.offload_optimizer:

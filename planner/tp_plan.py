@@ -97,10 +97,9 @@ def tp_plan_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype
 def whole_params(layer: Layer, layout: Layout) -> int:
     """Parameters outside the experts of `layer` that `layout` leaves whole on every tp rank: each
     module's weights counted once (its ops share one placement)."""
-    shards = {choice.name: choice.strategy.param_shards for choice in layout.choices}
     whole: dict[str, int] = {}
-    for op, choice in zip(layer.ops, layout.choices):
-        if op.param_shapes and shards[choice.name] == 1 and EXPERTS_MODULE not in op.fqn.split("."):
+    for op, choice in zip(layer.ops, layout.choices):  # in op order (the boundary pseudo-op, last, unpaired)
+        if op.param_shapes and choice.strategy.param_shards == 1 and EXPERTS_MODULE not in op.fqn.split("."):
             whole[op.fqn] = max(whole.get(op.fqn, 0), sum(math.prod(shape) for shape in op.param_shapes))
     return sum(whole.values())
 

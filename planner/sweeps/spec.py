@@ -264,7 +264,7 @@ def _positive(entry: _Entry, index: int, value) -> int:
 
 def _relative(text: str, base: Path) -> str:
     """`text` resolved against the sweep file's folder when it names a relative file there."""
-    if text.endswith(PROFILE_SUFFIXES) and not Path(text).is_absolute() and (base / text).is_file():
+    if text.lower().endswith(PROFILE_SUFFIXES) and not Path(text).is_absolute() and (base / text).is_file():
         return str(base / text)
     return text
 
@@ -287,7 +287,7 @@ def _device(entry: _Entry, index: int, value, base: Path) -> str:
         device = load_device(name)
     except ProfileError as error:
         raise invalid(f"{entry.item(index)}: {error}") from None
-    return name if name.endswith(PROFILE_SUFFIXES) else device.name
+    return name if name.lower().endswith(PROFILE_SUFFIXES) else device.name
 
 
 def _cluster(where: str, spelling: str, base: Path, clusters: dict[str, Cluster]) -> str:
@@ -296,13 +296,13 @@ def _cluster(where: str, spelling: str, base: Path, clusters: dict[str, Cluster]
     `h100-sxm:2x8` are one cluster), with a device file's path as written in place of its profile's
     name (which may be a built-in device's)."""
     device, _, size = spelling.rpartition(":")
-    device_file = _relative(device, base) if device.endswith(PROFILE_SUFFIXES) else ""
+    device_file = _relative(device, base) if device.lower().endswith(PROFILE_SUFFIXES) else ""
     spelling = f"{device_file}:{size}" if device_file else _relative(spelling, base)
     try:
         cluster = load_cluster(spelling)
     except ProfileError as error:
         raise invalid(f"{where}: {error}") from None
-    if spelling.endswith(PROFILE_SUFFIXES):
+    if spelling.lower().endswith(PROFILE_SUFFIXES):
         name = spelling
     else:
         name = f"{device_file}:{cluster.name.rpartition(':')[2]}" if device_file else cluster.name

@@ -299,7 +299,7 @@ def _checked_value(origin: str, key: str, value: Any) -> Any:
 
 
 def _number_text(value: Any) -> Any:
-    """A float written in exponent form without a dot ("1e6", which YAML 1.1 reads as a string) as
+    """A number written as text (YAML 1.1 reads an exponent without a dot, "1e6", as a string) as
     that number; any other value unchanged."""
     if isinstance(value, str):
         try:
