@@ -282,10 +282,13 @@ def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, gl
             f"dp*tp*pp*cp = {config.dp}*{config.tp}*{config.pp}*{config.cp} = {config.devices}: must equal the cluster's "
             f"{cluster.num_devices} devices; fix: price it on a cluster of {config.devices} devices, or change the degrees"
         )
+    fitting = [tp for tp in divisors(cluster.num_devices)
+               if not (dims.heads and dims.heads % tp) and not (dims.kv_heads and tp > 1 and dims.kv_heads % tp and tp % dims.kv_heads)]
     if dims.heads and dims.heads % config.tp:
-        raise invalid(f"tp={config.tp}: must divide the {dims.heads} attention heads")
+        raise invalid(f"tp={config.tp}: must divide the {dims.heads} attention heads; fix: use tp {_or(fitting)}")
     if dims.kv_heads and config.tp > 1 and dims.kv_heads % config.tp and config.tp % dims.kv_heads:
-        raise invalid(f"tp={config.tp}: must divide, or be a multiple of, the {dims.kv_heads} key/value heads")
+        raise invalid(f"tp={config.tp}: must divide, or be a multiple of, the {dims.kv_heads} key/value heads; fix: use tp "
+                      f"{_or(fitting)}")
     if config.cp > 1 and cp_comm is CpComm.ALL_TO_ALL:
         _check_head_split(dims.heads, dims.kv_heads, config.tp, config.cp)
     if config.recompute not in graph.recompute_policies:
@@ -328,3 +331,7 @@ def _check_head_split(heads: int, kv_heads: int, tp: int, cp: int) -> None:
     if local % cp or local_kv % cp:
         raise invalid(f"cp={cp} with cp_comm=a2a: the all-to-all splits each rank's {local} query and {local_kv} "
                       f"key/value heads (after tp={tp}) over cp, which must divide both; pick such a cp, or cp_comm all_gather")
+
+
+def _or(values: list[int]) -> str:
+    return " or ".join(str(value) for value in values)

@@ -226,8 +226,8 @@ def _capture_and_measure(source: ModelSource, model: nn.Module, inputs: tuple,
     except measure.ModuleRunError as exc:
         raise PlannerError(PlannerErrorKind.UNSUPPORTED_MODEL, _one_line(
             f"model `{source.name}`: cannot trace: {'; '.join(notes)}; the module-level run "
-            f"failed in {_module_label(exc.fqn)}: {_reason(exc.__cause__)}; fix: make that "
-            f"module traceable by torch.fx or torch.export")) from None
+            f"failed in {_module_label(exc.fqn)}: {_reason(exc.__cause__)}; fix: it fails in plain eager "
+            f"PyTorch too, so check that module's forward and the example inputs' shapes and dtypes")) from None
     notes.append("module-level trace: one op per leaf-module call, measured in one eager run "
                  "on CPU tensors")
     return "module", module_layers(run, cpu_model, grouping, notes)

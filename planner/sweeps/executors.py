@@ -78,7 +78,8 @@ def plan_point(point: SweepPoint, graph: ModelGraph, cluster: Cluster, settings:
                    step_time_s=estimate.step_time_s, tokens_per_s=estimate.tokens_per_s,
                    tflops_per_gpu=estimate.tflops_per_gpu, mfu=estimate.mfu,
                    peak_memory_bytes=estimate.peak_memory_bytes,
-                   capacity_bytes=max(stage["capacity_bytes"] for stage in estimate.memory),
+                   # the capacity of the device holding the peak (on a mixed cluster, not the largest one)
+                   capacity_bytes=max(estimate.memory, key=lambda stage: stage["total_bytes"])["capacity_bytes"],
                    host_bytes=max(stage.get("host_bytes", 0.0) for stage in estimate.memory))
         if price is not None:
             row["usd_per_million_tokens"] = price / SECONDS_PER_HOUR / estimate.tokens_per_s * TOKENS_PER_MILLION
