@@ -126,20 +126,35 @@ def _module_source(module: nn.Module, name: str, example_inputs: Any) -> ModelSo
 def _inputs_for_module(module: nn.Module, name: str,
                        example_inputs: Any) -> Callable[[int, int, torch.device], tuple]:
     """Input maker for a module: the given inputs' shapes, or token ids if it starts with an
-    embedding."""
+    embedding (the first module its forward calls, or the first registered where torch.fx cannot
+    trace the forward without inputs)."""
     if example_inputs is not None:
         shapes = _checked_inputs(example_inputs, f"model `{name}`: example_inputs")
         return lambda micro_batch, seq_len, device: _zeros_like_inputs(shapes, device)
-    first_name, first_leaf = next(((n, m) for n, m in module.named_modules() if next(m.children(), None) is None),
-                                  ("", None))
+    first_name, first_leaf, which = _first_module(module)
     if not isinstance(first_leaf, nn.Embedding):
         first = f"`{first_name}` ({type(first_leaf).__name__})" if first_name else f"the {type(first_leaf).__name__} itself"
         raise invalid(f"model `{name}`: cannot infer example inputs (token ids need an nn.Embedding as the first "
-                      f"registered module; the first is {first}); fix: pass example_inputs, or return "
+                      f"{which} module; the first is {first}); fix: pass example_inputs, or return "
                       f"(module, example_inputs) from the factory")
     vocab = first_leaf.num_embeddings
     return lambda micro_batch, seq_len, device: (
         torch.randint(0, vocab, (micro_batch, seq_len), device=device),)
+
+
+def _first_module(module: nn.Module) -> tuple[str, nn.Module | None, str]:
+    """(name, module, "called" or "registered"): the first leaf module the forward calls, from a
+    torch.fx trace with symbolic inputs; the first registered leaf where fx cannot trace it."""
+    try:
+        graph = torch.fx.symbolic_trace(module).graph
+    except Exception:  # noqa: BLE001 - any forward fx cannot follow without inputs
+        graph = None
+    if graph is not None:
+        called = next((node.target for node in graph.nodes if node.op == "call_module"), None)
+        if called is not None:
+            return called, module.get_submodule(called), "called"
+    leaf = next(((n, m) for n, m in module.named_modules() if next(m.children(), None) is None), ("", None))
+    return (*leaf, "registered")
 
 
 def _factory_source(ref: str, example_inputs: Any) -> ModelSource:

@@ -219,6 +219,25 @@ def test_bare_module_without_embedding_needs_example_inputs(user_module):
     assert x.shape == (3, 4) and x.device == META
 
 
+def test_token_inputs_follow_the_first_module_called_not_registered(user_module):
+    # The head is registered before the embedding but called after it: the forward starts with an
+    # embedding, so the inputs are token ids of its vocabulary.
+    name = user_module("""
+        import torch
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.head = torch.nn.Linear(8, 50)
+                self.embed = torch.nn.Embedding(50, 8)
+            def forward(self, tokens):
+                return self.head(self.embed(tokens))
+        def build():
+            return Net()
+    """)
+    (tokens,) = resolve_model(f"{name}:build").example_inputs(2, 5, torch.device("cpu"))
+    assert tokens.shape == (2, 5) and tokens.dtype == torch.long and int(tokens.max()) < 50
+
+
 def test_factory_taking_only_micro_batch(user_module):
     name = user_module("""
         import torch
