@@ -12,16 +12,27 @@ from typing import Any
 import yaml
 
 
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a mapping key given twice."""
+    """PyYAML's safe loader, refusing a mapping key written twice (a key a merge `<<: *anchor`
+    brings in may still be overridden, as YAML allows)."""
 
     def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
-            seen.add(key)
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == MERGE_TAG:
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    twice = key in seen
+                except TypeError:  # a list or mapping as a key
+                    raise yaml.constructor.ConstructorError(None, None, "found an unhashable key", key_node.start_mark) from None
+                if twice:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
+                seen.add(key)
         return super().construct_mapping(node, deep)
 
 

@@ -312,6 +312,19 @@ def test_unparseable_file_is_one_line(tmp_path, name, text, fix):
     assert "\n" not in str(err.value) and str(path) in str(err.value) and fix in str(err.value)
 
 
+def test_merge_keys_may_be_overridden_but_a_key_written_twice_may_not():
+    # YAML's `<<: *anchor` brings keys in that the mapping may then set itself; writing one key twice
+    # by hand, or a list as a key, is an error (PyYAML would keep the last, or raise a TypeError).
+    from costmodel.strict_parse import load_text
+
+    text = "base: &b {bw_bytes_per_s: 1.0, latency_s: 2.0}\nlink:\n  <<: *b\n  latency_s: 3.0\n"
+    assert load_text(text, is_json=False)["link"] == {"bw_bytes_per_s": 1.0, "latency_s": 3.0}
+    with pytest.raises(yaml.YAMLError, match="key 'a' given twice"):
+        load_text("a: 1\nb: 2\na: 3\n", is_json=False)
+    with pytest.raises(yaml.YAMLError, match="found an unhashable key"):
+        load_text("[1, 2]: x\n", is_json=False)
+
+
 def test_two_device_profiles_of_one_name_in_a_cluster_are_refused(tmp_path):
     # The cost model keys devices by name: a slowed copy of h100-sxm keeping its name would be priced
     # as whichever group came first.

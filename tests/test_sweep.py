@@ -329,6 +329,19 @@ def test_rows_of_a_cluster_file_edited_since_are_refused(tmp_path, edited):
         sweep(grid, out, workers=1)
 
 
+def test_a_sweep_resumes_alike_from_another_directory(tmp_path, monkeypatch):
+    # Files are named by absolute path in the points, so `sweep sub/sweep.yaml` run from above finds
+    # the rows `sweep sweep.yaml` wrote from inside, rather than planning the points again.
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "mine.yaml").write_text("groups:\n  - {device: a100-80g, nodes: 1}\n")
+    (tmp_path / "sub" / "sweep.yaml").write_text(f"models: [{TINY}]\nclusters: [mine.yaml]\nglobal_batches: [32]\nseq_lens: [128]\n")
+    monkeypatch.chdir(tmp_path / "sub")
+    assert sweep("sweep.yaml", "results.csv", workers=1).planned == 1
+    monkeypatch.chdir(tmp_path)
+    assert sweep("sub/sweep.yaml", "sub/results.csv", workers=1).planned == 0
+    assert [row["cluster"] for row in read_results(tmp_path / "sub" / "results.csv")] == [str(tmp_path / "sub" / "mine.yaml")]
+
+
 def test_a_model_that_fails_to_trace_becomes_rows(tmp_path, monkeypatch):
     import planner.sweeps.runner
 

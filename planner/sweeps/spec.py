@@ -27,8 +27,8 @@ Cluster sizes count devices: a size up to the device's usual node (`devices_per_
 profile) is one node of that many devices, a larger size is whole nodes of the usual size (the
 `DEVICE:N` shorthand of `costmodel.profile_loader.load_cluster`); a size that is not a whole number of
 nodes is rejected. A point names its cluster `DEVICE:NODESxGPUS` (device and size, or shorthand),
-by its built-in name, or by its file path. Relative file paths in a sweep file are relative to
-the file.
+by its built-in name, or by its file's absolute path (the same from any working directory).
+Relative file paths in a sweep file are relative to the file.
 
 Every entry is checked before any planning starts; an error names the file, line and field.
 """
@@ -263,9 +263,11 @@ def _positive(entry: _Entry, index: int, value) -> int:
 
 
 def _relative(text: str, base: Path) -> str:
-    """`text` resolved against the sweep file's folder when it names a relative file there."""
-    if text.lower().endswith(PROFILE_SUFFIXES) and not Path(text).is_absolute() and (base / text).is_file():
-        return str(base / text)
+    """A file `text` names, by its absolute path (resolved against the sweep file's folder when
+    relative), so that a point names it alike from any working directory; other text unchanged."""
+    path = Path(text) if Path(text).is_absolute() else base / text
+    if text.lower().endswith(PROFILE_SUFFIXES) and path.is_file():
+        return str(path.resolve())
     return text
 
 
@@ -291,10 +293,10 @@ def _device(entry: _Entry, index: int, value, base: Path) -> str:
 
 
 def _cluster(where: str, spelling: str, base: Path, clusters: dict[str, Cluster]) -> str:
-    """The point's name for a cluster: the file path as written for a cluster file, else the
-    cluster's own name (canonical `DEVICE:NODESxGPUS` for shorthands, so `h100-sxm:16` and
-    `h100-sxm:2x8` are one cluster), with a device file's path as written in place of its profile's
-    name (which may be a built-in device's)."""
+    """The point's name for a cluster: a cluster file's absolute path, else the cluster's own name
+    (canonical `DEVICE:NODESxGPUS` for shorthands, so `h100-sxm:16` and `h100-sxm:2x8` are one
+    cluster), with a device file's absolute path in place of its profile's name (which may be a
+    built-in device's)."""
     device, _, size = spelling.rpartition(":")
     device_file = _relative(device, base) if device.lower().endswith(PROFILE_SUFFIXES) else ""
     spelling = f"{device_file}:{size}" if device_file else _relative(spelling, base)

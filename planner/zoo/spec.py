@@ -221,7 +221,10 @@ def parse_spec_text(text: str, origin: str) -> ModelSpec:
         # PyYAML raises ValueError/OverflowError for scalars it resolves but cannot construct
         # (e.g. the timestamp "2001-13-45"); json raises ValueError.
         shape = '{"key": value, ...}' if is_json else "one `key: value` per line"
-        raise invalid(f"{origin}: not valid {'JSON' if is_json else 'YAML'} ({_one_line(exc)}); "
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{origin}:{mark.line + 1}" if mark is not None else origin
+        problem = getattr(exc, "problem", None) or _one_line(exc)
+        raise invalid(f"{where}: not valid {'JSON' if is_json else 'YAML'} ({problem}); "
                       f"fix: write a mapping, {shape}, each key once") from None
     return parse_spec(data, origin)
 
