@@ -145,13 +145,6 @@ class Evaluator:
             self._layer_cache[key] = cost
         return cost
 
-    def whole_params(self, index: int, config: ParallelConfig, device: DeviceSpec, node: NodeSpec) -> int:
-        """Parameters of layer `index` outside the experts that every tp rank holds whole (`TpPlan.whole_params`)."""
-        layer = self.graph.layers[index]
-        if config.tp == 1 or not layer.ops:
-            return 0
-        return tp_plan_for(layer, config.tp, device, node, self.dtype_for(device), self.layout_cache, self.graph).whole_params
-
     def policies(self, config: ParallelConfig, recompute_per_layer: tuple[Recompute, ...] | None = None) -> tuple[Recompute, ...]:
         """Recompute policy per layer: the config's policy on blocks, none on embedding and head."""
         if recompute_per_layer is not None:
@@ -208,7 +201,9 @@ class Evaluator:
         cost = self.layer_cost(index, config, device, node, policy)
         copies = self.graph.stage_copy_params[index] if config.pp > 1 else 0
         shared = layer.params - layer.expert_params + copies
-        dense = (shared + min(self.whole_params(index, config, device, node), shared) * (config.tp - 1)) / config.tp
+        whole = (tp_plan_for(layer, config.tp, device, node, self.dtype_for(device), self.layout_cache, self.graph).whole_params
+                 if config.tp > 1 and layer.ops else 0)  # kept whole by every tp rank (`TpPlan.whole_params`)
+        dense = (shared + min(whole, shared) * (config.tp - 1)) / config.tp
         expert = layer.expert_params / (config.ep * config.tp)
         frozen = layer.frozen_params / config.tp
         gathered = config.zero == 3 and config.pp > 1  # all, at a pipelined backward's end (`stage_memory`)
