@@ -165,8 +165,7 @@ class Cluster:
     @functools.cached_property
     def fingerprint(self) -> str:
         """12 hex digits that change with any priced field of the hardware (groups, devices, links,
-        oversubscription), not with names, descriptions or sources: a sweep resumes into its rows
-        only while this stays the same."""
+        oversubscription), not with names, descriptions or sources (a sweep's rows record it)."""
         return hashlib.sha256(repr((_priced_fields(self.groups), self.oversubscription)).encode()).hexdigest()[:12]
 
     @property

@@ -230,7 +230,7 @@ def test_results_round_trip_and_a_partial_last_line_is_cut(tmp_path, suffix, ref
 
 @pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
 def test_a_file_from_before_the_added_columns_reads_and_resumes_with_them(tmp_path, suffix, reference):
-    # A results file written before `dp_replicate`, `host_bytes` and `hardware` existed: its rows
+    # A results file written before `dp_replicate`, `host_bytes` and `fingerprint` existed: its rows
     # read with those columns empty, and a sweep appending to it first rewrites it with every column.
     first = [column for column in COLUMNS if column not in ADDED_COLUMNS]
     old = [{column: row[column] for column in first} for row in reference[:2]]
@@ -325,7 +325,19 @@ def test_rows_of_a_cluster_file_edited_since_are_refused(tmp_path, edited):
     cluster.write_text("name: renamed\ndescription: the same node\ngroups:\n  - {device: a100-80g, nodes: 1}\n")
     assert sweep(grid, out, workers=1).planned == 0
     cluster.write_text(edited)
-    with pytest.raises(PlannerError, match=r"was planned for other hardware \(fingerprint [0-9a-f]{12}, now [0-9a-f]{12}"):
+    with pytest.raises(PlannerError, match=r"was planned from other files \(fingerprint [0-9a-f]{12}, now [0-9a-f]{12}"):
+        sweep(grid, out, workers=1)
+
+
+def test_rows_of_a_model_spec_edited_since_are_refused(tmp_path):
+    # A spec file given two more layers since: its rows priced the old model.
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text("arch: gpt\nlayers: 2\nhidden: 64\nheads: 4\nvocab: 128\nmax_seq_len: 128\n")
+    grid = {**GRID, "models": [str(spec)], "devices": ["a100-80g"], "cluster_sizes": [8]}
+    out = tmp_path / "results.jsonl"
+    assert sweep(grid, out, workers=1).planned == 1
+    spec.write_text("arch: gpt\nlayers: 4\nhidden: 64\nheads: 4\nvocab: 128\nmax_seq_len: 128\n")
+    with pytest.raises(PlannerError, match="its cluster, device or model spec file changed since"):
         sweep(grid, out, workers=1)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import multiprocessing
 import re
 import signal
@@ -112,11 +113,20 @@ def base_row(point: SweepPoint, cluster: Cluster, settings: PlanSettings) -> dic
         "model": point.model, "cluster": point.cluster, "global_batch": point.global_batch, "seq_len": point.seq_len,
         "settings": settings.settings,
         "device": _device_label(point, cluster),
-        "devices": cluster.num_devices, "nodes": cluster.num_nodes, "hardware": cluster.fingerprint,
+        "devices": cluster.num_devices, "nodes": cluster.num_nodes, "fingerprint": point_fingerprint(point, cluster),
         # The cluster's price, when every device type in it has one (0 means unknown in profiles).
         "cluster_usd_per_hour": (sum(g.count * g.node.devices_per_node * g.node.device.price_per_hour for g in cluster.groups)
                                  if all(prices) else None),
     }
+
+
+def point_fingerprint(point: SweepPoint, cluster: Cluster) -> str:
+    """12 hex digits that change with what a point's row was priced from and a file can change: the
+    hardware's priced fields (`Cluster.fingerprint`) and a model spec file's text. A sweep resumes
+    into a row only while this stays the same."""
+    model = Path(point.model)
+    text = model.read_bytes() if point.model.lower().endswith(SPEC_SUFFIXES) and model.is_file() else b""
+    return hashlib.sha256(cluster.fingerprint.encode() + text).hexdigest()[:12]
 
 
 def _device_label(point: SweepPoint, cluster: Cluster) -> str:

@@ -29,8 +29,8 @@ from rich.text import Text
 from planner.api import model_graph
 from planner.errors import invalid
 from planner.report.units import fmt_number_of
-from planner.sweeps.executors import (ExecutorKind, PlanSettings, Tables, base_row, failure, run_inline, run_processes,
-                                      run_ray)
+from planner.sweeps.executors import (ExecutorKind, PlanSettings, Tables, base_row, failure, point_fingerprint, run_inline,
+                                      run_processes, run_ray)
 from planner.sweeps.results import ResultsFile, results_format, row_point
 from planner.sweeps.spec import SweepPoint, SweepSpec, load_sweep_spec, sweep_spec_from_dict
 
@@ -165,7 +165,7 @@ def _executor_kind(executor: ExecutorKind | str) -> ExecutorKind:
 
 
 def _unfinished(spec: SweepSpec, results: ResultsFile) -> list[SweepPoint]:
-    """The sweep's points without a row yet; rows planned with other settings are an error."""
+    """The sweep's points without a row yet; rows planned with other settings, or from files changed since, are an error."""
     wanted = frozenset(spec.points)
     finished = set()
     for row in results.rows:
@@ -173,11 +173,12 @@ def _unfinished(spec: SweepSpec, results: ResultsFile) -> list[SweepPoint]:
         if point in wanted and row["settings"] != spec.settings:
             raise invalid(f"{results.path}: {point.model} on {point.cluster} was planned with {row['settings']!r}, this sweep uses "
                           f"{spec.settings!r}; write to a new --out file or use the same settings")
-        cluster = spec.clusters.get(point.cluster)  # a cluster or device file edited since: its rows are stale
-        if point in wanted and row["hardware"] is not None and row["hardware"] != cluster.fingerprint:
-            raise invalid(f"{results.path}: {point.model} on {point.cluster} was planned for other hardware (fingerprint "
-                          f"{row['hardware']}, now {cluster.fingerprint}: its files changed since); write to a new --out "
-                          f"file, or restore the files")
+        if point in wanted and row["fingerprint"] is not None:  # a cluster, device or spec file edited since: stale rows
+            now = point_fingerprint(point, spec.clusters[point.cluster])
+            if row["fingerprint"] != now:
+                raise invalid(f"{results.path}: {point.model} on {point.cluster} was planned from other files (fingerprint "
+                              f"{row['fingerprint']}, now {now}: its cluster, device or model spec file changed since); "
+                              f"write to a new --out file, or restore the files")
         finished.add(point)
     return [point for point in spec.points if point not in finished]
 
