@@ -30,6 +30,7 @@ import difflib
 import functools
 import importlib
 import inspect
+import warnings
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable
@@ -146,7 +147,9 @@ def _first_module(module: nn.Module) -> tuple[str, nn.Module | None, str]:
     """(name, module, "called" or "registered"): the first leaf module the forward calls, from a
     torch.fx trace with symbolic inputs; the first registered leaf where fx cannot trace it."""
     try:
-        graph = torch.fx.symbolic_trace(module).graph
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # what fx says of a forward it cannot follow is not the user's concern here
+            graph = torch.fx.symbolic_trace(module).graph
     except Exception:  # noqa: BLE001 - any forward fx cannot follow without inputs
         graph = None
     if graph is not None:

@@ -285,10 +285,10 @@ def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, gl
     fitting = [tp for tp in divisors(cluster.num_devices)
                if not (dims.heads and dims.heads % tp) and not (dims.kv_heads and tp > 1 and dims.kv_heads % tp and tp % dims.kv_heads)]
     if dims.heads and dims.heads % config.tp:
-        raise invalid(f"tp={config.tp}: must divide the {dims.heads} attention heads; fix: use tp {_or(fitting)}")
+        raise invalid(f"tp={config.tp}: must divide the {dims.heads} attention heads; fix: use tp {' or '.join(map(str, fitting))}")
     if dims.kv_heads and config.tp > 1 and dims.kv_heads % config.tp and config.tp % dims.kv_heads:
         raise invalid(f"tp={config.tp}: must divide, or be a multiple of, the {dims.kv_heads} key/value heads; fix: use tp "
-                      f"{_or(fitting)}")
+                      f"{' or '.join(map(str, fitting))}")
     if config.cp > 1 and cp_comm is CpComm.ALL_TO_ALL:
         _check_head_split(dims.heads, dims.kv_heads, config.tp, config.cp)
     if config.recompute not in graph.recompute_policies:
@@ -331,7 +331,3 @@ def _check_head_split(heads: int, kv_heads: int, tp: int, cp: int) -> None:
     if local % cp or local_kv % cp:
         raise invalid(f"cp={cp} with cp_comm=a2a: the all-to-all splits each rank's {local} query and {local_kv} "
                       f"key/value heads (after tp={tp}) over cp, which must divide both; pick such a cp, or cp_comm all_gather")
-
-
-def _or(values: list[int]) -> str:
-    return " or ".join(str(value) for value in values)
