@@ -27,17 +27,18 @@ import numpy as np
 from costmodel import memory as memory_model
 from costmodel import pipeline
 from costmodel.comm import Collective, CommGroup, collective_time_s
-from costmodel.compute import OpTable, base_dtype, bytes_per_element, peak_flops_per_s
+from costmodel.compute import OpTable, base_dtype, bytes_per_element
 from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
 from costmodel.offload import host_state_bytes
 from costmodel.profile_loader import load_op_table
 from planner.config import TRAINING_DTYPES, ParallelConfig
 from planner.errors import PlannerError, invalid
+from planner.estimate_assembly import assemble_estimate
 from planner.graph import LayerKind, ModelGraph, Recompute
 from planner.layer_cost import LayerContext, LayerCost, price_layer
 from planner.mesh import expert_data_group, mesh_groups, stage_devices
 from planner.pipeline_buffers import chunk_recv_bytes, recv_buffer_bytes
-from planner.result import Estimate, StagePlan, contiguous_runs, substituted_dtype_note, unchecked_host_note
+from planner.result import Estimate, StagePlan, contiguous_runs
 from planner.space import check_config
 from planner.stage_problem import StageProblem
 from planner.state_cost import (dp_exposed_s, optimizer_step_s, precision_of, state_options, tied_gradient_sum_s,
@@ -352,7 +353,10 @@ class Evaluator:
             "dp_comm_exposed_s": exposed_dp_s,
             "optimizer_s": optimizer_s,
         }
-        return self._assemble(config, global_batch, step_s, pipe_s, time_breakdown, breakdowns, tuple(stage_plans), headroom)
+        stages = [(plan, device, node, breakdown, host_bytes, self.dtype_for(device))
+                  for plan, (device, node, breakdown, host_bytes) in zip(stage_plans, breakdowns)]
+        return assemble_estimate(graph, self.cluster.num_devices, self.dtype, config, global_batch, step_s, pipe_s, time_breakdown,
+                                 stages, headroom)
 
     def _stage_costs(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, total: tuple, last_out_bytes: float,
                      largest_params: float, in_flight: float, recv_bytes: float) -> tuple:
@@ -377,31 +381,3 @@ class Evaluator:
         owned = (dense - frozen) / dense_shard + expert / expert_shard
         host_bytes = host_state_bytes(owned, frozen / dense_shard) if config.offload_optimizer else 0.0
         return p2p_s, dp_s, optimizer_step_s(config, self.precision, device, owned), breakdown, host_bytes
-
-    def _assemble(self, config, global_batch, step_s, pipe_s, time_breakdown, breakdowns, stage_plans, headroom) -> Estimate:
-        graph = self.graph
-        model_flops = (graph.fwd_flops + graph.bwd_flops) * global_batch / graph.micro_batch
-        peak = float(np.mean([peak_flops_per_s(d, self.dtype_for(d)) for d, *_ in breakdowns]))
-        tflops = model_flops / step_s / self.cluster.num_devices / 1e12
-        memory, fits = [], True
-        for plan, (device, node, breakdown, host_bytes) in zip(stage_plans, breakdowns):
-            host_capacity = node.host_mem_bytes_per_device or None  # unknown: not checked (`unchecked_host_note`)
-            fits &= breakdown.total_bytes <= device.mem_bytes * (1 - headroom) and not (host_capacity and host_bytes > host_capacity)
-            memory.append({"stage": plan.index, "device": device.name, "dtype": self.dtype_for(device),  # fp16 where bf16 is missing
-                           "capacity_bytes": device.mem_bytes, **breakdown.to_dict(), "host_bytes": host_bytes,
-                           "host_capacity_bytes": host_capacity})
-        return Estimate(
-            step_time_s=step_s,
-            tokens_per_s=global_batch * graph.seq_len / step_s,
-            tflops_per_gpu=tflops,
-            mfu=tflops * 1e12 / peak,
-            peak_memory_bytes=max(b.total_bytes for _, _, b, _ in breakdowns),
-            fits=bool(fits),
-            time_breakdown=time_breakdown,
-            memory=memory,
-            stages=stage_plans,
-            bubble_fraction=time_breakdown["pp_bubble_s"] / pipe_s if pipe_s > 0 else 0.0,
-            config=config,
-            notes=(graph.notes + graph.recompute_notes(config.recompute) + substituted_dtype_note(memory, self.dtype)
-                   + unchecked_host_note(memory)),
-        )

@@ -173,24 +173,6 @@ def stored_reference(ref: str) -> str:
     return ref
 
 
-def substituted_dtype_note(memory: list[dict], dtype: str) -> tuple[str, ...]:
-    """A note when stages compute in another dtype than `dtype` (bf16 asked of a device without it,
-    priced in fp16; `Estimate.memory` rows: `device`, `dtype`)."""
-    other = {row["device"]: row["dtype"] for row in memory if row["dtype"] != dtype}
-    return tuple(f"{device} has no {dtype}: priced in {used}" for device, used in other.items())
-
-
-def unchecked_host_note(memory: list[dict]) -> tuple[str, ...]:
-    """A note when offloaded states sit in host memory whose size no profile gives (`Estimate.memory`
-    rows: `host_bytes`, `host_capacity_bytes` None when unknown, `device`)."""
-    unknown = [row for row in memory if row["host_bytes"] > 0 and not row["host_capacity_bytes"]]
-    if not unknown:
-        return ()
-    row = max(unknown, key=lambda r: r["host_bytes"])
-    return (f"the host memory of {row['device']} nodes is unknown (no node.host_mem_bytes in its profile), so the "
-            f"offloaded optimizer states, {row['host_bytes'] / 2**30:.1f} GiB per device, are not checked against it",)
-
-
 @dataclass(frozen=True)
 class Alternative:
     config: ParallelConfig

@@ -28,7 +28,6 @@ from planner.api import plan
 from planner.errors import PlannerError, PlannerErrorKind, invalid
 from planner.graph import ModelGraph
 from planner.models import SPEC_SUFFIXES
-from planner.result import stored_reference
 from planner.sweeps.results import COLUMN_TYPES, PointStatus
 from planner.sweeps.spec import SweepPoint
 from planner.training_code import TrainingCode
@@ -87,8 +86,9 @@ def plan_point(point: SweepPoint, graph: ModelGraph, cluster: Cluster, settings:
         if settings.plan_dir is not None:
             path = Path(settings.plan_dir) / plan_file_name(point)
             path.parent.mkdir(parents=True, exist_ok=True)
-            # The point's own model and cluster references, so that `evaluate --plan` finds them again.
-            dataclasses.replace(result, model=stored_reference(point.model), cluster=stored_reference(point.cluster)).save(path)
+            # The point's own model and cluster references (files by absolute path, `planner.sweeps.spec`),
+            # so that `evaluate --plan` finds them again.
+            dataclasses.replace(result, model=point.model, cluster=point.cluster).save(path)
             row["plan_path"] = str(path)
     row["plan_time_s"] = time.perf_counter() - started
     return row

@@ -1,0 +1,65 @@
+"""An Estimate from priced pipeline stages: throughput, MFU, memory rows against each device's
+capacity (and host memory share), whether it fits, and the notes that qualify it."""
+from __future__ import annotations
+
+import numpy as np
+
+from costmodel.compute import peak_flops_per_s
+from costmodel.hardware import DeviceSpec, NodeSpec
+from costmodel.memory import MemoryBreakdown
+from planner.config import ParallelConfig
+from planner.graph import ModelGraph
+from planner.result import Estimate, StagePlan
+
+# One priced stage: its plan, device, node, memory breakdown, host bytes of offloaded states, and
+# the dtype it computes in.
+PricedStage = tuple[StagePlan, DeviceSpec, NodeSpec, MemoryBreakdown, float, str]
+
+
+def assemble_estimate(graph: ModelGraph, num_devices: int, dtype: str, config: ParallelConfig, global_batch: int,
+                      step_s: float, pipe_s: float, time_breakdown: dict, stages: list[PricedStage],
+                      headroom: float) -> Estimate:
+    """The Estimate of `config` (`dtype` the one asked for; a stage may compute in another)."""
+    model_flops = (graph.fwd_flops + graph.bwd_flops) * global_batch / graph.micro_batch
+    peak = float(np.mean([peak_flops_per_s(device, used) for _, device, _, _, _, used in stages]))
+    tflops = model_flops / step_s / num_devices / 1e12
+    memory, fits = [], True
+    for plan, device, node, breakdown, host_bytes, used in stages:
+        host_capacity = node.host_mem_bytes_per_device or None  # unknown: not checked (`_unchecked_host_note`)
+        fits &= breakdown.total_bytes <= device.mem_bytes * (1 - headroom) and not (host_capacity and host_bytes > host_capacity)
+        memory.append({"stage": plan.index, "device": device.name, "dtype": used,  # fp16 where bf16 is missing
+                       "capacity_bytes": device.mem_bytes, **breakdown.to_dict(), "host_bytes": host_bytes,
+                       "host_capacity_bytes": host_capacity})
+    return Estimate(
+        step_time_s=step_s,
+        tokens_per_s=global_batch * graph.seq_len / step_s,
+        tflops_per_gpu=tflops,
+        mfu=tflops * 1e12 / peak,
+        peak_memory_bytes=max(breakdown.total_bytes for _, _, _, breakdown, _, _ in stages),
+        fits=bool(fits),
+        time_breakdown=time_breakdown,
+        memory=memory,
+        stages=tuple(plan for plan, *_ in stages),
+        bubble_fraction=time_breakdown["pp_bubble_s"] / pipe_s if pipe_s > 0 else 0.0,
+        config=config,
+        notes=(graph.notes + graph.recompute_notes(config.recompute) + _substituted_dtype_note(memory, dtype)
+               + _unchecked_host_note(memory)),
+    )
+
+
+def _substituted_dtype_note(memory: list[dict], dtype: str) -> tuple[str, ...]:
+    """A note when stages compute in another dtype than `dtype` (bf16 asked of a device without it,
+    priced in fp16; `Estimate.memory` rows: `device`, `dtype`)."""
+    other = {row["device"]: row["dtype"] for row in memory if row["dtype"] != dtype}
+    return tuple(f"{device} has no {dtype}: priced in {used}" for device, used in other.items())
+
+
+def _unchecked_host_note(memory: list[dict]) -> tuple[str, ...]:
+    """A note when offloaded states sit in host memory whose size no profile gives (`Estimate.memory`
+    rows: `host_bytes`, `host_capacity_bytes` None when unknown, `device`)."""
+    unknown = [row for row in memory if row["host_bytes"] > 0 and not row["host_capacity_bytes"]]
+    if not unknown:
+        return ()
+    row = max(unknown, key=lambda r: r["host_bytes"])
+    return (f"the host memory of {row['device']} nodes is unknown (no node.host_mem_bytes in its profile), so the "
+            f"offloaded optimizer states, {row['host_bytes'] / 2**30:.1f} GiB per device, are not checked against it",)
