@@ -21,6 +21,19 @@ TRAINING_DTYPES = ("bf16", "fp16", "fp8", "fp32")
 
 _VALUES = {kind: frozenset(str(member) for member in kind) for kind in (Recompute, Schedule)}
 
+# torch.distributed.pipelining's schedules with several stages per rank (`planner.apply.pipeline`).
+MULTI_STAGE_SCHEDULES = frozenset({Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE})
+
+
+def pipeline_round(num_microbatches: int, pp: int) -> int:
+    """Micro-batches per round of torch's multi-stage schedules, which run whole rounds of them."""
+    return max(1, num_microbatches // pp)
+
+
+def torch_runs_rounds(num_microbatches: int, pp: int) -> bool:
+    """Whether torch's multi-stage schedules can run `num_microbatches` on `pp` stages (whole rounds)."""
+    return num_microbatches % pipeline_round(num_microbatches, pp) == 0
+
 
 @dataclass(frozen=True)
 class ParallelConfig:

@@ -7,7 +7,7 @@ import numpy as np
 from costmodel.compute import peak_flops_per_s
 from costmodel.hardware import DeviceSpec, NodeSpec
 from costmodel.memory import MemoryBreakdown
-from planner.config import ParallelConfig
+from planner.config import MULTI_STAGE_SCHEDULES, ParallelConfig, pipeline_round, torch_runs_rounds
 from planner.graph import ModelGraph
 from planner.result import Estimate, StagePlan
 
@@ -43,8 +43,19 @@ def assemble_estimate(graph: ModelGraph, num_devices: int, dtype: str, config: P
         bubble_fraction=time_breakdown["pp_bubble_s"] / pipe_s if pipe_s > 0 else 0.0,
         config=config,
         notes=(graph.notes + graph.recompute_notes(config.recompute) + _substituted_dtype_note(memory, dtype)
-               + _unchecked_host_note(memory)),
+               + _unchecked_host_note(memory) + _partial_round_note(config)),
     )
+
+
+def _partial_round_note(config: ParallelConfig) -> tuple[str, ...]:
+    """A note when the schedule is priced for a micro-batch count torch's schedule cannot run
+    (`Plan.apply` refuses it; the search never offers it)."""
+    m, pp = config.num_microbatches, config.pp
+    if pp == 1 or config.schedule not in MULTI_STAGE_SCHEDULES or torch_runs_rounds(m, pp):
+        return ()
+    return (f"schedule {config.schedule} is priced for {m} micro-batches, but torch's runs whole rounds of "
+            f"{pipeline_round(m, pp)} on pp={pp} (m // pp), so Plan.apply refuses it; pick --micro-batch or --global-batch "
+            f"so that the micro-batch count is a multiple of its m // pp",)
 
 
 def _substituted_dtype_note(memory: list[dict], dtype: str) -> tuple[str, ...]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from costmodel.hardware import Cluster
-from planner.config import ParallelConfig, Schedule
+from planner.config import ParallelConfig, Schedule, torch_runs_rounds
 from planner.errors import PlannerError, invalid
 from planner.mesh import stage_devices
 from planner.graph import ModelGraph, Recompute
@@ -179,7 +179,7 @@ def schedules(pp: int, layers: int, num_microbatches: int, constraints: dict) ->
     out = [(Schedule.ONE_F_ONE_B, 1)]
     # torch's multi-stage schedules (zero bubble, interleaved) run whole rounds of m // pp
     # micro-batches (`planner.apply.pipeline.check_schedule`); interleaved needs m % pp == 0 anyway.
-    if num_microbatches < pp or num_microbatches % (num_microbatches // pp) == 0:
+    if torch_runs_rounds(num_microbatches, pp):
         out.append((Schedule.ZERO_BUBBLE, 1))
     if num_microbatches >= pp:
         out.append((Schedule.GPIPE, 1))

@@ -126,7 +126,7 @@ def fsdp2_copy_s(precision: Precision, device: DeviceSpec, params: float, shard_
 
 def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, groups, dense: float, expert: float,
                  fwd_s: float, bwd_s: float, oversubscription: float, sync: DpSync = DpSync.OVERLAPPED,
-                 frozen: float = 0.0) -> float:
+                 frozen: float = 0.0, first_unit: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> float:
     """Data-parallel traffic not hidden behind compute, per step, and FSDP2's buffer copies.
 
     The gradient reduction (all-reduce, or reduce-scatter under ZeRO-1/2) runs bucket by bucket
@@ -147,13 +147,21 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
     Hybrid sharding (`ParallelConfig.dp_replicate`): gathers and reduce-scatters run inside a
     replica's shard group, and the reduced shards are all-reduced across replicas once per step,
     in the last backward (FSDP2's `set_requires_all_reduce`, `planner.apply`), ZeRO-3's too.
+
+    Every layer is its own communication unit (`planner.apply.data_parallel`), so whatever the
+    windows, the stage's first unit, `first_unit` = (dense, expert, frozen) parameters of its first
+    layer that has any, is exposed: its gradients are the backward's last, reduced after it, and
+    its parameters are the forward's first, gathered before it. Without it (0s) the result is a
+    floor (`planner.bounds`).
     """
     blocking = sync is DpSync.BLOCKING
     if blocking or not node.device.comm_overlaps_compute:
         fwd_s = bwd_s = 0.0  # nothing hides the traffic
     replica_s = replica_all_reduce_s(dense - frozen + expert, groups, node, oversubscription)
+    first_dense, first_expert, first_frozen = first_unit
+    first_replica_s = replica_all_reduce_s(first_dense - first_frozen + first_expert, groups, node, oversubscription)
     if config.zero == 3 and config.pp == 1:
-        return max(0.0, replica_s - bwd_s)
+        return max(first_replica_s, replica_s - bwd_s)
     reductions = config.num_microbatches if config.zero == 2 and config.pp == 1 else 1
     expert_group = expert_data_group(config, node)
     shard = dense / groups.shard.size + expert / expert_group.size if config.zero else dense + expert
@@ -162,14 +170,20 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
     if config.dp * config.cp == 1:
         return 0.0 if precision is FP32_PRECISION else copies_s
     kind = Collective.ALL_REDUCE if config.zero == 0 or (blocking and config.zero == 1) else Collective.REDUCE_SCATTER
-    reduce_s = state_collective_s(kind, GRAD_REDUCE_BYTES_PER_PARAM, dense - frozen, expert, groups.shard, expert_group, node,
+    def reduce_s(params: float, experts: float) -> float:
+        return state_collective_s(kind, GRAD_REDUCE_BYTES_PER_PARAM, params, experts, groups.shard, expert_group, node,
                                   oversubscription)
-    gather_s = 0.0
-    if config.zero >= 1:
-        gather_s = state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, dense, expert, groups.shard,
-                                      expert_group, node, oversubscription)
-    return ((reductions - 1) * max(0.0, reduce_s - bwd_s) + max(0.0, reduce_s + replica_s - bwd_s)
-            + max(0.0, gather_s - fwd_s) + copies_s)
+
+    def gather_s(params: float, experts: float) -> float:
+        if config.zero == 0:
+            return 0.0
+        return state_collective_s(Collective.ALL_GATHER, precision.weight_bytes, params, experts, groups.shard,
+                                  expert_group, node, oversubscription)
+
+    step_reduce_s = reduce_s(dense - frozen, expert)
+    last_reduce_s = reduce_s(first_dense - first_frozen, first_expert) + first_replica_s
+    return ((reductions - 1) * max(0.0, step_reduce_s - bwd_s) + max(last_reduce_s, step_reduce_s + replica_s - bwd_s)
+            + max(gather_s(first_dense, first_expert), gather_s(dense, expert) - fwd_s) + copies_s)
 
 
 def replica_all_reduce_s(trainable: float, groups, node: NodeSpec, oversubscription: float) -> float:

@@ -682,6 +682,28 @@ def test_blocking_dp_sync_exposes_an_all_reduce_and_the_gather(gpt350m):
     assert exposed["overlapped"] < exposed["blocking"] - all_reduce_s
 
 
+def test_the_first_layers_reduction_and_gather_stay_exposed_however_long_the_compute(gpt350m):
+    # ZeRO-1 over one 8-GPU node, with compute long enough to hide the whole step's traffic. Every
+    # layer is its own FSDP2 unit, so the first layer with parameters (the embedding) is reduced
+    # after the backward's last kernel and gathered before the forward's first: its fp32 gradient
+    # reduce-scatter (4 B per parameter) and bf16 all-gather (2 B) are exposed anyway, beside
+    # FSDP2's compute-stream copies of one gather and one reduction, 10 B per parameter of the model.
+    cluster = load_cluster("a100-80g:1x8")
+    device, node = stage_devices(cluster, 1)[0]
+    group = axis_group(8, 1, node.devices_per_node)
+    config = ParallelConfig(dp=8, zero=1, micro_batch=16, num_microbatches=1)
+    estimate = Evaluator(gpt350m, cluster).estimate(config, 128)
+    stage = estimate.stages[0]
+    assert collective_time_s(Collective.REDUCE_SCATTER, 4 * gpt350m.params, group, node) < stage.bwd_s
+    assert collective_time_s(Collective.ALL_GATHER, 2 * gpt350m.params, group, node) < stage.fwd_s
+    first = next(layer.params for layer in gpt350m.layers if layer.params)
+    assert first < gpt350m.params / 4
+    expected_s = (collective_time_s(Collective.REDUCE_SCATTER, 4 * first, group, node)
+                  + collective_time_s(Collective.ALL_GATHER, 2 * first, group, node)
+                  + 10 * gpt350m.params / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency))
+    assert estimate.time_breakdown["dp_comm_exposed_s"] == pytest.approx(expected_s, rel=1e-6)
+
+
 def test_mixed_precision_without_data_parallelism_pays_fsdp2_copies(gpt350m):
     # Plan.apply runs bf16 training through FSDP2 even on one rank (its mixed-precision policy), so a
     # dp=1 plan pays the same 24 B per parameter of buffer copies on CPU ranks as ZeRO-0 at dp=2
@@ -869,6 +891,20 @@ def test_offloaded_states_on_a_host_of_unknown_size_are_noted_not_checked(gpt350
     assert estimate.fits and any("host memory of h800 nodes is unknown" in note for note in estimate.notes)
     on_device = Evaluator(gpt350m, load_cluster("h800:1x1")).estimate(ParallelConfig(num_microbatches=8), 8)
     assert on_device.memory[0]["host_bytes"] == 0 and not any("host memory" in note for note in on_device.notes)
+
+
+@pytest.mark.parametrize("num_microbatches, noted", [(15, False), (16, True), (2, False)])
+def test_a_zero_bubble_count_torch_cannot_run_is_priced_with_a_note(gpt350m, num_microbatches, noted):
+    # torch's zero-bubble schedule runs whole rounds of m // pp micro-batches: on 3 stages 15 are
+    # rounds of 5 and 2 are one round, but 16 are not whole rounds of 5. Evaluate still prices the
+    # schedule (it exists for any m) and says Plan.apply will refuse it; 1F1B is never noted.
+    evaluator = Evaluator(gpt350m, load_cluster("a100-80g:1x3"))
+    notes = {schedule: evaluator.estimate(ParallelConfig(pp=3, num_microbatches=num_microbatches, schedule=schedule),
+                                          num_microbatches).notes
+             for schedule in (Schedule.ZERO_BUBBLE, Schedule.ONE_F_ONE_B)}
+    rounds = [note for note in notes[Schedule.ZERO_BUBBLE] if "whole rounds" in note]
+    assert len(rounds) == noted and all("whole rounds of 5 on pp=3" in note for note in rounds)
+    assert not any("whole rounds" in note for note in notes[Schedule.ONE_F_ONE_B])
 
 
 def test_ulysses_context_parallelism_prices_four_all_to_alls_each_way(spec_dir):

@@ -21,7 +21,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
-from planner.config import Schedule
+from planner.config import MULTI_STAGE_SCHEDULES, Schedule, pipeline_round, torch_runs_rounds
 from planner.errors import invalid
 from planner.result import Plan, contiguous_runs
 
@@ -33,7 +33,6 @@ SCHEDULE_CLASSES = {
     Schedule.INTERLEAVED: ScheduleInterleaved1F1B,
     Schedule.ZERO_BUBBLE: ScheduleInterleavedZeroBubble,
 }
-_MULTI_STAGE = frozenset({Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE})
 
 
 class StageModule(nn.Module):
@@ -80,12 +79,11 @@ def chunk_units(plan: Plan, units: tuple[str, ...], pp_rank: int) -> list[tuple[
 def check_schedule(plan: Plan) -> None:
     """Raises PlannerError when torch's schedule cannot run the plan's micro-batch count."""
     config = plan.config
-    if config.pp == 1 or config.schedule not in _MULTI_STAGE:
+    if config.pp == 1 or config.schedule not in MULTI_STAGE_SCHEDULES or torch_runs_rounds(config.num_microbatches, config.pp):
         return
-    rounds = max(1, config.num_microbatches // config.pp)
-    if config.num_microbatches % rounds:
-        raise invalid(f"num_microbatches={config.num_microbatches}: schedule {config.schedule} needs a multiple of "
-                      f"{rounds} (micro-batches per pipeline round); re-plan with another --micro-batch")
+    raise invalid(f"num_microbatches={config.num_microbatches}: schedule {config.schedule} needs a multiple of "
+                  f"{pipeline_round(config.num_microbatches, config.pp)} (micro-batches per pipeline round); re-plan "
+                  "with another --micro-batch")
 
 
 def build_schedule(chunks: list[tuple[int, nn.Module]], plan: Plan, pp_mesh: DeviceMesh, device: torch.device,
@@ -112,5 +110,5 @@ def build_schedule(chunks: list[tuple[int, nn.Module]], plan: Plan, pp_mesh: Dev
         # every micro-batch on the first stage, which then runs as under GPipe (all forwards, then all
         # backwards); later stages differ only in order.
         schedule_class = ScheduleGPipe
-    target = stages if config.schedule in _MULTI_STAGE else stages[0]
+    target = stages if config.schedule in MULTI_STAGE_SCHEDULES else stages[0]
     return stages, schedule_class(target, n_microbatches=config.num_microbatches, loss_fn=loss_fn)
