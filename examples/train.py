@@ -40,6 +40,8 @@ def main() -> int:
     parser.add_argument("--model", help="model to build (default: the plan's model name)")
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: must be at least 1")
     try:
         return train(args.plan, args.model, args.steps)
     except PlannerError as error:

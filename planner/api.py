@@ -8,7 +8,7 @@ from costmodel.errors import ProfileError
 from costmodel.hardware import Cluster
 from costmodel.profile_loader import load_cluster
 from planner.config import ParallelConfig, Schedule
-from planner.errors import invalid
+from planner.errors import check_positive_int, invalid
 from planner.graph import ModelGraph, Recompute
 from planner.result import Estimate, Plan, stored_reference
 
@@ -22,7 +22,12 @@ _DIVISOR_KEYS = ("tp", "pp", "cp", "dp", "micro_batch")
 def model_graph(model, seq_len: int | None = None, micro_batch: int = 1, dtype: str = "bf16") -> ModelGraph:
     """The graph of `model` traced in training dtype `dtype`, from the on-disk cache when it has one
     (`planner.graph_cache`)."""
+    if seq_len is not None:
+        check_positive_int("seq_len", seq_len)
     if isinstance(model, ModelGraph):
+        if seq_len not in (None, model.seq_len):
+            raise invalid(f"seq_len={seq_len}: the traced graph of {model.name} is of seq_len={model.seq_len}; trace it "
+                          f"again at {seq_len} (planner.trace), or leave seq_len out")
         return model
     from planner import graph_cache
 
@@ -57,13 +62,15 @@ def make_config(constraints: dict | ParallelConfig, num_devices: int, global_bat
     """
     if isinstance(constraints, ParallelConfig):
         return constraints
+    if not isinstance(constraints, dict):
+        raise invalid(f"config: expected a mapping of degrees ({{'tp': 2, 'pp': 1}}), a ParallelConfig or a Plan, got "
+                      f"{type(constraints).__name__}")
     values = dict(constraints)
     for key in values:
         if key not in CONFIG_KEYS:
             raise invalid(f"config key {key!r}: unknown; use one of {', '.join(CONFIG_KEYS)}")
     for key, value in (*((k, values.get(k, 1)) for k in _DIVISOR_KEYS), ("global_batch", global_batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise invalid(f"{key}={value!r}: must be a positive integer")
+        check_positive_int(key, value)
     tp, pp, cp = values.get("tp", 1), values.get("pp", 1), values.get("cp", 1)
     model_parallel = tp * pp * cp
     if num_devices % model_parallel:
@@ -105,12 +112,14 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
     from planner.estimate import Evaluator
     from planner.training_code import TrainingCode
 
+    check_positive_int("global_batch", global_batch)
     planned = config if isinstance(config, Plan) else None
     given = {"attention": attention, "tp_overlap": tp_overlap, "loss": loss, "zero3_fetch": zero3_fetch, "dp_sync": dp_sync,
              "elementwise": elementwise, "pp_buffers": pp_buffers, "cp_comm": cp_comm}
     code = TrainingCode.of(**{**(planned.training_code if planned else {}), **{k: v for k, v in given.items() if v is not None}})
     dtype = dtype or (planned.dtype if planned else "bf16")
-    graph = model_graph(model, seq_len or (planned.seq_len if planned else None), dtype=dtype)
+    planned_seq_len = planned.seq_len if planned and not isinstance(model, ModelGraph) else None  # a graph has its own
+    graph = model_graph(model, seq_len or planned_seq_len, dtype=dtype)
     hardware = _cluster(cluster)
     evaluator = Evaluator(graph, hardware, dtype, code=code)
     if planned is None:
@@ -188,6 +197,7 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
     from planner.search import search
     from planner.training_code import TrainingCode
 
+    check_positive_int("global_batch", global_batch)
     graph = model_graph(model, seq_len, dtype=dtype)
     hardware = _cluster(cluster)
     code = TrainingCode.of(attention=attention, tp_overlap=tp_overlap, loss=loss, zero3_fetch=zero3_fetch, dp_sync=dp_sync,

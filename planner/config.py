@@ -35,6 +35,17 @@ def torch_runs_rounds(num_microbatches: int, pp: int) -> bool:
     return num_microbatches % pipeline_round(num_microbatches, pp) == 0
 
 
+def check_zero_bubble_sharding(config: ParallelConfig) -> None:
+    """Raises PlannerError for ZeRO-3 under torch's zero-bubble schedule. Its weight-gradient pass
+    takes the weights a stage's module holds when the input-gradient pass runs, and FSDP2 holds the
+    sharded ones then (resharded after the forward), so autograd finds none of them in the graph:
+    every stage but the first, whose pass is a full backward, never updates (torch 2.13)."""
+    if config.schedule == Schedule.ZERO_BUBBLE and config.pp > 1 and config.zero == 3:
+        raise invalid("zero=3 with schedule=zb: torch's zero-bubble schedule computes weight gradients for the "
+                      "weights a stage holds after its forward, which FSDP2 has resharded, so every stage but the "
+                      "first would never update; use zero 1, or another schedule")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Degrees, micro-batching, ZeRO stage, recompute policy and pipeline schedule.

@@ -39,3 +39,9 @@ class PlannerError(Exception):
 
 def invalid(message: str) -> PlannerError:
     return PlannerError(PlannerErrorKind.INVALID_INPUT, message)
+
+
+def check_positive_int(name: str, value) -> None:
+    """PlannerError naming `name` unless `value` is a positive int (bools and numeric text are not)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise invalid(f"{name}={value!r}: must be a positive integer")

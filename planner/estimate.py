@@ -234,6 +234,10 @@ class Evaluator:
         per_device = self.stage_devices(config.pp)
         refs = [self.layer_table(config, *per_device[0], policies) for policies in policy_sets]
         ref_total = float(refs[0][:, COL["fwd_s"]].sum() + refs[0][:, COL["bwd_s"]].sum())
+        gathered_bytes = 0.0  # ZeRO-3's gathered layers (`_stage_costs`); pipelined, the static bytes hold all
+        if config.zero == 3 and config.pp == 1:
+            largest = float((refs[0][:, COL["dense_params"]] + refs[0][:, COL["expert_params"]]).max())
+            gathered_bytes = ZERO3_GATHERED_LAYERS * largest * self.precision.weight_bytes
         speeds, caps, in_flight = [], [], []
         for chunk in range(chunks):
             stage = chunk % config.pp
@@ -243,13 +247,18 @@ class Evaluator:
             usable = device.mem_bytes * (1 - headroom) / (1 + memory_model.ALLOCATOR_FRAGMENTATION_FRACTION)
             boundary = float(own[:-1, COL["out_bytes"]].max(initial=0.0))  # the cuts are not known yet: the largest
             recv = chunk_recv_bytes(self.code.pp_buffers, chunk, chunks, boundary, boundary, config.num_microbatches, config.seq_split)
-            caps.append(max(NO_ROOM_BYTES, (usable - memory_model.CUDA_CONTEXT_BYTES) / config.vpp - recv))
+            caps.append(max(NO_ROOM_BYTES, (usable - memory_model.CUDA_CONTEXT_BYTES) / config.vpp - recv - gathered_bytes))
             in_flight.append(pipeline.in_flight_microbatches(str(config.schedule), config.pp, stage, config.num_microbatches, config.vpp)
                              if config.pp > 1 else 1.0)
         column = lambda name: np.stack([ref[:, COL[name]] for ref in refs], axis=1)  # noqa: E731
+        static = column("static_bytes")
+        if config.num_microbatches == 1 and config.pp == 1:
+            # the gradients peak at the optimizer step, apart from the activations (`stage_memory`); no
+            # recompute choice changes that moment
+            static = static - column("grad_bytes")
         return StageProblem(
             # the loss's temporaries sit on the stage holding the loss, once: additive like the states
-            layer_time_s=column("fwd_s") + column("bwd_s"), layer_static_bytes=column("static_bytes") + column("temp_bytes"),
+            layer_time_s=column("fwd_s") + column("bwd_s"), layer_static_bytes=static + column("temp_bytes"),
             layer_act_bytes=column("act_bytes"), num_stages=chunks, in_flight=np.array(in_flight),
             mem_cap_bytes=np.array(caps), stage_speed=np.array(speeds), num_microbatches=config.num_microbatches,
         )

@@ -6,8 +6,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from costmodel.profile_files import PROFILE_SUFFIXES
-from planner.config import ParallelConfig
+from planner.config import TRAINING_DTYPES, ParallelConfig
 from planner.errors import invalid
+from planner.graph import Recompute
+from planner.tp_strategies import Placement
 
 SCHEMA_VERSION = 1
 PLAN_SUFFIXES = (".json", ".yaml", ".yml")
@@ -46,6 +48,28 @@ def _check_plan_fields(data) -> None:
     recompute = data.get("memory_plan", {}).get("recompute", {})
     if not isinstance(recompute, dict) or not all(isinstance(names, list) for names in recompute.values()):
         raise invalid(f"plan field `memory_plan.recompute`: expected a mapping of policy to a list of layer names; {fix}")
+    _check_plan_values(data, recompute, fix)
+
+
+def _check_plan_values(data: dict, recompute: dict, fix: str) -> None:
+    """PlannerError naming the first plan field whose value no plan has (types already checked)."""
+    for key in ("global_batch", "seq_len"):
+        if data[key] < 1:
+            raise invalid(f"plan field `{key}`: {data[key]} is not positive; {fix}")
+    if data["dtype"] not in TRAINING_DTYPES:
+        raise invalid(f"plan field `dtype`: {data['dtype']!r} is not one of {', '.join(TRAINING_DTYPES)}; {fix}")
+    policies = {str(policy) for policy in Recompute}
+    known_layers = set(data.get("layer_names", [])) or {name for stage in data["stages"] for name in stage["layer_names"]}
+    for policy, names in recompute.items():
+        if policy not in policies:
+            raise invalid(f"plan field `memory_plan.recompute`: unknown policy {policy!r} (one of {', '.join(sorted(policies))}); {fix}")
+        missing = [name for name in names if name not in known_layers]
+        if missing:
+            raise invalid(f"plan field `memory_plan.recompute.{policy}`: {missing[0]!r} is not a layer of the plan; {fix}")
+    placements = {str(placement) for placement in Placement}
+    bad = next(((fqn, value) for fqn, value in data.get("layouts", {}).items() if value not in placements), None)
+    if bad:
+        raise invalid(f"plan field `layouts.{bad[0]}`: {bad[1]!r} is not a placement ({', '.join(sorted(placements))}); {fix}")
 
 
 def contiguous_runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
@@ -269,13 +293,18 @@ class Plan:
         """The plan `to_dict` wrote; PlannerError naming the first field that is missing or of the wrong type."""
         _check_plan_fields(data)
         estimate = Estimate.from_dict(data)
+        config = ParallelConfig.from_dict(data["config"])
+        if config.global_batch != data["global_batch"]:
+            raise invalid(f"plan field `global_batch`: {data['global_batch']} but its config runs dp*micro_batch*"
+                          f"num_microbatches = {config.dp}*{config.micro_batch}*{config.num_microbatches} = "
+                          f"{config.global_batch}; re-run `paraplan plan --out`")
         return cls(
             model=data["model"],
             cluster=data["cluster"],
             global_batch=data["global_batch"],
             seq_len=data["seq_len"],
             dtype=data["dtype"],
-            config=ParallelConfig.from_dict(data["config"]),
+            config=config,
             estimate=estimate,
             layouts=data.get("layouts", {}),
             memory_plan=data.get("memory_plan", {}),

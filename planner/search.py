@@ -26,7 +26,7 @@ from costmodel.hardware import Cluster
 from planner.bounds import (WorkBound, mean_capacity_bytes, memory_floor_bytes, pipeline_bound_s, tail_bound_s, work_bound,
                             work_bound_key)
 from planner.config import ParallelConfig, Schedule
-from planner.errors import PlannerError, PlannerErrorKind, invalid
+from planner.errors import PlannerError, PlannerErrorKind, check_positive_int, invalid
 from planner.estimate import Evaluator
 from planner.graph import ModelGraph, Recompute
 from planner.memory_plan import memory_plan
@@ -58,8 +58,8 @@ def check_constraints(constraints: dict) -> None:
             near = difflib.get_close_matches(key, sorted(BOUND_KEYS | FIXED_KEYS | OTHER_KEYS), n=1)
             hint = f"; did you mean {near[0]}?" if near else ""
             raise invalid(f"constraint {key!r}: unknown{hint}")
-        if key in _POSITIVE_KEYS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise invalid(f"{key}={value!r}: must be a positive integer")
+        if key in _POSITIVE_KEYS:
+            check_positive_int(key, value)
         if key in _FLAG_KEYS and not isinstance(value, bool):
             raise invalid(f"{key}={value!r}: must be true or false")
         choices = {"zero": (0, 1, 2, 3), "recompute": tuple(str(p) for p in Recompute),
@@ -210,17 +210,17 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     headroom = constraints.get("mem_headroom", 0.0)
     top = constraints.get("top", 5)
     exhaustive = constraints.get("exhaustive", False)
-    if global_batch < 1:
-        raise invalid(f"global_batch={global_batch}: must be a positive integer")
+    check_positive_int("global_batch", global_batch)
     evaluator = Evaluator(graph, cluster, dtype, code=code)
     space = enumerate_degrees(graph, cluster, constraints)
     rejected: list[Rejection] = list(space.rejected)
     reasons: Counter = Counter()
     examples: dict[str, list[dict]] = {}
     tally = _Pass(reasons, examples, rejected)
-    ranked = tally.run(evaluator, space, graph, global_batch, constraints, headroom, top, exhaustive)
+    kept = top + 1  # the plan and `top` alternatives
+    ranked = tally.run(evaluator, space, graph, global_batch, constraints, headroom, kept, exhaustive)
     if not ranked and constraints.get("allow_offload", True) and "offload_optimizer" not in constraints:
-        ranked = tally.run(evaluator, space, graph, global_batch, {**constraints, "offload_optimizer": True}, headroom, top, exhaustive)
+        ranked = tally.run(evaluator, space, graph, global_batch, {**constraints, "offload_optimizer": True}, headroom, kept, exhaustive)
     candidates_total, evaluated, screened, closest_miss = tally.total, tally.evaluated, tally.screened, tally.closest_miss
 
     if not ranked:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from costmodel.hardware import Cluster
-from planner.config import ParallelConfig, Schedule, torch_runs_rounds
+from planner.config import ParallelConfig, Schedule, check_zero_bubble_sharding, torch_runs_rounds
 from planner.errors import PlannerError, invalid
 from planner.mesh import stage_devices
 from planner.graph import ModelGraph, Recompute
@@ -105,7 +105,9 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) ->
     cp_all = [c for c in divisors(devices) if (c == 1 or graph.seq_len % (2 * c) == 0) and c <= 32]
     cp_options = [c for c in cp_all if c == 1 or graph.seq_len >= CP_MIN_SEQ_LEN]
     if len(cp_options) < len(cp_all) and "cp" not in constraints:
-        space.rejected.append(Rejection("cp>1", f"seq_len={graph.seq_len} is below {CP_MIN_SEQ_LEN}; context parallelism would only add traffic"))
+        space.rejected.append(Rejection("cp>1", f"seq_len={graph.seq_len} is below {CP_MIN_SEQ_LEN}; context parallelism is not "
+                                                  "searched at such lengths (attention is a small share of the work); give "
+                                                  "--cp to price it"))
     if "cp" in constraints:
         cp_options = cp_all
     cp_options = _fixed(constraints, "cp", cp_options, space, "context parallelism")
@@ -114,8 +116,11 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) ->
         for cp in cp_options:
             if devices % (tp * cp):
                 continue
-            pp_all = [p for p in divisors(devices // (tp * cp)) if p <= layers and _stages_on_one_device_type(cluster, p, space)]
-            where = f" with tp={tp} and cp={cp} on {devices} devices ({layers} layers)"
+            fitting = [p for p in divisors(devices // (tp * cp)) if p <= layers]
+            pp_all = [p for p in fitting if _stages_on_one_device_type(cluster, p, space)]
+            mixed = ", ".join(str(p) for p in fitting if p not in pp_all)
+            where = (f" with tp={tp} and cp={cp} on {devices} devices ({layers} layers"
+                     + (f"; pp {mixed} would put a stage on two device types" if mixed else "") + ")")
             for pp in _fixed(constraints, "pp", pp_all, space, "pipeline parallelism", where):
                 dp = devices // (tp * cp * pp)
                 if "dp" in constraints and constraints["dp"] != dp:
@@ -302,6 +307,7 @@ def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, gl
         raise invalid(f"recompute={config.recompute} with schedule=zb: torch's zero-bubble schedule runs each backward as "
                       f"an input-gradient and a weight-gradient pass, and selective checkpointing allows one backward per "
                       f"region; use recompute none or full, or another schedule")
+    check_zero_bubble_sharding(config)
     if config.tp > 1 and not any(layer.ops for layer in graph.layers):
         raise invalid(f"tp={config.tp}: the model was traced at module level (no op graph), so only tp=1 is supported")
     if config.ep > 1 and (not dims.experts or dims.experts % config.ep):

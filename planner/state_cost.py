@@ -243,14 +243,15 @@ def _trainable_fraction(dense: float, expert: float, frozen: float) -> float:
 def tied_gradient_sum_s(config: ParallelConfig, copied_params: float, node: NodeSpec, oversubscription: float) -> float:
     """The step's sum of tied-weight gradients between the first and last pipeline stages, which hold
     copies of `copied_params` parameters (`planner.apply.tied`): an all-reduce of their fp32 gradients
-    (split by tp, and by dp x cp under ZeRO-2/3) over two ranks (pp-1) stages apart, exposed after
-    the schedule. Under ZeRO-1 Megatron-LM and DeepSpeed sum the whole gradients, as priced;
-    `Plan.apply`'s ZeRO-1 (FSDP2) has reduce-scattered them by then and sums its shard. Rank i of
+    (split by tp, and by dp x cp under ZeRO-3) over two ranks (pp-1) stages apart, exposed after
+    the schedule. Under ZeRO-1 Megatron-LM and DeepSpeed sum the whole gradients, as priced, and
+    so under ZeRO-2, which pipeline stages run as ZeRO-1 (`state_options`); `Plan.apply`'s ZeRO-1
+    and ZeRO-2 (FSDP2) have reduce-scattered them by then and sum their shard. Rank i of
     the first stage pairs with rank i + (pp-1) x tp x cp x dp: every pair shares a node when the
     whole pipeline does, and otherwise at least one pair crosses nodes."""
     if config.pp == 1 or not copied_params:
         return 0.0
-    shards = config.tp * (config.shard_ranks if config.zero >= 2 else 1)
+    shards = config.tp * (config.shard_ranks if config.zero == 3 else 1)
     inner = config.tp * config.cp * config.dp
     if config.devices <= node.devices_per_node:
         group = CommGroup(size=2, ranks_per_node=2, concurrent_per_node=inner)

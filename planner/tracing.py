@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from planner import eager_run, measure
-from planner.errors import PlannerError, PlannerErrorKind, invalid
+from planner.errors import PlannerError, PlannerErrorKind, check_positive_int, invalid
 from planner.graph import Layer, LayerKind, ModelDims, ModelGraph, OpKind
 from planner.graph_layers import graph_layers
 from planner.layering import EXPERTS_MODULE, Grouping, tied_modules
@@ -91,9 +91,8 @@ def trace(source: ModelSource | str | nn.Module | ModelSpec, *, seq_len: int | N
     if dtype not in MEASURE_DTYPES:
         raise invalid(f"dtype={dtype!r}: unknown; fix: use one of {', '.join(MEASURE_DTYPES)}")
     for field, value in (("seq_len", seq_len), ("micro_batch", micro_batch)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise invalid(f"{field}={value!r}: must be a positive integer")
+        if value is not None:
+            check_positive_int(field, value)
     resolved = _resolve(source)
     if resolved.fixed_by and seq_len not in (None, resolved.default_seq_len):
         if resolved.default_seq_len == NO_SEQUENCE_SEQ_LEN:

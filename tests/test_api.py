@@ -2,6 +2,9 @@
 and the rejection of configurations that cannot exist."""
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
 import planner
@@ -50,6 +53,10 @@ REJECTED = [
     pytest.param({"tp": 0}, 16, 128, "tp=0", id="zero tp"),
     pytest.param({}, 0, 128, "global_batch=0", id="zero global batch"),
     pytest.param({"tpp": 2}, 16, 128, "config key 'tpp'", id="typo key"),
+    pytest.param({}, "16", 128, "global_batch='16'", id="global batch as text"),
+    pytest.param({}, 16.0, 128, "global_batch=16.0", id="fractional-typed global batch"),
+    pytest.param({}, 16, "128", "seq_len='128'", id="sequence length as text"),
+    pytest.param(None, 16, 128, "config: expected a mapping", id="no configuration"),
 ]
 
 
@@ -101,6 +108,28 @@ def test_plan_is_the_fastest_fitting_candidate(small_plan, small_graph):
 
 def test_plan_round_trips_through_json(small_plan):
     assert planner.Plan.from_json(small_plan.to_json()) == small_plan
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"global_batch": -8}, "plan field `global_batch`: -8 is not positive"),
+    ({"global_batch": 64}, "plan field `global_batch`: 64 but its config runs dp*micro_batch*num_microbatches"),
+    ({"dtype": "float32"}, "plan field `dtype`: 'float32' is not one of bf16, fp16, fp8, fp32"),
+    ({"memory_plan": {"recompute": {"partial": ["layers.0"]}}}, "plan field `memory_plan.recompute`: unknown policy 'partial'"),
+    ({"memory_plan": {"recompute": {"full": ["layers.99"]}}}, "plan field `memory_plan.recompute.full`: 'layers.99' is not a layer"),
+    ({"layouts": {"layers.0.attn.q_proj": "diagonal"}}, "plan field `layouts.layers.0.attn.q_proj`: 'diagonal' is not a placement"),
+])
+def test_a_plan_file_with_values_no_plan_has_is_refused_naming_the_field(small_plan, change, message):
+    # A hand-edited plan file would otherwise apply with a traceback, or silently run another
+    # batch or recompute than the one priced.
+    with pytest.raises(PlannerError) as error:
+        Plan.from_dict({**json.loads(small_plan.to_json()), **change})
+    assert error.value.message.startswith(message) and "\n" not in error.value.message
+
+
+def test_a_traced_graph_is_not_re_planned_at_another_sequence_length(small_graph):
+    with pytest.raises(PlannerError, match="seq_len=256: the traced graph of gpt3-125m is of seq_len=128"):
+        planner.plan(small_graph, NODE, global_batch=32, seq_len=256)
+    assert planner.plan(small_graph, NODE, global_batch=32, seq_len=128, tp=1, pp=1).seq_len == 128
 
 
 def test_plan_honours_fixed_choices_and_bounds(small_graph):
@@ -157,6 +186,33 @@ def test_a_saved_plan_evaluates_to_its_own_estimate(gpipe_plan, tmp_path):
     assert [stage.layer_names for stage in again.stages] == [stage.layer_names for stage in plan.stages]
     # Its config alone prices full recompute on every block, which the per-layer plan beats.
     assert planner.evaluate(graph, "a10g:1x4", plan.config, global_batch=64).step_time_s > plan.estimate.step_time_s
+
+
+CHEAPER = {"full": ("none", "selective_op", "selective"), "selective_op": ("none", "selective"), "selective": ("none",)}
+
+
+@pytest.mark.parametrize(("cluster", "global_batch", "fixed"), [
+    ("a10g:1x4", 32, {"micro_batch": 8}),  # one micro-batch: gradients and activations peak apart
+    ("a10g:1x4", 64, {"micro_batch": 8, "pp": 2, "schedule": "gpipe"}),
+    ("a10g:1x8", 96, {"micro_batch": 6, "zero": 3, "tp": 1}),  # ZeRO-3's gathered layers beside the activations
+])
+def test_no_single_block_recomputes_less_and_still_fits(cluster, global_batch, fixed):
+    # The per-layer recompute plan against an independent local search: moving any one block to a
+    # cheaper policy, priced by evaluate on the plan's own split, either does not fit or is not faster.
+    graph = planner.trace("gpt3-1.3b", seq_len=2048)
+    plan = planner.plan(graph, cluster, global_batch=global_batch, **fixed)
+    policies = plan.recompute_per_layer()
+    assert any(policy != "none" for policy in policies)
+    for index, policy in enumerate(policies):
+        for cheaper in CHEAPER.get(policy, ()):
+            if plan.config.schedule == "zb" and cheaper.startswith("selective"):
+                continue
+            recompute = {}
+            for name, chosen in zip(plan.layer_names, (*policies[:index], cheaper, *policies[index + 1:])):
+                recompute.setdefault(chosen, []).append(name)
+            moved = dataclasses.replace(plan, memory_plan={**plan.memory_plan, "recompute": recompute})
+            estimate = planner.evaluate(graph, cluster, moved, global_batch=global_batch)
+            assert not (estimate.fits and estimate.step_time_s < plan.estimate.step_time_s * (1 - 1e-9)), (index, cheaper)
 
 
 def test_a_fixed_recompute_policy_is_kept_on_every_block(gpipe_plan):

@@ -26,7 +26,7 @@ from planner.graph import LayerKind, Recompute
 from planner.layer_comm import overlapped_tp_comm_s
 from planner.layer_cost import AttentionKernel, op_sac_reruns_collectives
 from planner.loss_cost import LOSS_TEMP_INPUT_COPIES
-from planner.state_cost import BLOCKING_FETCH_BYTES_PER_S
+from planner.state_cost import BLOCKING_FETCH_BYTES_PER_S, tied_gradient_sum_s
 from planner.tracing import trace
 from planner.training_code import TrainingCode
 from planner.tp_plan import tp_plan_for
@@ -806,18 +806,24 @@ def test_pipelined_zero3_gathers_once_per_micro_batch_and_reduces_once_per_step(
     more_s = [collective_time_s(Collective.ALL_GATHER, 2 * gpt350m.layers[i].params, group, node)
               + collective_time_s(Collective.REDUCE_SCATTER, 4 * gpt350m.layers[i].params, group, node) for i in blocks]
     assert (unpipelined[blocks, COL["fsdp_exposed_s"]] > table[blocks, COL["fsdp_exposed_s"]] + more_s).all()
+    # (beside the sum of the tied embedding's gradients across stages: whole under ZeRO-2, which runs as ZeRO-1)
     per_step = {zero: evaluator.estimate(dataclasses.replace(config, zero=zero), 8).time_breakdown["dp_comm_exposed_s"]
+                - tied_gradient_sum_s(dataclasses.replace(config, zero=zero), sum(gpt350m.stage_copy_params), node,
+                                      cluster.oversubscription)
                 for zero in (2, 3)}
     assert per_step[3] == pytest.approx(per_step[2], rel=1e-12) and per_step[3] > 0
 
 
+@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("schedule, vpp", [(Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED, 2)])
-def test_pipelined_zero2_prices_as_zero1(spec_dir, schedule, vpp):
+def test_pipelined_zero2_prices_as_zero1(spec_dir, schedule, vpp, tied):
     # torch's pipeline stages accumulate the whole gradients and reduce them once per step at any
-    # ZeRO stage, so ZeRO-2 holds and moves what ZeRO-1 does (the search offers only ZeRO-1). The
-    # GPT is untied: a tied weight's sum between stages is priced whole under ZeRO-1, as Megatron-LM
-    # and DeepSpeed run it (planner.state_cost.tied_gradient_sum_s).
-    graph = trace(_spec_file(spec_dir, "untied8", tie_embeddings="false", layers=8, hidden=256, heads=4), seq_len=128)
+    # ZeRO stage, so ZeRO-2 holds and moves what ZeRO-1 does (the search offers only ZeRO-1). A tied
+    # weight's sum between stages is priced whole under both, as Megatron-LM and DeepSpeed run
+    # ZeRO-1 (planner.state_cost.tied_gradient_sum_s).
+    graph = trace(_spec_file(spec_dir, f"tied{tied}", tie_embeddings=str(tied).lower(), layers=8, hidden=256, heads=4),
+                  seq_len=128)
+    assert bool(sum(graph.stage_copy_params)) == tied
     evaluator = Evaluator(graph, load_cluster("a100-80g:2x8"))
     config = ParallelConfig(dp=4, tp=2, pp=2, vpp=vpp, zero=1, micro_batch=1, num_microbatches=8, schedule=schedule)
     one, two = (evaluator.estimate(dataclasses.replace(config, zero=zero), 32) for zero in (1, 2))

@@ -60,7 +60,8 @@ def model_ref(tmp_path_factory):
 
 
 def brute_force(graph, cluster_name: str, global_batch: int, constraints: dict):
-    """(fastest step time that fits, every config reaching it, configs priced) over the whole space.
+    """(fastest step time that fits, every config reaching it, configs priced, the step times of every
+    fitting config in ascending order) over the whole space.
 
     Also asserts, for every configuration, the invariants the pruning relies on: the lower bound
     never exceeds the priced step time, and a configuration over the memory floor does not fit.
@@ -90,7 +91,7 @@ def brute_force(graph, cluster_name: str, global_batch: int, constraints: dict):
                 results.append((estimate.step_time_s, config))
     best_s = min(step_s for step_s, _ in results)
     ties = {config for step_s, config in results if step_s <= best_s * (1 + REL_TOL)}
-    return best_s, ties, priced
+    return best_s, ties, priced, sorted(step_s for step_s, _ in results)
 
 
 EXACTNESS_CASES = [
@@ -112,11 +113,13 @@ EXACTNESS_CASES = [
                          ids=[f"{c[0]}-{c[2]}" for c in EXACTNESS_CASES])
 def test_search_matches_brute_force(model_ref, model, seq_len, cluster, global_batch, constraints, expect_pruning):
     graph = planner.trace(model_ref(model), seq_len=seq_len)
-    best_s, ties, priced = brute_force(graph, cluster, global_batch, constraints)
+    best_s, ties, priced, fitting_s = brute_force(graph, cluster, global_batch, constraints)
     plan = planner.plan(graph, cluster, global_batch=global_batch, **constraints)
 
     assert plan.search["candidates_total"] == priced
     assert plan.config in ties, f"search chose {plan.config.short()}, brute force {[c.short() for c in ties]}"
+    # The alternatives are the next fastest, however many the search pruned (5 by default).
+    assert [alternative.step_time_s for alternative in plan.alternatives] == pytest.approx(fitting_s[1:6], rel=REL_TOL)
     # The winner's per-layer recompute refinement may only improve on its uniform-policy estimate.
     if "per_layer" in plan.memory_plan["recompute_solver"]:
         assert plan.estimate.step_time_s <= best_s * (1 + REL_TOL)
@@ -326,6 +329,14 @@ def test_no_valid_configuration_names_why(constraints, reason, example):
     assert "fix: relax the fixed choices or change the global batch" in message
 
 
+def test_a_fixed_pp_that_would_mix_device_types_says_so():
+    # hetero-a100-v100-8n: A100 and V100 nodes; one pipeline stage over all of them would run both.
+    graph = planner.trace("gpt3-125m", seq_len=512)
+    with pytest.raises(PlannerError) as error:
+        planner.plan(graph, "hetero-a100-v100-8n", global_batch=64, pp=1)
+    assert "pp 1 would put a stage on two device types" in error.value.message
+
+
 def test_no_data_parallel_degree_splitting_the_batch_suggests_one():
     # 1,120 devices (dgx-a100-superpod) = 2^5 x 5 x 7. gpt3-1.3b's 32 heads take tp in {1, 2, 4, 8}
     # (one node at most), its 26 layers pp <= 26, and seq 512 no cp. A power-of-two tp and a pp of
@@ -352,6 +363,20 @@ def test_zero_bubble_schedule_takes_no_selective_checkpointing(recompute):
     with pytest.raises(PlannerError, match="selective checkpointing allows one backward per region"):
         planner.evaluate(graph, "a100-80g:1x8", {"tp": 1, "pp": 2, "schedule": "zb", "recompute": recompute},
                          global_batch=64)
+
+
+def test_zero_bubble_schedule_takes_no_zero3():
+    # torch's zero-bubble weight pass would find FSDP2's resharded weights (planner.config
+    # .check_zero_bubble_sharding): with ZeRO-3 fixed the search lists zb among the rejections and
+    # picks another schedule; with both fixed nothing is valid; evaluate rejects the pair in one line.
+    graph = planner.trace("gpt3-125m", seq_len=512)
+    plan = planner.plan(graph, "a100-80g:1x8", global_batch=64, pp=2, dp=4, zero=3)
+    assert plan.config.schedule != "zb" and plan.config.zero == 3
+    assert any("zb" in rejection["what"] and "zero=3 with schedule=zb" in rejection["reason"] for rejection in plan.rejected)
+    with pytest.raises(PlannerError, match="zero=3 with schedule=zb"):
+        planner.plan(graph, "a100-80g:1x8", global_batch=64, pp=2, dp=4, zero=3, schedule="zb")
+    with pytest.raises(PlannerError, match="every stage but the first would never update"):
+        planner.evaluate(graph, "a100-80g:1x8", {"tp": 1, "pp": 2, "dp": 4, "zero": 3, "schedule": "zb"}, global_batch=64)
 
 
 def test_expert_parallel_plans_take_no_op_level_checkpointing():

@@ -113,18 +113,21 @@ class AppliedPlan:
         parallelism its tokens of every sequence (`context_parallel.token_positions`).
 
         Raises:
-            PlannerError: the batch does not split into dp * num_microbatches equal parts, or its
-                sequences not into 2 * cp equal chunks.
+            PlannerError: the batch is not (sequences, tokens, ...), does not split into dp *
+                num_microbatches equal parts, or (with cp) its sequences are not the plan's length.
         """
         config = self.plan.config
+        if batch.dim() < 2:
+            raise invalid(f"batch of shape {tuple(batch.shape)}: expected (sequences, tokens, ...)")
+        if config.cp > 1 and batch.shape[1] != self.plan.seq_len:
+            raise invalid(f"sequences of {batch.shape[1]} tokens: the plan splits seq_len={self.plan.seq_len} over "
+                          f"cp={config.cp}; give sequences of that length or re-plan with --seq-len {batch.shape[1]}")
         if batch.shape[0] % (config.dp * config.num_microbatches):
             raise invalid(f"batch of {batch.shape[0]} sequences: must split over dp={config.dp} x "
                           f"num_microbatches={config.num_microbatches}")
         rows = batch.chunk(config.dp)[self.dp_rank]
         if config.cp == 1:
             return rows
-        if batch.shape[1] % (2 * config.cp):
-            raise invalid(f"sequences of {batch.shape[1]} tokens: must split into 2 x cp={2 * config.cp} equal chunks")
         return rows[:, token_positions(batch.shape[1], config.cp, self.mesh["cp"].get_local_rank()).to(rows.device)]
 
     def forward_backward(self, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -164,6 +167,8 @@ class AppliedPlan:
                 model.set_reshard_after_backward(config.zero == 3 or last)
             with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
                 out = model(chunk)
+                if self.loss_fn is not None and isinstance(out, torch.Tensor) and not out.dim():
+                    raise invalid("loss_fn: the model already returns its loss (a scalar); apply the plan without loss_fn")
                 loss = self.loss_fn(out, chunk) if self.loss_fn is not None else out
                 if loss.dim():
                     raise invalid(f"forward_backward: the model returned a tensor of shape {tuple(loss.shape)}, not a "
@@ -242,6 +247,27 @@ def apply_note(plan: Plan, model) -> str:
     return ""
 
 
+def _check_arguments(plan, model, device) -> torch.device:
+    """The device to run on; PlannerError when the plan, the model or the device cannot be applied."""
+    if not isinstance(plan, Plan):
+        raise invalid(f"plan: expected a Plan (planner.plan, Plan.load), got {type(plan).__name__}")
+    if not isinstance(model, nn.Module):
+        raise invalid(f"model: expected the nn.Module the plan was made for, built with its weights, got "
+                      f"{type(model).__name__}; build it first (examples/train.py shows how)")
+    if any(tensor.is_meta for tensor in (*model.parameters(), *model.buffers())):
+        raise invalid("model: its parameters are on the meta device (no weights); build it on a real device "
+                      "(the same seed on every rank) before applying the plan")
+    try:
+        device = torch.device(device) if device is not None else default_device()
+    except (RuntimeError, TypeError):
+        raise invalid(f"device={device!r}: not a device; use 'cpu' or 'cuda'") from None
+    if device.type not in ("cpu", "cuda"):
+        raise invalid(f"device='{device}': plans apply on 'cpu' (gloo) or 'cuda' (NCCL)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise invalid(f"device='{device}': no CUDA device is available here; use 'cpu', or run where GPUs are")
+    return device
+
+
 def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | None = None,
                loss_fn: Callable | None = None, mp_policy: MixedPrecisionPolicy | None = None) -> AppliedPlan:
     """Applies `plan` to `model` in this process (see the module docstring for the order).
@@ -266,6 +292,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
         PlannerError: INVALID_INPUT / UNSUPPORTED_MODEL with a one-line message, before any
             process-group work, when the model or world size does not match the plan.
     """
+    device = _check_arguments(plan, model, device)
     check_world_size(plan)
     match, tp_plan = check_applicable(plan, model)
     config, code = plan.config, TrainingCode.of(**plan.training_code)
@@ -273,7 +300,6 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
     if config.pp > 1 and loss_fn is None and not isinstance(loss_module, nn.modules.loss._Loss):
         raise invalid("loss_fn: the model has no `loss` module; pass loss_fn=(logits, targets) -> loss for pipelining")
 
-    device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     _init_process_group(device)

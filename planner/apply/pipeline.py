@@ -21,7 +21,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
-from planner.config import MULTI_STAGE_SCHEDULES, Schedule, pipeline_round, torch_runs_rounds
+from planner.config import MULTI_STAGE_SCHEDULES, Schedule, check_zero_bubble_sharding, pipeline_round, torch_runs_rounds
 from planner.errors import invalid
 from planner.result import Plan, contiguous_runs
 
@@ -77,8 +77,9 @@ def chunk_units(plan: Plan, units: tuple[str, ...], pp_rank: int) -> list[tuple[
 
 
 def check_schedule(plan: Plan) -> None:
-    """Raises PlannerError when torch's schedule cannot run the plan's micro-batch count."""
+    """Raises PlannerError when torch's schedule cannot run the plan's micro-batch count or ZeRO stage."""
     config = plan.config
+    check_zero_bubble_sharding(config)
     if config.pp == 1 or config.schedule not in MULTI_STAGE_SCHEDULES or torch_runs_rounds(config.num_microbatches, config.pp):
         return
     raise invalid(f"num_microbatches={config.num_microbatches}: schedule {config.schedule} needs a multiple of "
