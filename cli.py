@@ -10,7 +10,7 @@ import json
 import sys
 
 from planner.config import TRAINING_DTYPES
-from planner.errors import invalid
+from planner.errors import PlannerError, invalid
 
 
 class _Parser(argparse.ArgumentParser):
@@ -264,9 +264,15 @@ def _run(args) -> int:
 
         config = _evaluated_config(args)
         saved = config if isinstance(config, planner.Plan) else None
-        result = planner.evaluate(args.model or saved.model, args.cluster or saved.cluster, config,
-                                  global_batch=args.global_batch or saved.global_batch, seq_len=args.seq_len,
-                                  dtype=args.dtype, **_training_code(args))
+        try:
+            result = planner.evaluate(args.model or saved.model, args.cluster or saved.cluster, config,
+                                      global_batch=args.global_batch or saved.global_batch, seq_len=args.seq_len,
+                                      dtype=args.dtype, **_training_code(args))
+        except PlannerError as error:
+            if args.model or not error.message.startswith(f"model `{saved.model}`: not a built-in model"):
+                raise
+            raise invalid(f"--model: the plan names model `{saved.model}`, which is not a built-in name, a spec file or "
+                          "a factory (a plan made from a module in Python); pass --model") from None
         if args.json:
             _print_json(estimate_json(result))
         else:
@@ -334,7 +340,6 @@ def _sweep(args, console) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from costmodel.errors import ProfileError
-    from planner.errors import PlannerError
 
     try:
         return _run(args)

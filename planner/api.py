@@ -92,15 +92,15 @@ def make_config(constraints: dict | ParallelConfig, num_devices: int, global_bat
     )
 
 
-def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_batch: int, seq_len: int | None = None,
+def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_batch: int | None = None, seq_len: int | None = None,
              dtype: str | None = None, attention: str | None = None, tp_overlap: bool | None = None, loss: str | None = None,
              zero3_fetch: str | None = None, dp_sync: str | None = None, elementwise: str | None = None,
              pp_buffers: str | None = None, cp_comm: str | None = None) -> Estimate:
     """Predict step time, throughput, MFU and per-stage memory of one configuration.
 
     `config` is the degrees a user gives (`make_config`), a ParallelConfig, or a Plan: a plan is
-    priced as it was planned, with its stage split and per-layer recompute, and its dtype,
-    sequence length and training code unless given here. The training-code choices are as for
+    priced as it was planned, with its stage split and per-layer recompute, and its global batch,
+    dtype, sequence length and training code unless given here. The training-code choices are as for
     `plan`; a choice left None is the plan's, else `TrainingCode`'s default (dtype: bf16).
 
     Example::
@@ -112,8 +112,11 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
     from planner.estimate import Evaluator
     from planner.training_code import TrainingCode
 
-    check_positive_int("global_batch", global_batch)
     planned = config if isinstance(config, Plan) else None
+    if global_batch is None and planned is None:
+        raise invalid("global_batch: required (sequences per optimizer step) unless config is a Plan")
+    global_batch = planned.global_batch if global_batch is None else global_batch
+    check_positive_int("global_batch", global_batch)
     given = {"attention": attention, "tp_overlap": tp_overlap, "loss": loss, "zero3_fetch": zero3_fetch, "dp_sync": dp_sync,
              "elementwise": elementwise, "pp_buffers": pp_buffers, "cp_comm": cp_comm}
     code = TrainingCode.of(**{**(planned.training_code if planned else {}), **{k: v for k, v in given.items() if v is not None}})

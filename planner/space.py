@@ -129,6 +129,9 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) ->
                     space.degrees.append((dp, tp, pp, cp, ep))
     if not space.degrees:
         raise no_degrees_error(space, constraints)
+    if "zero" not in constraints and any(pp > 1 and dp * cp > 1 for dp, _, pp, cp, _ in space.degrees):
+        space.rejected.append(Rejection("zero=2 with pp>1", "pipeline stages reduce the gradients once per step, so "
+                                        "ZeRO-2 holds and moves what ZeRO-1 does; searched as zero=1"))
     return space
 
 

@@ -215,6 +215,13 @@ def test_no_single_block_recomputes_less_and_still_fits(cluster, global_batch, f
             assert not (estimate.fits and estimate.step_time_s < plan.estimate.step_time_s * (1 - 1e-9)), (index, cheaper)
 
 
+def test_a_plan_evaluates_at_its_own_global_batch_unless_given_one(gpipe_plan):
+    graph, plan = gpipe_plan
+    assert planner.evaluate(graph, "a10g:1x4", plan).step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-12)
+    with pytest.raises(PlannerError, match="global_batch: required"):
+        planner.evaluate(graph, "a10g:1x4", plan.config.to_dict())
+
+
 def test_a_fixed_recompute_policy_is_kept_on_every_block(gpipe_plan):
     graph, _ = gpipe_plan
     plan = planner.plan(graph, "a10g:1x4", global_batch=64, micro_batch=8, pp=2, schedule="gpipe", recompute="full")

@@ -274,6 +274,18 @@ def test_evaluate_prices_a_saved_plan_as_planned(capsys, tmp_path):
     assert config["micro_batch"] == planned["config"]["micro_batch"]
 
 
+def test_a_plan_of_a_python_module_asks_for_the_model(capsys, tmp_path):
+    # A plan made from a module object in Python names it by class; evaluate --plan cannot build it
+    # and says to pass --model (with it, the plan prices as usual).
+    path = tmp_path / "plan.json"
+    assert run(["plan", *RUN_ARGS, "--out", str(path)], capsys)[0] == 0
+    (tmp_path / "module.json").write_text(json.dumps({**json.loads(path.read_text()), "model": "LanguageModel"}))
+    code, out, err = run(["evaluate", "--plan", str(tmp_path / "module.json")], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "the plan names model `LanguageModel`" in err and "pass --model" in err
+    assert run(["evaluate", *MODEL_ARGS, "--plan", str(tmp_path / "module.json")], capsys)[0] == 0
+
+
 def test_a_plan_of_files_names_them_by_absolute_path(capsys, tmp_path, monkeypatch):
     # The plan keeps the spec and cluster files' paths (not the spec's stem, which is no built-in
     # name, nor a built-in name the file shadows), made absolute: evaluate --plan alone finds them

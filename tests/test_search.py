@@ -416,6 +416,8 @@ def test_rejections_carry_reasons(small_plan):
         assert rejection["what"] and rejection["reason"]
     # tp=16 crosses the nodes of a100-40g:2x8; the reason says so.
     assert any(r["what"] == "tp=16" and "node" in r["reason"] for r in plan.rejected)
+    # ZeRO-2 under pipelining, never searched, is named with why.
+    assert any(r["what"] == "zero=2 with pp>1" and "searched as zero=1" in r["reason"] for r in plan.rejected)
     assert sum(plan.search["rejected_counts"].values()) >= len(plan.rejected)
 
 
