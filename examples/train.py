@@ -78,8 +78,13 @@ def train(plan_path: str, model_name: str | None, steps: int) -> int:
         optimizer.zero_grad()
         dist.barrier()
         times_s.append(time.perf_counter() - start)
-        if loss is not None and applied.mesh["tp"].get_local_rank() == 0:
-            print(f"rank {rank} step {step}: loss {loss.item():.4f} ({times_s[-1]:.3f} s)", flush=True)
+        if loss is not None:
+            for axis in ("dp", "cp"):  # the step's loss: the mean over the ranks that split the batch
+                group = applied.mesh[axis]
+                dist.all_reduce(loss, group=group.get_group())  # gloo has no AVG
+                loss /= group.size()
+            if all(applied.mesh[axis].get_local_rank() == 0 for axis in ("dp", "cp", "tp")):
+                print(f"step {step}: loss {loss.item():.4f} ({times_s[-1]:.3f} s)", flush=True)
     if rank == 0:
         print(f"median step time {statistics.median(times_s):.3f} s; predicted {plan.estimate.step_time_s:.3f} s")
     dist.destroy_process_group()
