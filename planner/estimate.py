@@ -261,6 +261,7 @@ class Evaluator:
             layer_time_s=column("fwd_s") + column("bwd_s"), layer_static_bytes=static + column("temp_bytes"),
             layer_act_bytes=column("act_bytes"), num_stages=chunks, in_flight=np.array(in_flight),
             mem_cap_bytes=np.array(caps), stage_speed=np.array(speeds), num_microbatches=config.num_microbatches,
+            devices=config.pp,
         )
 
     def split(self, config: ParallelConfig, policies: tuple[Recompute, ...], headroom: float = 0.0) -> tuple[tuple[int, ...], bool]:

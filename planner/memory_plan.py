@@ -8,12 +8,14 @@ pipeline stage (which holds the most micro-batches in flight) and none on the la
 The ILP's stage memory is additive per layer; the estimate's is not everywhere (with one
 micro-batch the gradients and the activations peak at different moments, a pipelined ZeRO-3 stage
 peaks at one of two moments). So each answer is priced by the estimate, and the ILP is solved again
-with each stage's capacity moved by the difference between the estimate's room and its own, for a
-few rounds: the best answer that the estimate says fits is kept.
+with capacities that give it the room the estimate found, for a few rounds, starting once from the
+ILP's own capacities and once from capacities calibrated on the uniform policy: the best answer
+that the estimate says fits is kept.
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -28,8 +30,8 @@ from planner.milp import SolveStatus
 from planner.stage_ilp import split_ilp
 from planner.stage_problem import make_split
 
-# Wall-clock limit and relative gap of the per-layer recompute ILP, and how many times it is solved
-# with capacities corrected towards the estimate's memory (the module docstring).
+# Wall-clock limit of all the per-layer recompute ILP's solves together (half for each start), its
+# relative gap, and how many times it is solved from each start (the module docstring).
 MEMORY_ILP_TIME_LIMIT_S = 5.0
 MEMORY_ILP_REL_GAP = 1e-3
 MEMORY_ILP_ROUNDS = 4
@@ -51,28 +53,35 @@ def refine_recompute(evaluator: Evaluator, config: ParallelConfig, estimate: Est
     if config.schedule == Schedule.ZERO_BUBBLE and config.pp > 1:
         order = tuple(p for p in order if p in ZERO_BUBBLE_RECOMPUTE)
     problem = evaluator.stage_problem(config, [_uniform(evaluator, p) for p in order], headroom)
-    # first calibrated on the uniform policy, which the estimate has priced already
+    # From the ILP's own capacities, then from capacities calibrated on the uniform policy, which the
+    # estimate has priced already.
     uniform = make_split(problem, _boundaries(estimate), np.full(problem.num_layers, order.index(config.recompute)),
                          "uniform", SolveStatus.FEASIBLE, float("nan"), 0.0)
-    caps = _corrected_caps(problem.mem_cap_bytes, uniform.stage_mem_bytes, estimate, headroom, config)
+    starts = (problem.mem_cap_bytes, _corrected_caps(problem.mem_cap_bytes, uniform.stage_mem_bytes, estimate, headroom, config))
     best, best_info, info = estimate, None, {"method": "uniform", "status": "ilp infeasible"}
-    for _ in range(MEMORY_ILP_ROUNDS):
-        try:
-            split = split_ilp(dataclasses.replace(problem, mem_cap_bytes=caps), time_limit_s=MEMORY_ILP_TIME_LIMIT_S,
-                              rel_gap=MEMORY_ILP_REL_GAP)
-        except PlannerError:
-            break
-        chosen = tuple(order[c] if evaluator.graph.layers[i].kind == LayerKind.BLOCK else Recompute.NONE
-                       for i, c in enumerate(split.choices))
-        refined = evaluator.estimate(config, global_batch, recompute_per_layer=chosen, boundaries=split.boundaries,
-                                     headroom=headroom)
-        info = {"method": split.method, "status": str(split.status), "gap": split.gap, "solve_time_s": split.solve_time_s}
-        if refined.fits and refined.step_time_s < best.step_time_s:
-            best, best_info = refined, {**info, "per_layer": [str(p) for p in chosen]}
-        corrected = _corrected_caps(caps, split.stage_mem_bytes, refined, headroom, config)
-        if np.allclose(corrected, caps, rtol=0.0, atol=1.0):
-            break
-        caps = corrected
+    deadline_s = time.perf_counter() + MEMORY_ILP_TIME_LIMIT_S
+    for index, caps in enumerate(starts):
+        start_deadline_s = deadline_s - (len(starts) - 1 - index) * MEMORY_ILP_TIME_LIMIT_S / len(starts)
+        for _ in range(MEMORY_ILP_ROUNDS):
+            left_s = start_deadline_s - time.perf_counter()
+            if left_s <= 0:
+                break
+            try:
+                split = split_ilp(dataclasses.replace(problem, mem_cap_bytes=caps), time_limit_s=left_s,
+                                  rel_gap=MEMORY_ILP_REL_GAP)
+            except PlannerError:
+                break
+            chosen = tuple(order[c] if evaluator.graph.layers[i].kind == LayerKind.BLOCK else Recompute.NONE
+                           for i, c in enumerate(split.choices))
+            refined = evaluator.estimate(config, global_batch, recompute_per_layer=chosen, boundaries=split.boundaries,
+                                         headroom=headroom)
+            info = {"method": split.method, "status": str(split.status), "gap": split.gap, "solve_time_s": split.solve_time_s}
+            if refined.fits and refined.step_time_s < best.step_time_s:
+                best, best_info = refined, {**info, "per_layer": [str(p) for p in chosen]}
+            corrected = _corrected_caps(caps, split.stage_mem_bytes, refined, headroom, config)
+            if np.allclose(corrected, caps, rtol=0.0, atol=1.0):
+                break
+            caps = corrected
     return best, best_info or info
 
 
@@ -83,17 +92,17 @@ def _boundaries(estimate: Estimate) -> np.ndarray:
 
 
 def _corrected_caps(caps: np.ndarray, ilp_bytes, estimate: Estimate, headroom: float, config: ParallelConfig) -> np.ndarray:
-    """Per pipeline chunk, the ILP capacity `caps` moved so that the ILP's room for its answer (`ilp_bytes`)
-    equals the estimate's room on the chunk's stage (before fragmentation, shared by its vpp chunks).
-    It may pass the device's capacity where the ILP counts more than the estimate does. A stage whose
-    peak holds no activations (the optimizer step) says nothing of them: its capacities stay."""
+    """Per pipeline chunk, the ILP's memory for its answer (`ilp_bytes`) plus the estimate's room on
+    the chunk's stage (before fragmentation, shared by its vpp chunks): capacities under which the
+    ILP sees the room the estimate sees. They may pass the device's capacity where the ILP counts
+    more than the estimate does. A stage whose peak holds no activations (the optimizer step, or a
+    pipelined ZeRO-3 backward's end) bounds them only from below: its capacities `caps` may grow."""
     room = np.array([(row["capacity_bytes"] * (1 - headroom) - row["total_bytes"]) / (1 + ALLOCATOR_FRAGMENTATION_FRACTION)
                      for row in estimate.memory])
     stage_of_chunk = np.arange(len(caps)) % config.pp
-    ilp_room = np.asarray(caps) - np.asarray(ilp_bytes)
-    per_stage_ilp_room = np.bincount(stage_of_chunk, weights=ilp_room, minlength=config.pp)
-    moved = np.where([row["activations_bytes"] > 0 for row in estimate.memory], (room - per_stage_ilp_room) / config.vpp, 0.0)
-    return np.maximum(0.0, np.asarray(caps) + moved[stage_of_chunk])
+    alive = np.array([row["activations_bytes"] > 0 for row in estimate.memory])[stage_of_chunk]
+    moved = np.asarray(ilp_bytes) + (room / config.vpp)[stage_of_chunk]
+    return np.maximum(0.0, np.where(alive, moved, np.maximum(moved, caps)))
 
 
 def memory_plan(evaluator: Evaluator, config: ParallelConfig, estimate: Estimate, global_batch: int,

@@ -37,10 +37,13 @@ def split_ilp(problem: StageProblem, time_limit_s: float = 10.0, rel_gap: float 
         count[r,s]      sum_c n[r, s, c] = u[r, s] - u[r, s-1]
         complete/order  u[r, s] >= len_r f[r, s];  u[r+1, s] <= len_{r+1} f[r, s]  (stages <= s hold a layer prefix)
         nonempty[s]     sum_{r,c} n[r, s, c] >= 1
-        memory[s]       sum_{r,c} (w[r, c] + in_flight_s a[r, c]) n[r, s, c] + overhead_s <= cap_s
-        t_max[s]        t_max >= T_s = sum_{r,c} t[r, c] n[r, s, c] / speed_s
-    Objective: (m - 1) t_max + sum_s T_s. A run's layers on one stage take their choices in sorted
-    order (identical layers, so any order costs the same).
+        memory[d]       sum_{s on d} (sum_{r,c} (w[r, c] + in_flight_s a[r, c]) n[r, s, c] + overhead_s)
+                        <= sum_{s on d} cap_s   (device d's chunks, `StageProblem.devices`)
+        t_max[d]        t_max >= sum_{s on d} T_s, T_s = sum_{r,c} t[r, c] n[r, s, c] / speed_s
+    Objective: (m - 1) t_max + sum_s T_s / v, with v = S / D chunks per device: 1F1B's with one
+    chunk per device, and the interleaved schedule's (m - 1 + p / v) T for p equal devices of time T
+    (its bubble is (p - 1) / v of T). A run's layers on one stage take their choices in sorted order
+    (identical layers, so any order costs the same).
 
     Args:
         problem: a StageProblem with any number of choices per layer.
@@ -55,7 +58,8 @@ def split_ilp(problem: StageProblem, time_limit_s: float = 10.0, rel_gap: float 
             every layer; SOLVER_LIMIT when the time limit passed before any feasible split was found.
     """
     start_s = time.perf_counter()
-    raise_if_no_split_fits(problem, least_stage_layer_mem_bytes(problem))
+    if problem.devices == problem.num_stages:  # chunks sharing a device: the MILP alone decides
+        raise_if_no_split_fits(problem, least_stage_layer_mem_bytes(problem))
     runs = _Runs.of(problem)
     model = mathopt.Model(name="stage_split")
     # time_unit_s: stage times enter the model divided by it, so the solver sees coefficients of order 1
@@ -66,14 +70,15 @@ def split_ilp(problem: StageProblem, time_limit_s: float = 10.0, rel_gap: float 
     _add_nonempty_constraints(model, variables, runs, problem)
     _add_memory_constraints(model, variables, runs, problem)
     stage_time = _add_stage_time_constraints(model, variables, runs, problem, time_unit_s)
-    model.minimize((problem.num_microbatches - 1) * variables.t_max + mathopt.fast_sum(stage_time))
+    chunks = problem.num_stages // problem.devices
+    model.minimize((problem.num_microbatches - 1) * variables.t_max + mathopt.fast_sum(stage_time) / chunks)
     hint = _best_single_choice_split(problem)
     result = solve_milp(
         model,
         time_limit_s=time_limit_s,
         rel_gap=rel_gap,
         what="stage split",
-        hint=None if hint is None else variables.values_of(hint, runs, time_unit_s),
+        hint=None if hint is None else variables.values_of(hint, runs, time_unit_s, problem.devices),
     )
     if result.status == SolveStatus.INFEASIBLE:
         raise PlannerError(PlannerErrorKind.INSUFFICIENT_MEMORY, "stage split: the MILP found no split that fits memory")
@@ -145,9 +150,10 @@ class _RunVariables:
         full = {(r, s): model.add_binary_variable(name=f"f[{r},{s}]") for r in range(len(runs) - 1) for s in range(last)}
         return cls(prefix, count, full, model.add_variable(lb=0.0, name="t_max"))
 
-    def values_of(self, split: StageSplit, runs: _Runs, time_unit_s: float) -> dict:
-        """Variable values of a known split (the solver's first incumbent)."""
-        values = {self.t_max: max(split.stage_time_s) / time_unit_s}
+    def values_of(self, split: StageSplit, runs: _Runs, time_unit_s: float, devices: int) -> dict:
+        """Variable values of a known split (the solver's first incumbent) on `devices` devices."""
+        device_time_s = np.bincount(np.arange(len(split.stage_time_s)) % devices, weights=split.stage_time_s)
+        values = {self.t_max: float(device_time_s.max()) / time_unit_s}
         stage_of = np.repeat(np.arange(len(split.stage_time_s)), np.diff(split.boundaries))
         for (r, s), var in self.prefix.items():
             values[var] = float(np.clip(split.boundaries[s + 1] - runs.start[r], 0, runs.length[r]))
@@ -195,20 +201,23 @@ def _add_nonempty_constraints(model, variables: _RunVariables, runs: _Runs, prob
 
 
 def _add_memory_constraints(model, variables: _RunVariables, runs: _Runs, problem: StageProblem) -> None:
-    """memory[s]: stage memory / cap <= 1 (normalised so every row has coefficients of order 1)."""
-    for s in range(problem.num_stages):
-        cap = problem.mem_cap_bytes[s]
+    """memory[d]: device memory / cap <= 1 (normalised so every row has coefficients of order 1)."""
+    for d in range(problem.devices):
+        stages = range(d, problem.num_stages, problem.devices)
+        cap = sum(problem.mem_cap_bytes[s] for s in stages)
         terms = [
             (problem.layer_static_bytes[start, c] + problem.in_flight[s] * problem.layer_act_bytes[start, c]) / cap
             * variables.count[r, s, c]
+            for s in stages
             for r, start in enumerate(runs.start)
             for c in range(problem.num_choices)
         ]
-        model.add_linear_constraint(mathopt.fast_sum(terms) <= (cap - problem.stage_overhead_bytes[s]) / cap, name=f"memory[{s}]")
+        overhead = sum(problem.stage_overhead_bytes[s] for s in stages)
+        model.add_linear_constraint(mathopt.fast_sum(terms) <= (cap - overhead) / cap, name=f"memory[{d}]")
 
 
 def _add_stage_time_constraints(model, variables: _RunVariables, runs: _Runs, problem: StageProblem, time_unit_s: float) -> list:
-    """Returns the stage times T_s / time_unit_s and adds t_max[s]: t_max >= each."""
+    """Returns the stage times T_s / time_unit_s and adds t_max[d]: t_max >= each device's sum of them."""
     stage_time = []
     for s in range(problem.num_stages):
         scale = 1.0 / (problem.stage_speed[s] * time_unit_s)
@@ -217,5 +226,6 @@ def _add_stage_time_constraints(model, variables: _RunVariables, runs: _Runs, pr
             for r, start in enumerate(runs.start)
             for c in range(problem.num_choices)
         ))
-        model.add_linear_constraint(variables.t_max >= stage_time[-1], name=f"t_max[{s}]")
+    for d in range(problem.devices):
+        model.add_linear_constraint(variables.t_max >= mathopt.fast_sum(stage_time[d::problem.devices]), name=f"t_max[{d}]")
     return stage_time

@@ -10,7 +10,8 @@ bytes of one micro-batch::
     T_s   = sum_{l in s} t[l, c_l] / speed_s                                   (stage time)
     M_s   = sum_{l in s} (w[l, c_l] + in_flight_s * a[l, c_l]) + overhead_s    (stage memory)
     step  = (m - 1) * max_s T_s + sum_s T_s                                    (1F1B with unequal stages)
-    subject to M_s <= cap_s and every stage holding at least one layer.
+    subject to M_s <= cap_s (`split_ilp`: summed over the chunks of one device) and every stage holding
+    at least one layer.
 
 Solvers: `planner.stages` (`split_dp`, exact with one choice per layer; `split_uniform`, the
 baseline) and `planner.stage_ilp` (`split_ilp`, per-layer choices).
@@ -42,6 +43,9 @@ class StageProblem:
         stage_speed: [S] relative speed of each stage's devices (1.0 = the reference device).
         num_microbatches: m, micro-batches per step.
         stage_overhead_bytes: [S] fixed bytes per stage (buffers, communication scratch); zeros if None.
+        devices: D, when the S stages are chunks of an interleaved pipeline: stage s runs on device
+            s % D, whose chunks share their summed capacity (`split_ilp`; the DPs keep each chunk
+            under its own, which implies it). None: every stage has a device of its own.
     """
 
     layer_time_s: np.ndarray
@@ -53,6 +57,7 @@ class StageProblem:
     stage_speed: np.ndarray
     num_microbatches: int
     stage_overhead_bytes: np.ndarray | None = None
+    devices: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.num_stages, (int, np.integer)) or self.num_stages < 1:
@@ -73,6 +78,10 @@ class StageProblem:
             raise invalid(f"num_stages={self.num_stages}: more stages than the {layers} layers; use at most {layers} stages")
         if self.stage_overhead_bytes is None:
             object.__setattr__(self, "stage_overhead_bytes", np.zeros(self.num_stages))
+        if self.devices is None:
+            object.__setattr__(self, "devices", self.num_stages)
+        if not isinstance(self.devices, (int, np.integer)) or self.devices < 1 or self.num_stages % self.devices:
+            raise invalid(f"devices={self.devices!r}: must be a positive integer dividing num_stages={self.num_stages}")
         for name in ("in_flight", "mem_cap_bytes", "stage_speed", "stage_overhead_bytes"):
             value = np.asarray(getattr(self, name), dtype=float)
             if value.shape != (self.num_stages,):
@@ -93,6 +102,13 @@ class StageProblem:
     def num_choices(self) -> int:
         return self.layer_time_s.shape[1]
 
+    def objective_s(self, stage_time_s) -> float:
+        """(m - 1) max_d T_d + sum_s T_s / v over the devices' summed stage times T_d, v = S / D
+        stages per device: `pipeline_step_time_s` with a device per stage (`split_ilp`)."""
+        stage_time_s = np.asarray(stage_time_s, dtype=float)
+        device_time_s = np.bincount(np.arange(self.num_stages) % self.devices, weights=stage_time_s)
+        return (self.num_microbatches - 1) * float(device_time_s.max()) + float(stage_time_s.sum()) * self.devices / self.num_stages
+
     def stage_layer_mem_bytes(self, choices: np.ndarray) -> np.ndarray:
         """[S, L] bytes layer l would add to stage s with the given per-layer choice indices."""
         rows = np.arange(self.num_layers)
@@ -110,7 +126,7 @@ class StageSplit:
         choices: per-layer choice index (all 0 when the problem has one choice).
         stage_time_s: T_s per stage (layer times / stage speed).
         stage_mem_bytes: memory per device of each stage.
-        objective_s: (m - 1) * max(T_s) + sum(T_s).
+        objective_s: (m - 1) * max(T_s) + sum(T_s) (`StageProblem.objective_s` when stages share devices).
         method: "dp", "ilp" or "uniform".
         status: a `SolveStatus`; "infeasible" only from `split_uniform` (the split overflows memory).
         gap: relative optimality gap (0 for the exact DP; nan for the uniform baseline, which is not optimised).
@@ -161,7 +177,7 @@ def make_split(problem, boundaries, choices, method, status, gap, solve_time_s) 
         choices=tuple(int(c) for c in choices),
         stage_time_s=tuple(float(t) for t in time_s),
         stage_mem_bytes=tuple(float(b) for b in stage_mem_bytes),
-        objective_s=pipeline_step_time_s(time_s, problem.num_microbatches),
+        objective_s=problem.objective_s(time_s),
         method=method,
         status=status,
         gap=float(gap),

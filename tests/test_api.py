@@ -195,6 +195,8 @@ CHEAPER = {"full": ("none", "selective_op", "selective"), "selective_op": ("none
     ("a10g:1x4", 32, {"micro_batch": 8}),  # one micro-batch: gradients and activations peak apart
     ("a10g:1x4", 64, {"micro_batch": 8, "pp": 2, "schedule": "gpipe"}),
     ("a10g:1x8", 96, {"micro_batch": 6, "zero": 3, "tp": 1}),  # ZeRO-3's gathered layers beside the activations
+    # interleaved: a device's chunks share its memory, the loss's chunk taking more than its share
+    ("a10g:1x4", 64, {"micro_batch": 8, "pp": 2, "schedule": "interleaved"}),
 ])
 def test_no_single_block_recomputes_less_and_still_fits(cluster, global_batch, fixed):
     # The per-layer recompute plan against an independent local search: moving any one block to a
@@ -203,6 +205,7 @@ def test_no_single_block_recomputes_less_and_still_fits(cluster, global_batch, f
     plan = planner.plan(graph, cluster, global_batch=global_batch, **fixed)
     policies = plan.recompute_per_layer()
     assert any(policy != "none" for policy in policies)
+    assert planner.evaluate(graph, cluster, plan).fits
     for index, policy in enumerate(policies):
         for cheaper in CHEAPER.get(policy, ()):
             if plan.config.schedule == "zb" and cheaper.startswith("selective"):
