@@ -25,14 +25,15 @@ _VALUES = {kind: frozenset(str(member) for member in kind) for kind in (Recomput
 MULTI_STAGE_SCHEDULES = frozenset({Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE})
 
 
-def pipeline_round(num_microbatches: int, pp: int) -> int:
-    """Micro-batches per round of torch's multi-stage schedules, which run whole rounds of them."""
+def pipeline_rounds(num_microbatches: int, pp: int) -> int:
+    """Rounds torch's multi-stage schedules split the micro-batches into: m // pp (at least 1), each
+    of as many micro-batches."""
     return max(1, num_microbatches // pp)
 
 
 def torch_runs_rounds(num_microbatches: int, pp: int) -> bool:
-    """Whether torch's multi-stage schedules can run `num_microbatches` on `pp` stages (whole rounds)."""
-    return num_microbatches % pipeline_round(num_microbatches, pp) == 0
+    """Whether torch's multi-stage schedules can run `num_microbatches` on `pp` stages (equal rounds)."""
+    return num_microbatches % pipeline_rounds(num_microbatches, pp) == 0
 
 
 def check_zero_bubble_sharding(config: ParallelConfig) -> None:
@@ -43,7 +44,7 @@ def check_zero_bubble_sharding(config: ParallelConfig) -> None:
     if config.schedule == Schedule.ZERO_BUBBLE and config.pp > 1 and config.zero == 3:
         raise invalid("zero=3 with schedule=zb: torch's zero-bubble schedule computes weight gradients for the "
                       "weights a stage holds after its forward, which FSDP2 has resharded, so every stage but the "
-                      "first would never update; use zero 1, or another schedule")
+                      "first would never update; use zero 0, 1 or 2, or another schedule")
 
 
 @dataclass(frozen=True)

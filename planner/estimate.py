@@ -325,9 +325,11 @@ class Evaluator:
             recv_bytes = recv_buffer_bytes(self.code.pp_buffers, boundaries, tables[device.name][:, COL["out_bytes"]], stage,
                                            config.pp, m, config.seq_split)
             params = rows[:, COL["dense_params"]] + rows[:, COL["expert_params"]]
-            first_unit = rows[int(np.argmax(params > 0)), [COL["dense_params"], COL["expert_params"], COL["frozen_params"]]]
+            trainable = rows[:, [COL["dense_params"], COL["expert_params"]]] - rows[:, [COL["frozen_params"]]] * [1, 0]
+            first_gathered = rows[int(np.argmax(params > 0)), [COL["dense_params"], COL["expert_params"]]]
+            last_reduced = trainable[int(np.argmax(trainable.sum(axis=1) > 0))]
             key = (device.name, tuple(total), float(rows[-1, COL["out_bytes"]]), float(params.max()), in_flight, recv_bytes,
-                   tuple(first_unit.tolist()))
+                   tuple(first_gathered.tolist()), tuple(last_reduced.tolist()))
             if key not in priced:
                 priced[key] = self._stage_costs(config, device, node, *key[1:])
             stage_p2p_s, stage_dp_s, stage_optimizer_s, breakdown, host_bytes = priced[key]
@@ -371,16 +373,18 @@ class Evaluator:
                                  stages, headroom)
 
     def _stage_costs(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, total: tuple, last_out_bytes: float,
-                     largest_params: float, in_flight: float, recv_bytes: float, first_unit: tuple) -> tuple:
+                     largest_params: float, in_flight: float, recv_bytes: float, first_gathered: tuple,
+                     last_reduced: tuple) -> tuple:
         """(p2p to the next stage, exposed data-parallel traffic, optimizer step, memory, host memory of
         offloaded states) of one stage from its `layer_table` column sums, its last layer's output,
-        its largest layer, its pipeline receive buffers and its first layer with parameters (`dp_exposed_s`)."""
+        its largest layer, its pipeline receive buffers and its first layers with parameters and with
+        trainable ones (`dp_exposed_s`)."""
         groups = mesh_groups(config, node.devices_per_node)
         p2p_s = (collective_time_s(Collective.P2P, last_out_bytes / config.seq_split, groups.pp, node, self.cluster.oversubscription)
                  if config.pp > 1 else 0.0)
         dense, expert, frozen = total[COL["dense_params"]], total[COL["expert_params"]], total[COL["frozen_params"]]
         dp_s = dp_exposed_s(config, self.precision, node, groups, dense, expert, total[COL["fwd_s"]], total[COL["bwd_s"]],
-                           self.cluster.oversubscription, self.code.dp_sync, frozen, first_unit)
+                           self.cluster.oversubscription, self.code.dp_sync, frozen, first_gathered, last_reduced)
         expert_group = expert_data_group(config, node).size
         dense_shard, expert_shard = (config.shard_ranks, expert_group) if config.zero >= 1 else (1, 1)
         breakdown = memory_model.stage_memory(

@@ -7,7 +7,7 @@ import numpy as np
 from costmodel.compute import peak_flops_per_s
 from costmodel.hardware import DeviceSpec, NodeSpec
 from costmodel.memory import MemoryBreakdown
-from planner.config import MULTI_STAGE_SCHEDULES, ParallelConfig, pipeline_round, torch_runs_rounds
+from planner.config import MULTI_STAGE_SCHEDULES, ParallelConfig, pipeline_rounds, torch_runs_rounds
 from planner.graph import ModelGraph
 from planner.result import Estimate, StagePlan
 
@@ -53,9 +53,9 @@ def _partial_round_note(config: ParallelConfig) -> tuple[str, ...]:
     m, pp = config.num_microbatches, config.pp
     if pp == 1 or config.schedule not in MULTI_STAGE_SCHEDULES or torch_runs_rounds(m, pp):
         return ()
-    return (f"schedule {config.schedule} is priced for {m} micro-batches, but torch's runs whole rounds of "
-            f"{pipeline_round(m, pp)} on pp={pp} (m // pp), so Plan.apply refuses it; pick --micro-batch or --global-batch "
-            f"so that the micro-batch count is a multiple of its m // pp",)
+    return (f"schedule {config.schedule} is priced for {m} micro-batches, but torch's splits them into m // pp = "
+            f"{pipeline_rounds(m, pp)} equal rounds on pp={pp}, so Plan.apply refuses it; pick --micro-batch or "
+            f"--global-batch so that the micro-batch count is a multiple of its m // pp",)
 
 
 def _substituted_dtype_note(memory: list[dict], dtype: str) -> tuple[str, ...]:

@@ -39,11 +39,12 @@ def _check_plan_fields(data) -> None:
                     raise invalid(f"plan field `{key}`: missing; {fix}")
                 continue
             value = data[key]
-            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            accepted = (list, tuple) if kind is list else kind  # `Plan.to_dict` keeps tuples; JSON makes them lists
+            if not isinstance(value, accepted) or (isinstance(value, bool) and kind is not bool):
                 raise invalid(f"plan field `{key}`: expected {_TYPE_NAMES.get(kind, 'a number')}, got "
                               f"{type(value).__name__}; {fix}")
     for index, stage in enumerate(data["stages"]):
-        if not isinstance(stage, dict) or not isinstance(stage.get("layer_names"), list):
+        if not isinstance(stage, dict) or not isinstance(stage.get("layer_names"), (list, tuple)):
             raise invalid(f"plan field `stages[{index}]`: expected a mapping with a `layer_names` list; {fix}")
     recompute = data.get("memory_plan", {}).get("recompute", {})
     if not isinstance(recompute, dict) or not all(isinstance(names, list) for names in recompute.values()):
@@ -60,6 +61,10 @@ def _check_plan_values(data: dict, recompute: dict, fix: str) -> None:
         raise invalid(f"plan field `dtype`: {data['dtype']!r} is not one of {', '.join(TRAINING_DTYPES)}; {fix}")
     policies = {str(policy) for policy in Recompute}
     known_layers = set(data.get("layer_names", [])) or {name for stage in data["stages"] for name in stage["layer_names"]}
+    listed = [name for names in recompute.values() for name in names]
+    twice = next((name for name in listed if listed.count(name) > 1), None)
+    if twice:
+        raise invalid(f"plan field `memory_plan.recompute`: layer {twice!r} is listed more than once; {fix}")
     for policy, names in recompute.items():
         if policy not in policies:
             raise invalid(f"plan field `memory_plan.recompute`: unknown policy {policy!r} (one of {', '.join(sorted(policies))}); {fix}")

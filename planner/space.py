@@ -185,8 +185,8 @@ def schedules(pp: int, layers: int, num_microbatches: int, constraints: dict) ->
         return [] if fixed_pipelining else [(Schedule.ONE_F_ONE_B, 1)]
     allowed = constraints.get("schedules") or ([constraints["schedule"]] if "schedule" in constraints else None)
     out = [(Schedule.ONE_F_ONE_B, 1)]
-    # torch's multi-stage schedules (zero bubble, interleaved) run whole rounds of m // pp
-    # micro-batches (`planner.apply.pipeline.check_schedule`); interleaved needs m % pp == 0 anyway.
+    # torch's multi-stage schedules (zero bubble, interleaved) split the micro-batches into m // pp
+    # equal rounds (`planner.apply.pipeline.check_schedule`); interleaved needs m % pp == 0 anyway.
     if torch_runs_rounds(num_microbatches, pp):
         out.append((Schedule.ZERO_BUBBLE, 1))
     if num_microbatches >= pp:
@@ -271,7 +271,8 @@ def why_no_configs(degrees: tuple[int, int, int, int, int], graph: ModelGraph, g
     if pp == 1:
         return "the fixed schedule/vpp needs pipeline stages (pp > 1)"
     return (f"the fixed schedule/vpp cannot run {pp} stages of {len(graph.layers)} layers (interleaved needs "
-            f"num_microbatches divisible by pp and pp*vpp <= layers; gpipe needs num_microbatches >= pp)")
+            f"num_microbatches divisible by pp and pp*vpp <= layers; gpipe needs num_microbatches >= pp; zb needs "
+            f"num_microbatches divisible by num_microbatches // pp)")
 
 
 # Recompute policies torch's zero-bubble schedule (ScheduleInterleavedZeroBubble) can run: it calls

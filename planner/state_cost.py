@@ -126,7 +126,8 @@ def fsdp2_copy_s(precision: Precision, device: DeviceSpec, params: float, shard_
 
 def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, groups, dense: float, expert: float,
                  fwd_s: float, bwd_s: float, oversubscription: float, sync: DpSync = DpSync.OVERLAPPED,
-                 frozen: float = 0.0, first_unit: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> float:
+                 frozen: float = 0.0, first_gathered: tuple[float, float] = (0.0, 0.0),
+                 last_reduced: tuple[float, float] = (0.0, 0.0)) -> float:
     """Data-parallel traffic not hidden behind compute, per step, and FSDP2's buffer copies.
 
     The gradient reduction (all-reduce, or reduce-scatter under ZeRO-1/2) runs bucket by bucket
@@ -149,17 +150,16 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
     in the last backward (FSDP2's `set_requires_all_reduce`, `planner.apply`), ZeRO-3's too.
 
     Every layer is its own communication unit (`planner.apply.data_parallel`), so whatever the
-    windows, the stage's first unit, `first_unit` = (dense, expert, frozen) parameters of its first
-    layer that has any, is exposed: its gradients are the backward's last, reduced after it, and
-    its parameters are the forward's first, gathered before it. Without it (0s) the result is a
-    floor (`planner.bounds`).
+    windows, two units are exposed: `first_gathered`, the (dense, expert) parameters of the stage's
+    first layer that has any, gathered before the forward's first kernel, and `last_reduced`, the
+    trainable (dense, expert) parameters of its first layer that has such, whose gradients are the
+    backward's last, reduced after it. Without them (0s) the result is a floor (`planner.bounds`).
     """
     blocking = sync is DpSync.BLOCKING
     if blocking or not node.device.comm_overlaps_compute:
         fwd_s = bwd_s = 0.0  # nothing hides the traffic
     replica_s = replica_all_reduce_s(dense - frozen + expert, groups, node, oversubscription)
-    first_dense, first_expert, first_frozen = first_unit
-    first_replica_s = replica_all_reduce_s(first_dense - first_frozen + first_expert, groups, node, oversubscription)
+    first_replica_s = replica_all_reduce_s(sum(last_reduced), groups, node, oversubscription)
     if config.zero == 3 and config.pp == 1:
         return max(first_replica_s, replica_s - bwd_s)
     reductions = config.num_microbatches if config.zero == 2 and config.pp == 1 else 1
@@ -181,9 +181,9 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
                                   expert_group, node, oversubscription)
 
     step_reduce_s = reduce_s(dense - frozen, expert)
-    last_reduce_s = reduce_s(first_dense - first_frozen, first_expert) + first_replica_s
+    last_reduce_s = reduce_s(*last_reduced) + first_replica_s
     return ((reductions - 1) * max(0.0, step_reduce_s - bwd_s) + max(last_reduce_s, step_reduce_s + replica_s - bwd_s)
-            + max(gather_s(first_dense, first_expert), gather_s(dense, expert) - fwd_s) + copies_s)
+            + max(gather_s(*first_gathered), gather_s(dense, expert) - fwd_s) + copies_s)
 
 
 def replica_all_reduce_s(trainable: float, groups, node: NodeSpec, oversubscription: float) -> float:

@@ -108,6 +108,7 @@ def test_plan_is_the_fastest_fitting_candidate(small_plan, small_graph):
 
 def test_plan_round_trips_through_json(small_plan):
     assert planner.Plan.from_json(small_plan.to_json()) == small_plan
+    assert planner.Plan.from_dict(small_plan.to_dict()) == small_plan
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -117,6 +118,7 @@ def test_plan_round_trips_through_json(small_plan):
     ({"memory_plan": {"recompute": {"partial": ["layers.0"]}}}, "plan field `memory_plan.recompute`: unknown policy 'partial'"),
     ({"memory_plan": {"recompute": {"full": ["layers.99"]}}}, "plan field `memory_plan.recompute.full`: 'layers.99' is not a layer"),
     ({"layouts": {"layers.0.attn.q_proj": "diagonal"}}, "plan field `layouts.layers.0.attn.q_proj`: 'diagonal' is not a placement"),
+    ({"memory_plan": {"recompute": {"full": ["embed"], "none": ["embed"]}}}, "plan field `memory_plan.recompute`: layer 'embed' is listed more than once"),
 ])
 def test_a_plan_file_with_values_no_plan_has_is_refused_naming_the_field(small_plan, change, message):
     # A hand-edited plan file would otherwise apply with a traceback, or silently run another

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import planner
 from costmodel.profile_files import PROFILES_DIR
 from costmodel.profile_loader import load_cluster
-from planner.apply import check_applicable
+from planner.apply import AppliedPlan, check_applicable
 from planner.apply.context_parallel import token_positions
 from planner.apply.expert_parallel import check_expert_mesh
 from planner.apply.tensor_parallel import tensor_parallel_plan
@@ -444,7 +444,7 @@ def test_zero3_under_zero_bubble_fails_before_process_group(spec_dir, monkeypatc
     plan = _plan(spec_dir / "gpt.yaml", "cpu:1x4", dp=2, pp=2, tp=1, zero=1, schedule="zb", micro_batch=1)
     plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, zero=3))
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(PlannerError, match=r"zero=3 with schedule=zb: .*use zero 1, or another schedule$"):
+    with pytest.raises(PlannerError, match=r"zero=3 with schedule=zb: .*use zero 0, 1 or 2, or another schedule$"):
         plan.apply(_build(str(spec_dir / "gpt.yaml")))
     assert not dist.is_initialized()
 
@@ -691,6 +691,19 @@ def test_what_cannot_be_applied_fails_before_process_group(spec_dir, target, opt
         plan.apply(model, **options)
     assert error.value.message.startswith(message) and "\n" not in error.value.message
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(("batch", "message"), [
+    ([[1, 2], [3, 4]], "batch of list: expected a tensor"),
+    (torch.zeros(GLOBAL_BATCH, dtype=torch.long), "batch of (8,): expected a tensor of (sequences, tokens, ...)"),
+    (torch.zeros(GLOBAL_BATCH - 2, SEQ_LEN, dtype=torch.long), "batch of 6 sequences: the plan's step takes global_batch=8"),
+])
+def test_a_batch_the_plan_cannot_take_fails_in_one_line(spec_dir, batch, message):
+    plan = _plan(spec_dir / "gpt.yaml", "cpu:1x2", tp=2, pp=1)
+    applied = AppliedPlan(plan=plan, mesh=None, modules=(), stages=(), schedule=None, loss_fn=None, recomputed={})
+    with pytest.raises(PlannerError) as error:
+        applied.local_batch(batch)
+    assert error.value.message.startswith(message) and "\n" not in error.value.message
 
 
 def test_wrong_world_size_fails_before_process_group(spec_dir, monkeypatch):

@@ -704,6 +704,28 @@ def test_the_first_layers_reduction_and_gather_stay_exposed_however_long_the_com
     assert estimate.time_breakdown["dp_comm_exposed_s"] == pytest.approx(expected_s, rel=1e-6)
 
 
+def test_a_frozen_first_layer_is_gathered_first_and_the_first_trainable_one_reduced_last():
+    # Embedding and first block frozen (tests/fixtures/custom_models.py): the backward's last
+    # gradients are the second block's, so its fp32 reduce-scatter (4 B per parameter) stays exposed,
+    # beside the frozen embedding's bf16 gather (2 B) before the forward and FSDP2's compute-stream
+    # copies: the gather's copy-out (2 x 2 B per parameter) and the trainable part's copy-in (2 + 4 B).
+    graph = trace("tests.fixtures.custom_models:frozen_first_block_gpt_factory")
+    embed, frozen_block, first_trainable = graph.layers[:3]
+    assert embed.frozen_params == embed.params and frozen_block.frozen_params and not first_trainable.frozen_params
+    cluster = load_cluster("a100-80g:1x8")
+    device, node = stage_devices(cluster, 1)[0]
+    group = axis_group(8, 1, node.devices_per_node)
+    estimate = Evaluator(graph, cluster).estimate(ParallelConfig(dp=8, zero=1, micro_batch=64, num_microbatches=1), 512)
+    stage = estimate.stages[0]
+    assert collective_time_s(Collective.REDUCE_SCATTER, 4 * graph.params, group, node) < stage.bwd_s
+    assert collective_time_s(Collective.ALL_GATHER, 2 * graph.params, group, node) < stage.fwd_s
+    trainable = graph.params - sum(layer.frozen_params for layer in graph.layers)
+    expected_s = (collective_time_s(Collective.REDUCE_SCATTER, 4 * first_trainable.params, group, node)
+                  + collective_time_s(Collective.ALL_GATHER, 2 * embed.params, group, node)
+                  + (4 * graph.params + 6 * trainable) / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency))
+    assert estimate.time_breakdown["dp_comm_exposed_s"] == pytest.approx(expected_s, rel=1e-6)
+
+
 def test_mixed_precision_without_data_parallelism_pays_fsdp2_copies(gpt350m):
     # Plan.apply runs bf16 training through FSDP2 even on one rank (its mixed-precision policy), so a
     # dp=1 plan pays the same 24 B per parameter of buffer copies on CPU ranks as ZeRO-0 at dp=2
@@ -901,16 +923,16 @@ def test_offloaded_states_on_a_host_of_unknown_size_are_noted_not_checked(gpt350
 
 @pytest.mark.parametrize("num_microbatches, noted", [(15, False), (16, True), (2, False)])
 def test_a_zero_bubble_count_torch_cannot_run_is_priced_with_a_note(gpt350m, num_microbatches, noted):
-    # torch's zero-bubble schedule runs whole rounds of m // pp micro-batches: on 3 stages 15 are
-    # rounds of 5 and 2 are one round, but 16 are not whole rounds of 5. Evaluate still prices the
+    # torch's zero-bubble schedule splits m micro-batches into m // pp equal rounds: on 3 stages 15
+    # make 5 rounds of 3 and 2 one round, but 16 do not split into 5. Evaluate still prices the
     # schedule (it exists for any m) and says Plan.apply will refuse it; 1F1B is never noted.
     evaluator = Evaluator(gpt350m, load_cluster("a100-80g:1x3"))
     notes = {schedule: evaluator.estimate(ParallelConfig(pp=3, num_microbatches=num_microbatches, schedule=schedule),
                                           num_microbatches).notes
              for schedule in (Schedule.ZERO_BUBBLE, Schedule.ONE_F_ONE_B)}
-    rounds = [note for note in notes[Schedule.ZERO_BUBBLE] if "whole rounds" in note]
-    assert len(rounds) == noted and all("whole rounds of 5 on pp=3" in note for note in rounds)
-    assert not any("whole rounds" in note for note in notes[Schedule.ONE_F_ONE_B])
+    rounds = [note for note in notes[Schedule.ZERO_BUBBLE] if "equal rounds" in note]
+    assert len(rounds) == noted and all("m // pp = 5 equal rounds on pp=3" in note for note in rounds)
+    assert not any("equal rounds" in note for note in notes[Schedule.ONE_F_ONE_B])
 
 
 def test_ulysses_context_parallelism_prices_four_all_to_alls_each_way(spec_dir):

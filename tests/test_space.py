@@ -216,7 +216,7 @@ def test_configs_cover_the_batch_and_respect_schedule_rules(global_batch):
                 assert pp * config.vpp <= len(graph.layers)
             if config.schedule == Schedule.GPIPE:
                 assert config.num_microbatches >= pp
-            if config.schedule == Schedule.ZERO_BUBBLE:  # torch runs whole rounds of m // pp micro-batches
+            if config.schedule == Schedule.ZERO_BUBBLE:  # torch splits the micro-batches into m // pp equal rounds
                 assert config.num_microbatches < pp or config.num_microbatches % (config.num_microbatches // pp) == 0
             if pp == 1:
                 assert config.schedule == Schedule.ONE_F_ONE_B
@@ -225,8 +225,8 @@ def test_configs_cover_the_batch_and_respect_schedule_rules(global_batch):
 
 
 def test_zero_bubble_is_offered_only_for_micro_batch_counts_torch_runs():
-    # ScheduleInterleavedZeroBubble splits m micro-batches into rounds of m // pp: 16 on 3 stages
-    # are rounds of 5, which 16 is not a multiple of; 15 and 18 are, and 2 (< pp) is one round.
+    # ScheduleInterleavedZeroBubble splits m micro-batches into m // pp equal rounds: 16 on 3 stages
+    # would be 5 rounds, which 16 is not a multiple of; 15 and 18 are, and 2 (< pp) is one round.
     from planner.space import schedules
 
     zero_bubble = {m: (Schedule.ZERO_BUBBLE, 1) in schedules(3, 24, m, {}) for m in (2, 15, 16, 18)}

@@ -113,18 +113,19 @@ class AppliedPlan:
         parallelism its tokens of every sequence (`context_parallel.token_positions`).
 
         Raises:
-            PlannerError: the batch is not (sequences, tokens, ...), does not split into dp *
-                num_microbatches equal parts, or (with cp) its sequences are not the plan's length.
+            PlannerError: the batch is not a tensor of (sequences, tokens, ...) with the plan's
+                global batch, or (with cp) its sequences are not the plan's length.
         """
         config = self.plan.config
-        if batch.dim() < 2:
-            raise invalid(f"batch of shape {tuple(batch.shape)}: expected (sequences, tokens, ...)")
+        if not isinstance(batch, torch.Tensor) or batch.dim() < 2:
+            shape = tuple(batch.shape) if isinstance(batch, torch.Tensor) else type(batch).__name__
+            raise invalid(f"batch of {shape}: expected a tensor of (sequences, tokens, ...)")
+        if batch.shape[0] != self.plan.global_batch:
+            raise invalid(f"batch of {batch.shape[0]} sequences: the plan's step takes global_batch="
+                          f"{self.plan.global_batch}; give that many, or re-plan with --global-batch {batch.shape[0]}")
         if config.cp > 1 and batch.shape[1] != self.plan.seq_len:
             raise invalid(f"sequences of {batch.shape[1]} tokens: the plan splits seq_len={self.plan.seq_len} over "
                           f"cp={config.cp}; give sequences of that length or re-plan with --seq-len {batch.shape[1]}")
-        if batch.shape[0] % (config.dp * config.num_microbatches):
-            raise invalid(f"batch of {batch.shape[0]} sequences: must split over dp={config.dp} x "
-                          f"num_microbatches={config.num_microbatches}")
         rows = batch.chunk(config.dp)[self.dp_rank]
         if config.cp == 1:
             return rows

@@ -21,7 +21,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
-from planner.config import MULTI_STAGE_SCHEDULES, Schedule, check_zero_bubble_sharding, pipeline_round, torch_runs_rounds
+from planner.config import MULTI_STAGE_SCHEDULES, Schedule, check_zero_bubble_sharding, pipeline_rounds, torch_runs_rounds
 from planner.errors import invalid
 from planner.result import Plan, contiguous_runs
 
@@ -82,9 +82,9 @@ def check_schedule(plan: Plan) -> None:
     check_zero_bubble_sharding(config)
     if config.pp == 1 or config.schedule not in MULTI_STAGE_SCHEDULES or torch_runs_rounds(config.num_microbatches, config.pp):
         return
-    raise invalid(f"num_microbatches={config.num_microbatches}: schedule {config.schedule} needs a multiple of "
-                  f"{pipeline_round(config.num_microbatches, config.pp)} (micro-batches per pipeline round); re-plan "
-                  "with another --micro-batch")
+    raise invalid(f"num_microbatches={config.num_microbatches}: schedule {config.schedule} splits them into m // pp = "
+                  f"{pipeline_rounds(config.num_microbatches, config.pp)} equal rounds, so needs a multiple of it; "
+                  "re-plan with another --micro-batch")
 
 
 def build_schedule(chunks: list[tuple[int, nn.Module]], plan: Plan, pp_mesh: DeviceMesh, device: torch.device,
