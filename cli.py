@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
 
 from planner.config import TRAINING_DTYPES
@@ -337,10 +338,19 @@ def _sweep(args, console) -> int:
     return 0
 
 
+class _Terminated(Exception):
+    """SIGTERM (`timeout`, a batch scheduler) reached the command."""
+
+
+def _terminate(signum, frame):
+    raise _Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from costmodel.errors import ProfileError
 
+    signal.signal(signal.SIGTERM, _terminate)  # a sweep installs its own while it runs
     try:
         return _run(args)
     except PlannerError as error:
@@ -352,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("paraplan: interrupted\n")
         return 130
+    except _Terminated:
+        sys.stderr.write("paraplan: terminated\n")
+        return 128 + signal.SIGTERM
     except BrokenPipeError:
         # the reader (e.g. `| head`) closed the pipe: nothing left to say
         sys.stderr.close()

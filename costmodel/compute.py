@@ -324,8 +324,10 @@ class OpTable:
                 tp_linear_host_s=tuple(float(t) for t in data.get("tp_linear_host_s", ())),
                 sync_wait_fraction=float(data.get("sync_wait_fraction", 0.0)),
             )
+        except ProfileError:
+            raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ProfileError(f"op table: bad or missing field ({exc!r}); expected keys device, dtype, "
+            raise ProfileError(f"op table: bad or missing field ({type(exc).__name__}: {exc}); expected keys device, dtype, "
                                f"times_s_by_key {{key: seconds}}, matmul_times_s [{{flops, time_s}}], "
                                f"attention_head_times_s [{{flops, fwd_s, bwd_s}}], loss_bytes_per_s, "
                                f"elementwise_bytes_per_s {{op: bytes per second}}, tp_linear_host_s [forward s, backward s], "

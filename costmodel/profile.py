@@ -46,10 +46,12 @@ import yaml
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from costmodel.compute import OpTable
+from costmodel.errors import ProfileError
 from costmodel.hardware import DeviceSpec, LinkTier
 from costmodel.profile_collectives import (COLLECTIVE_BYTES, COLLECTIVE_ITERATIONS, QUICK_COLLECTIVE_BYTES,
                                           QUICK_COLLECTIVE_ITERATIONS, collective_factors, fit_link,
                                           measure_collectives)
+from costmodel.profile_files import op_table_name
 from costmodel.profile_ops import (ELEMENTWISE_OPS, QUICK_TP_SYNC_ITERATIONS, QUICK_TP_SYNC_SHAPE, TP_SYNC_GROUP,
                                    TP_SYNC_ITERATIONS, TP_SYNC_SHAPE, measure_attention, measure_loss, measure_matmuls,
                                    measure_memory, measure_sync_wait, measure_tp_dispatch)
@@ -100,6 +102,7 @@ class Measurements:
     link: tuple[float, float] | None = None  # (bytes/s, latency s)
     link_factors: dict[str, float] = field(default_factory=dict)  # collective -> measured / ring formula
     collective_samples: list[dict] = field(default_factory=list)
+    quick: bool = False  # small sizes and short timings: a smoke check, not figures to plan with
 
 
 def _mem_bytes(device, world_on_host: int) -> float:
@@ -161,7 +164,7 @@ def measure(*, quick: bool = False, progress=None) -> Measurements:
             progress.advance(task)
 
     name = torch.cuda.get_device_name(device) if kind == "cuda" else platform.processor() or platform.machine()
-    result = Measurements(kind, name, world, _mem_bytes(device, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    result = Measurements(kind, name, world, _mem_bytes(device, int(os.environ.get("LOCAL_WORLD_SIZE", world))), quick=quick)
     result.matmul_times_s = measure_matmuls(device, dtypes, sizes, run_time_s, advance)
     result.stream_bytes_per_s, result.elementwise_bytes_per_s = measure_memory(
         device, dtypes, (QUICK_STREAM_BYTES if quick else STREAM_BYTES)[kind], run_time_s, advance)
@@ -202,24 +205,23 @@ def write_profile(out: str | Path, measured: Measurements, base: DeviceSpec) -> 
         base: the device profile whose unmeasured fields (NIC; intra-node link when run alone) are kept.
     """
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     stem = out.stem
     device_path = out.with_name(f"{stem}-device.yaml")
     name = device_path.stem
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    how = f"measured by `paraplan profile` on {platform.node()} ({measured.device_name}), {measured.world_size} rank(s), {when}"
-    best = {dtype: max(f / t for f, t in points) for dtype, points in measured.matmul_times_s.items()}
-    peaks = {**base.peak_flops_per_s, **best}
-    reference = max(best, key=best.get)  # the curve is anchored at the fastest dtype, the one to train in
+    command = "paraplan profile --quick` (short timings: check before planning with it)" if measured.quick else "paraplan profile`"
+    how = f"measured by `{command} on {platform.node()} ({measured.device_name}), {measured.world_size} rank(s), {when}"
+    peaks = {dtype: max(f / t for f, t in points) for dtype, points in measured.matmul_times_s.items()}
+    reference = max(peaks, key=peaks.get)  # the curve is anchored at the fastest dtype, the one to train in
     curve = [[f, f / t / peaks[reference]] for f, t in measured.matmul_times_s[reference]]
     elementwise_bw = float(np.median([measured.elementwise_bytes_per_s[reference][op] for op in EFFICIENCY_OPS]))
-    tables = {}
+    tables, texts = {}, {}
     for dtype, points in measured.matmul_times_s.items():
-        path = out.with_name(f"{stem}-ops-{dtype}.json")
+        path = out.with_name(op_table_name(stem, dtype))
         table = OpTable(name, dtype, {}, tuple(points), tuple(measured.attention_times_s.get(dtype, ())),
                         measured.loss_bytes_per_s, measured.elementwise_bytes_per_s.get(dtype, {}), measured.tp_linear_host_s,
                         measured.sync_wait_fraction)
-        path.write_text(json.dumps(table.to_dict(), indent=1))
+        texts[path] = json.dumps(table.to_dict(), indent=1)
         tables[dtype] = path.name
     if measured.link is not None:
         intra = {"name": f"{stem}-link", "kind": MEASURED_LINK_KIND[measured.device_type],
@@ -245,7 +247,7 @@ def write_profile(out: str | Path, measured: Measurements, base: DeviceSpec) -> 
         "op_tables": tables,
         "sources": {
             "peak_flops_per_s": f"{how}: best training-GEMM throughput per dtype (so MFU is against the measured peak); "
-                                f"unmeasured dtypes from {base.name}",
+                                f"only measured dtypes (plans in others are refused)",
             "mem_bytes": f"{how}: device memory (CPU: physical memory / ranks on the host)",
             "mem_bw_bytes_per_s": f"{how}: streaming copy",
             "mem_bw_efficiency": f"{how}: median elementwise (add, GELU, LayerNorm) bandwidth in {reference} / copy bandwidth",
@@ -258,11 +260,49 @@ def write_profile(out: str | Path, measured: Measurements, base: DeviceSpec) -> 
             "op_tables": f"{how}",
         },
     }
-    device_path.write_text(yaml.safe_dump(device, sort_keys=False))
+    texts[device_path] = yaml.safe_dump(device, sort_keys=False)
     cluster = {"name": stem, "description": f"{measured.world_size} x {measured.device_name}, {how}",
                "groups": [{"device": device_path.name, "nodes": 1}]}
-    out.write_text(yaml.safe_dump(cluster, sort_keys=False))
+    texts[out] = yaml.safe_dump(cluster, sort_keys=False)
+    _write_all(texts)
     return [out, device_path, *(out.with_name(t) for t in tables.values())]
+
+
+def _write_all(texts: dict[Path, str]) -> None:
+    """Writes every file or none: each to a temporary name first, then all renamed into place.
+
+    Raises:
+        ProfileError: a file cannot be written (nothing is left behind).
+    """
+    blocked = next((path for path in texts if path.is_dir()), None)
+    if blocked is not None:
+        raise ProfileError(f"--out {blocked}: is a folder; remove it or pick another --out")
+    written = []
+    try:
+        for path, text in texts.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_name(f".{path.name}.partial")
+            written.append(temporary)
+            temporary.write_text(text)
+        for path, temporary in zip(texts, written):
+            os.replace(temporary, path)
+    except OSError as error:
+        for temporary in written:
+            temporary.unlink(missing_ok=True)
+        raise ProfileError(f"--out {error.filename}: cannot write ({error.strerror}); pick a writable path") from None
+
+
+def check_out_path(out: str | Path) -> None:
+    """Raises ProfileError, before anything is measured, when the profile files cannot be written at `out`."""
+    out = Path(out)
+    if out.suffix not in (".yaml", ".yml"):
+        raise ProfileError(f"--out {out}: the profile is a cluster file; use a .yaml path")
+    folder = next((parent for parent in (out.parent, *out.parent.parents) if parent.exists()), Path("."))
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise ProfileError(f"--out {out}: {folder} is not a writable folder; pick a writable path")
+    for path in (out, out.with_name(f"{out.stem}-device.yaml")):
+        if path.is_dir():
+            raise ProfileError(f"--out {out}: {path} is a folder; pick another --out")
 
 
 def run_profile(out: str | Path, *, like: str | None = None, quick: bool = False, show_progress: bool = True) -> list[Path]:
@@ -281,15 +321,13 @@ def run_profile(out: str | Path, *, like: str | None = None, quick: bool = False
         The files written (empty on ranks other than 0).
 
     Raises:
-        ProfileError: `out` is not a YAML path, or `like` names no device profile.
+        ProfileError: `out` is not a YAML path or cannot be written, or `like` names no device profile.
     """
     from rich.progress import Progress
 
-    from costmodel.errors import ProfileError
     from costmodel.profile_loader import load_device
 
-    if Path(out).suffix not in (".yaml", ".yml"):
-        raise ProfileError(f"--out {out}: the profile is a cluster file; use a .yaml path")
+    check_out_path(out)  # on every rank, so that all stop together
     base = load_device(like or DEFAULT_BASE["cuda" if torch.cuda.is_available() else "cpu"])
     started_group = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
     if started_group:
@@ -298,9 +336,16 @@ def run_profile(out: str | Path, *, like: str | None = None, quick: bool = False
     try:
         with Progress(disable=not show_progress or rank != 0, transient=True) as progress:
             measured = measure(quick=quick, progress=progress)
-        written = write_profile(out, measured, base) if rank == 0 else []
+        written, failure = [], None
+        if rank == 0:
+            try:
+                written = write_profile(out, measured, base)
+            except ProfileError as error:
+                failure = error
         if started_group:
             dist.barrier()  # leave together: a rank tearing gloo down while another still works can abort
+        if failure is not None:
+            raise failure
         return written
     finally:
         if started_group:

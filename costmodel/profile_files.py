@@ -1,4 +1,5 @@
-"""Where hardware profiles live: the profile roots, the names they hold, and reading one file.
+"""Where hardware profiles live: the profile roots, the names they hold, and reading one file (a
+profile, or an op table a device profile names).
 
 A profile is named (case-insensitive) after its file under `devices/`, `links/` or `clusters/` of a
 root in `profile_dirs()`, the first match winning, or given as a `.yaml`/`.json` path. Errors are
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from costmodel.compute import OpTable
 from costmodel.errors import ProfileError
 from costmodel.strict_parse import load_text
 
@@ -20,6 +22,9 @@ PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 PROFILES_PATH_ENV = "PARAPLAN_PROFILES_PATH"
 PROFILE_SUFFIXES = (".yaml", ".yml", ".json")
 SHORTHAND_EXAMPLE = "h100-sxm:16x8"
+# An op table `paraplan profile` writes beside its device file, which names it in `op_tables`: not a
+# profile itself, so listings skip it.
+OP_TABLE_MARK = "-ops-"
 
 
 def profile_dirs() -> tuple[Path, ...]:
@@ -58,7 +63,18 @@ def nearest_names(name: str, candidates: list[str], limit: int = 3) -> list[str]
 def list_names(kind_dir: str, dirs: tuple[Path, ...]) -> list[str]:
     """Names of the profiles under `kind_dir` ("devices", "links", "clusters") of `dirs`, sorted."""
     return sorted({p.stem for d in dirs if (d / kind_dir).is_dir()
-                   for p in (d / kind_dir).iterdir() if p.suffix in PROFILE_SUFFIXES})
+                   for p in (d / kind_dir).iterdir() if p.suffix in PROFILE_SUFFIXES and not is_op_table_name(p)})
+
+
+def op_table_name(stem: str, dtype: str) -> str:
+    """The file name of the op table of `dtype` beside the profile `stem`."""
+    return f"{stem}{OP_TABLE_MARK}{dtype}.json"
+
+
+def is_op_table_name(path: Path) -> bool:
+    """Whether `path` is named as `op_table_name` names op tables."""
+    stem, mark, dtype = path.stem.rpartition(OP_TABLE_MARK)
+    return bool(stem and mark and dtype) and path.suffix == ".json"
 
 
 def looks_like_path(text: str) -> bool:
@@ -128,13 +144,18 @@ def read_mapping(path: Path) -> dict:
     return data
 
 
-# A key only one kind of profile has, and the kind it marks.
-KIND_MARKERS = (("groups", "cluster"), ("peak_flops_per_s", "device"), ("bw_bytes_per_s", "link"))
+# Keys only one kind of profile has at its top level, and the kind they mark.
+KIND_MARKERS = (
+    (("groups", "oversubscription"), "cluster"),
+    (("peak_flops_per_s", "mem_bytes", "mem_bw_bytes_per_s", "matmul_efficiency", "nic", "node", "op_tables"), "device"),
+    (("bw_bytes_per_s", "latency_s", "kind"), "link"),
+)
 
 
 def profile_kind(data: dict) -> str | None:
-    """"cluster", "device" or "link": the kind of profile a mapping is, from a key only that kind has."""
-    return next((kind for key, kind in KIND_MARKERS if key in data), None)
+    """"cluster", "device" or "link": the kind of profile a mapping is, from a key only that kind has
+    (the first kind with one, so a device file missing its peaks or with a typo is still a device)."""
+    return next((kind for keys, kind in KIND_MARKERS if any(key in data for key in keys)), None)
 
 
 def file_kind(text: str) -> str | None:
@@ -157,3 +178,20 @@ def file_kind(text: str) -> str | None:
 def relative_to(base: Path, ref: str) -> str:
     """A file reference inside a profile is relative to that profile's directory."""
     return str(base / ref) if looks_like_path(ref) and not Path(ref).expanduser().is_absolute() else ref
+
+
+def load_op_table(path: str) -> OpTable:
+    """A measured op table a device profile names in `op_tables` (JSON of `OpTable.to_dict`, written by
+    `paraplan profile`).
+
+    Raises:
+        ProfileError: one line naming the file, when it cannot be read or is not an op table.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ProfileError(f"expected a mapping, got {type(data).__name__}")
+        return OpTable.from_dict(data)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ProfileError) as exc:
+        reason = str(exc).removeprefix("op table: ")
+        raise ProfileError(f"{path}: not a readable op table ({reason}); re-run `paraplan profile`") from None

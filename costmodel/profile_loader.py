@@ -6,18 +6,16 @@ Files are found and read by `costmodel.profile_files` and checked field by field
 from __future__ import annotations
 
 import functools
-import json
 import re
 from pathlib import Path
 
 from costmodel import profile_fields as fields
 from costmodel.comm import Collective
-from costmodel.compute import OpTable
 from costmodel.errors import ProfileError
 from costmodel.hardware import (INTER_NODE_KINDS, INTRA_NODE_KINDS, Cluster, DeviceSpec, Dtype, LinkKind, LinkTier,
                                 NodeGroup, NodeSpec)
 from costmodel.profile_fields import Origin
-from costmodel.profile_files import (SHORTHAND_EXAMPLE, is_file, looks_like_path, profile_dirs, profile_kind,
+from costmodel.profile_files import (SHORTHAND_EXAMPLE, is_file, load_op_table, looks_like_path, profile_dirs, profile_kind,
                                      read_mapping, relative_to, resolve)
 
 # Time a GEMM would take at its plateau throughput when it reaches only half that throughput:
@@ -133,12 +131,6 @@ def load_cluster(spec: str | Path | dict | Cluster) -> Cluster:
 
 
 @functools.lru_cache(maxsize=64)
-def load_op_table(path: str) -> OpTable:
-    """A measured op table a device profile names in `op_tables` (JSON of `OpTable.to_dict`, written by
-    `paraplan profile`)."""
-    return OpTable.from_dict(json.loads(Path(path).read_text()))
-
-
 @functools.lru_cache(maxsize=256)
 def _load_link_file(path: str, mtime_ns: int) -> LinkTier:
     data = read_mapping(Path(path))
@@ -395,5 +387,6 @@ def _op_tables(origin: Origin, value, base: Path) -> dict[str, str]:
         path = Path(relative_to(base, fields.text(origin, f"op_tables.{dtype}", ref))).expanduser()
         if not is_file(path):
             raise origin.error(f"op_tables.{dtype}", f"file {str(path)!r} not found; re-run `paraplan profile` or remove the key")
+        load_op_table(str(path))  # a damaged table fails here, naming its file, not while pricing
         tables[key] = str(path)
     return tables

@@ -30,7 +30,7 @@ from costmodel.comm import Collective, CommGroup, collective_time_s
 from costmodel.compute import OpTable, base_dtype, bytes_per_element
 from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
 from costmodel.offload import host_state_bytes
-from costmodel.profile_loader import load_op_table
+from costmodel.profile_files import load_op_table
 from planner.config import TRAINING_DTYPES, ParallelConfig
 from planner.errors import PlannerError, invalid
 from planner.estimate_assembly import assemble_estimate

@@ -11,6 +11,7 @@ ep divides the experts and dp*cp; dp is what is left. Micro-batches divide the p
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from costmodel.hardware import Cluster
@@ -53,7 +54,9 @@ class Space:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of `n`, ascending, in O(sqrt(n)) (a shorthand cluster may name millions of devices)."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
 
 
 def _fixed(constraints: dict, key: str, options: list[int], space: Space, label: str, where: str = "") -> list[int]:

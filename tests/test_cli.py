@@ -9,9 +9,12 @@ import argparse
 import dataclasses
 import inspect
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -431,6 +434,27 @@ def test_an_interrupt_is_one_line_and_exit_130(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_run", interrupted)
     code, out, err = run(["plan", *RUN_ARGS], capsys)
     assert (code, out, err) == (130, "", "paraplan: interrupted\n")
+
+
+def test_sigterm_is_one_line_and_exit_143(capsys, monkeypatch):
+    # `timeout` and batch schedulers send SIGTERM; the command says so instead of dying silently.
+    def terminated(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        return 0
+
+    previous = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(cli, "_run", terminated)
+    try:
+        code, out, err = run(["plan", *RUN_ARGS], capsys)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (code, out, err) == (143, "", "paraplan: terminated\n")
+
+
+def test_a_shorthand_of_a_billion_devices_is_refused_not_searched_forever(capsys):
+    code, _, err = run(["plan", *MODEL_ARGS, "--cluster", "h100-sxm:125000000x8", "--global-batch", "32"], capsys)
+    assert code == 2 and "on 1000000000 devices is valid" in err
 
 
 def test_nothing_fits_exits_3_saying_what_would(capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,8 +17,11 @@ import yaml
 import cli
 import planner
 from costmodel.compute import OpTable, OpWork, WorkKind, op_time_s
-from costmodel.profile_loader import load_cluster, load_device
+from costmodel import profile as profile_module
+from costmodel.errors import ProfileError
 from costmodel.profile import Measurements, run_profile, write_profile
+from costmodel.profile_files import list_devices, profile_kind
+from costmodel.profile_loader import load_cluster, load_device
 from costmodel.profile_collectives import _coefficients, collective_factors, fit_link
 from planner.estimate import Evaluator
 from planner.graph import Recompute
@@ -222,9 +226,70 @@ def test_ranks_wait_the_measured_fraction_of_the_compute_their_collectives_split
             assert getattr(waited, part) - getattr(base, part) == pytest.approx(expected)
 
 
+def test_a_profile_takes_only_the_base_devices_links_not_its_peaks(tmp_path):
+    # --like h100-sxm: the NIC comes from the base, but a dtype the run did not measure (fp16, fp8)
+    # gets no peak, so planning in it is refused rather than priced at an H100's rate.
+    write_profile(tmp_path / "box.yaml", _measurements(), load_device("h100-sxm"))
+    device = load_cluster(str(tmp_path / "box.yaml")).groups[0].node.device
+    assert set(device.peak_flops_per_s) == {"fp32", "bf16"}
+    assert device.nic.bw_bytes_per_s == load_device("h100-sxm").nic.bw_bytes_per_s
+
+
+def test_a_damaged_op_table_fails_in_one_line_naming_it(tmp_path):
+    write_profile(tmp_path / "box.yaml", _measurements(), load_device("cpu"))
+    table = tmp_path / "box-ops-bf16.json"
+    table.write_text(table.read_text()[:300])
+    with pytest.raises(ProfileError, match=r"box-ops-bf16.json: not a readable op table .*re-run `paraplan profile`$"):
+        load_cluster(str(tmp_path / "box.yaml"))
+    table.write_text(json.dumps({**json.loads((tmp_path / "box-ops-fp32.json").read_text()), "loss_bytes_per_s": -1.0}))
+    with pytest.raises(ProfileError, match=r"box-ops-bf16.json: not a readable op table \(op table for box-device: every"):
+        load_cluster(str(tmp_path / "box.yaml"))
+
+
+def test_a_profile_that_cannot_be_written_leaves_no_file(tmp_path):
+    # One op table's path is a folder: nothing is written (every file goes to a temporary name first,
+    # renamed into place only once all are written), so an older profile there is never mixed with a
+    # new one.
+    (tmp_path / "box-ops-bf16.json").mkdir()
+    with pytest.raises(ProfileError, match="box-ops-bf16.json: is a folder"):
+        write_profile(tmp_path / "box.yaml", _measurements(), load_device("cpu"))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["box-ops-bf16.json"]
+
+
+def test_a_bad_output_path_is_refused_before_measuring(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(profile_module, "measure", lambda **_: pytest.fail("measured before checking --out"))
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "box-device.yaml").mkdir()
+    for out, message in ((tmp_path / "a-file" / "x.yaml", "is not a writable folder"),
+                         (tmp_path / "box.yaml", "box-device.yaml is a folder")):
+        assert cli.main(["profile", "--out", str(out), "--quick"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err
+
+
+def test_op_tables_on_the_profiles_path_are_not_devices(tmp_path, monkeypatch):
+    # A profiled device copied onto the profiles path with its op tables beside it (where it names them).
+    written = write_profile(tmp_path / "box.yaml", _measurements(), load_device("cpu"))
+    (tmp_path / "roots" / "devices").mkdir(parents=True)
+    for path in written[1:]:
+        shutil.copy(path, tmp_path / "roots" / "devices" / path.name)
+    monkeypatch.setenv("PARAPLAN_PROFILES_PATH", str(tmp_path / "roots"))
+    assert "box-device" in list_devices() and not [name for name in list_devices() if "-ops-" in name]
+    assert set(load_device("box-device").op_tables) == {"fp32", "bf16"}
+
+
+def test_a_device_file_with_a_wrong_key_is_read_as_a_device(tmp_path):
+    (tmp_path / "typo.yaml").write_text("name: typo\npeak_flop_per_s: {bf16: 1.0e+12}\nmem_bytes: 1.0e+9\n")
+    with pytest.raises(ProfileError, match=r"typo.yaml: peak_flop_per_s: unknown key.*peak_flops_per_s"):
+        load_device(str(tmp_path / "typo.yaml"))
+    assert profile_kind({"mem_bytes": 1e9}) == "device" and profile_kind({"latency_s": 1e-6}) == "link"
+
+
 def test_quick_profile_changes_predictions(tmp_path, spec):
     written = run_profile(tmp_path / "here.yaml", quick=True, show_progress=False)
     assert all(path.exists() for path in written)
+    sources = yaml.safe_load((tmp_path / "here-device.yaml").read_text())["sources"]
+    assert "paraplan profile --quick" in sources["mem_bw_bytes_per_s"]  # marked as a smoke check
     # A DTensor linear costs the host more than a plain one, forward and backward.
     table = OpTable.from_dict(json.loads((tmp_path / "here-ops-fp32.json").read_text()))
     assert all(t > 0 for t in table.tp_linear_host_s) and len(table.tp_linear_host_s) == 2
