@@ -236,7 +236,7 @@ def write_profile(out: str | Path, measured: Measurements, base: DeviceSpec) -> 
         "name": name,
         "description": f"{measured.device_name} as measured by paraplan profile",
         "peak_flops_per_s": peaks,
-        "mem_bytes": measured.mem_bytes,
+        "mem_bytes": int(measured.mem_bytes),
         "mem_bw_bytes_per_s": measured.stream_bytes_per_s,
         "mem_bw_efficiency": min(1.0, elementwise_bw / measured.stream_bytes_per_s),
         "matmul_efficiency": curve,
