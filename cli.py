@@ -338,8 +338,9 @@ def _sweep(args, console) -> int:
     return 0
 
 
-class _Terminated(Exception):
-    """SIGTERM (`timeout`, a batch scheduler) reached the command."""
+class _Terminated(BaseException):
+    """SIGTERM (`timeout`, a batch scheduler) reached the command. A BaseException, as KeyboardInterrupt
+    is, so that no `except Exception` on the way (a tracer trying its next method) swallows it."""
 
 
 def _terminate(signum, frame):

@@ -204,7 +204,14 @@ def _published_step_s(run: dict, gb: int, seq: int, gpus: int) -> tuple[float, s
 
 
 def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> tuple[list[Row], list[tuple[str, str]]]:
-    """Rows usable for evaluation, and (id, reason) for the rows skipped."""
+    """Rows usable for evaluation, and (id, reason) for the rows skipped.
+
+    Raises:
+        SystemExit: one line, when the reference file is not there (it lives beside the repository).
+    """
+    if not path.is_file():
+        raise SystemExit(f"{path}: not found; the published runs live in shared/reference/ beside the repository "
+                         f"(../shared from its root)")
     data = json.loads(path.read_text())
     rows, skipped = [], []
     for run in data["runs"]:

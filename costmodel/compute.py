@@ -245,14 +245,14 @@ class OpTable:
     sync_wait_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        measured = (list(self.times_s_by_key.values()) + [t for _, t in self.matmul_times_s]
-                    + [t for point in self.attention_times_s for t in point[1:]]
+        measured = (list(self.times_s_by_key.values()) + [t for point in self.matmul_times_s for t in point]
+                    + [t for point in self.attention_times_s for t in point]
                     + list(self.elementwise_bytes_per_s.values()))
-        if any(t <= 0 for t in measured) or self.loss_bytes_per_s < 0:
-            raise ProfileError(f"op table for {self.device}: every measured time and rate must be > 0")
-        if len(self.tp_linear_host_s) not in (0, 2) or any(t < 0 for t in self.tp_linear_host_s):
+        if not all(0 < t < math.inf for t in measured) or not 0 <= self.loss_bytes_per_s < math.inf:
+            raise ProfileError(f"op table for {self.device}: every measured size, time and rate must be finite and > 0")
+        if len(self.tp_linear_host_s) not in (0, 2) or not all(0 <= t < math.inf for t in self.tp_linear_host_s):
             raise ProfileError(f"op table for {self.device}: tp_linear_host_s must be [forward s, backward s], each >= 0")
-        if not self.sync_wait_fraction >= 0:
+        if not 0 <= self.sync_wait_fraction < math.inf:
             raise ProfileError(f"op table for {self.device}: sync_wait_fraction must be >= 0, got {self.sync_wait_fraction}; "
                                f"re-run `paraplan profile`")
         for kind, rates in self._curves.items():
@@ -326,7 +326,7 @@ class OpTable:
             )
         except ProfileError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise ProfileError(f"op table: bad or missing field ({type(exc).__name__}: {exc}); expected keys device, dtype, "
                                f"times_s_by_key {{key: seconds}}, matmul_times_s [{{flops, time_s}}], "
                                f"attention_head_times_s [{{flops, fwd_s, bwd_s}}], loss_bytes_per_s, "

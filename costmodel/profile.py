@@ -300,7 +300,8 @@ def check_out_path(out: str | Path) -> None:
     folder = next((parent for parent in (out.parent, *out.parent.parents) if parent.exists()), Path("."))
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         raise ProfileError(f"--out {out}: {folder} is not a writable folder; pick a writable path")
-    for path in (out, out.with_name(f"{out.stem}-device.yaml")):
+    tables = [out.with_name(op_table_name(out.stem, dtype)) for dtype in sorted({d for ds in DTYPES.values() for d in ds})]
+    for path in (out, out.with_name(f"{out.stem}-device.yaml"), *tables):
         if path.is_dir():
             raise ProfileError(f"--out {out}: {path} is a folder; pick another --out")
 

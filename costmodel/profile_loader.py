@@ -233,8 +233,9 @@ def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Pat
     if not isinstance(node, dict):
         raise origin.error("node", "must be a mapping with devices_per_node and intra_link")
     fields.check_keys(origin, "node.", node, _NODE_KEYS, _NODE_REQUIRED)
+    name = fields.text(origin, "name", data.get("name", default_name))
     return DeviceSpec(
-        name=fields.text(origin, "name", data.get("name", default_name)),
+        name=name,
         peak_flops_per_s=peaks,
         mem_bytes=fields.positive(origin, "mem_bytes", data["mem_bytes"]),
         mem_bw_bytes_per_s=fields.positive(origin, "mem_bw_bytes_per_s", data["mem_bw_bytes_per_s"]),
@@ -250,7 +251,7 @@ def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Pat
         price_per_hour=fields.optional_positive(origin, "price_per_hour", data),
         power_w=fields.optional_positive(origin, "power_w", data),
         host_mem_bytes=_host_bytes(origin, "node.host_mem_bytes", node),
-        op_tables=_op_tables(origin, data.get("op_tables", {}), base),
+        op_tables=_op_tables(origin, data.get("op_tables", {}), base, name),
         source=fields.sources(origin, "", data.get("sources", {}), _DEVICE_SOURCE_KEYS),
         description=fields.text(origin, "description", data.get("description", "")),
     )
@@ -377,8 +378,9 @@ def _matmul_curve(origin: Origin, value, peaks: dict[str, float]) -> tuple[tuple
     return tuple(points)
 
 
-def _op_tables(origin: Origin, value, base: Path) -> dict[str, str]:
-    """dtype -> op-table file, each path relative to the profile's directory and required to exist."""
+def _op_tables(origin: Origin, value, base: Path, device: str) -> dict[str, str]:
+    """dtype -> op-table file, each path relative to the profile's directory, required to exist and to
+    hold the table of that dtype measured on `device`."""
     if not isinstance(value, dict):
         raise origin.error("op_tables", "must map dtypes to op-table files (written by `paraplan profile`)")
     tables = {}
@@ -387,6 +389,9 @@ def _op_tables(origin: Origin, value, base: Path) -> dict[str, str]:
         path = Path(relative_to(base, fields.text(origin, f"op_tables.{dtype}", ref))).expanduser()
         if not is_file(path):
             raise origin.error(f"op_tables.{dtype}", f"file {str(path)!r} not found; re-run `paraplan profile` or remove the key")
-        load_op_table(str(path))  # a damaged table fails here, naming its file, not while pricing
+        table = load_op_table(str(path))  # a damaged table fails here, naming its file, not while pricing
+        if (table.device, table.dtype) != (device, key):
+            raise origin.error(f"op_tables.{dtype}", f"{str(path)!r} holds the table of {table.device}/{table.dtype}, "
+                                                     f"not {device}/{key}; name the table `paraplan profile` wrote for it")
         tables[key] = str(path)
     return tables

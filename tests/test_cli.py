@@ -452,6 +452,18 @@ def test_sigterm_is_one_line_and_exit_143(capsys, monkeypatch):
     assert (code, out, err) == (143, "", "paraplan: terminated\n")
 
 
+def test_sigterm_while_tracing_is_not_taken_for_a_trace_failure(capsys, monkeypatch, tmp_path):
+    # The tracer tries fx, then export, then a module-level capture, each under `except Exception`:
+    # the signal must end the command, not make it fall back to another method (and cache that).
+    monkeypatch.setenv("PARAPLAN_CACHE_DIR", str(tmp_path))
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        code, out, err = run(["inspect", "--model", "tests.fixtures.custom_models:signalled_factory"], capsys)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (code, out, err) == (143, "", "paraplan: terminated\n")
+
+
 def test_a_shorthand_of_a_billion_devices_is_refused_not_searched_forever(capsys):
     code, _, err = run(["plan", *MODEL_ARGS, "--cluster", "h100-sxm:125000000x8", "--global-batch", "32"], capsys)
     assert code == 2 and "on 1000000000 devices is valid" in err

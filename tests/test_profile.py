@@ -241,8 +241,16 @@ def test_a_damaged_op_table_fails_in_one_line_naming_it(tmp_path):
     table.write_text(table.read_text()[:300])
     with pytest.raises(ProfileError, match=r"box-ops-bf16.json: not a readable op table .*re-run `paraplan profile`$"):
         load_cluster(str(tmp_path / "box.yaml"))
-    table.write_text(json.dumps({**json.loads((tmp_path / "box-ops-fp32.json").read_text()), "loss_bytes_per_s": -1.0}))
-    with pytest.raises(ProfileError, match=r"box-ops-bf16.json: not a readable op table \(op table for box-device: every"):
+    good = json.loads((tmp_path / "box-ops-fp32.json").read_text())
+    for broken in ({"loss_bytes_per_s": -1.0}, {"loss_bytes_per_s": float("inf")},
+                   {"matmul_times_s": [{"flops": 1e9, "time_s": float("nan")}]},
+                   {"matmul_times_s": [{"flops": 10**400, "time_s": 1.0}]}):
+        table.write_text(json.dumps({**good, "dtype": "bf16", **broken}))
+        with pytest.raises(ProfileError, match=r"box-ops-bf16.json: not a readable op table \(.*\); re-run"):
+            load_cluster(str(tmp_path / "box.yaml"))
+    table.write_text(json.dumps(good))  # the fp32 table named as the bf16 one
+    with pytest.raises(ProfileError, match=r"op_tables.bf16: .*box-ops-bf16.json' holds the table of box-device/fp32, not "
+                                           r"box-device/bf16"):
         load_cluster(str(tmp_path / "box.yaml"))
 
 

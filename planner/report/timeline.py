@@ -132,8 +132,9 @@ def timeline_figure(plan: Plan) -> Figure:
     axes.grid(axis="x", alpha=0.3)
     axes.set_axisbelow(True)
     set_titles(figure, f"Pipeline timeline of one training step: {plan.model} on {plan.cluster}",
-               f"{config.short()}  |  {config.num_microbatches} micro-batches, simulated step {end_s * scale:.3g} {unit}"
-               f" (estimate {plan.estimate.step_time_s * scale:.3g} {unit}), pipeline bubble {schedule.bubble_fraction:.0%}", axes)
+               f"{config.short()}  |  {config.num_microbatches} micro-batches, simulated {end_s * scale:.3g} {unit}"
+               f" (estimate {plan.estimate.step_time_s * scale:.3g} {unit}), idle {schedule.bubble_fraction:.0%} of device "
+               f"time (estimate's bubble {plan.estimate.bubble_fraction:.0%})", axes)
     return figure
 
 
