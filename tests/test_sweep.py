@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import planner
-from costmodel.profile_loader import load_device
+from costmodel.profile_loader import load_cluster, load_device
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.sweeps.executors import PlanSettings, base_row, failure, plan_file_name, plan_point
 from planner.sweeps.results import ADDED_COLUMNS, COLUMNS, ResultsFile, read_results
@@ -230,7 +230,7 @@ def test_results_round_trip_and_a_partial_last_line_is_cut(tmp_path, suffix, ref
 
 @pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
 def test_a_file_from_before_the_added_columns_reads_and_resumes_with_them(tmp_path, suffix, reference):
-    # A results file written before `dp_replicate`, `host_bytes` and `fingerprint` existed: its rows
+    # A results file written before `dp_replicate`, `host_bytes`, `fingerprint` and `notes` existed: its rows
     # read with those columns empty, and a sweep appending to it first rewrites it with every column.
     first = [column for column in COLUMNS if column not in ADDED_COLUMNS]
     old = [{column: row[column] for column in first} for row in reference[:2]]
@@ -247,6 +247,15 @@ def test_a_file_from_before_the_added_columns_reads_and_resumes_with_them(tmp_pa
     assert read_results(path) == [*expected, reference[2]]
     if suffix == ".csv":
         assert path.read_text().splitlines()[0].split(",") == list(COLUMNS)
+
+
+def test_a_row_carries_the_estimates_notes():
+    # bf16 asked of a V100, which has no bf16: priced in fp16, as `plan` says; the row says so too.
+    graph = planner.trace("gpt3-125m", seq_len=128)
+    point = SweepPoint("gpt3-125m", "v100-32g:1x8", 64, 128)
+    row = plan_point(point, graph, load_cluster("v100-32g:1x8"), PlanSettings("bf16", TrainingCode(), {}, ""))
+    assert row["status"] == "ok" and "v100-32g has no bf16: priced in fp16" in row["notes"]
+    assert plan_point(point, graph, load_cluster("a100-80g:1x8"), PlanSettings("bf16", TrainingCode(), {}, ""))["notes"] is None
 
 
 def test_plan_files_keep_model_names_apart():

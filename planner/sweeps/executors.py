@@ -80,7 +80,8 @@ def plan_point(point: SweepPoint, graph: ModelGraph, cluster: Cluster, settings:
                    peak_memory_bytes=estimate.peak_memory_bytes,
                    # the capacity of the device holding the peak (on a mixed cluster, not the largest one)
                    capacity_bytes=max(estimate.memory, key=lambda stage: stage["total_bytes"])["capacity_bytes"],
-                   host_bytes=max(stage.get("host_bytes", 0.0) for stage in estimate.memory))
+                   host_bytes=max(stage.get("host_bytes", 0.0) for stage in estimate.memory),
+                   notes="; ".join(estimate.notes) or None)  # e.g. bf16 priced as fp16 on a device without it
         if price is not None:
             row["usd_per_million_tokens"] = price / SECONDS_PER_HOUR / estimate.tokens_per_s * TOKENS_PER_MILLION
         if settings.plan_dir is not None:

@@ -45,13 +45,13 @@ COLUMN_TYPES: dict[str, type] = {
     "peak_memory_bytes": float, "capacity_bytes": float,
     "cluster_usd_per_hour": float, "usd_per_million_tokens": float,
     "plan_time_s": float, "plan_path": str,
-    "dp_replicate": int, "host_bytes": float, "fingerprint": str,
+    "dp_replicate": int, "host_bytes": float, "fingerprint": str, "notes": str,
 }
 COLUMNS = tuple(COLUMN_TYPES)
 # Columns added after the first results files were written, in the order they came: a file whose
 # columns stop before some of them reads with those empty, and is rewritten with every column
 # before a sweep appends to it.
-ADDED_COLUMNS = ("dp_replicate", "host_bytes", "fingerprint")
+ADDED_COLUMNS = ("dp_replicate", "host_bytes", "fingerprint", "notes")
 
 
 def results_format(path: str | Path, what: str = "--out") -> ResultsFormat:
