@@ -24,9 +24,9 @@ from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError
 from planner.estimate import Evaluator
 from planner.graph import LayerKind, Recompute
+from planner.milp import SolveStatus
 from planner.result import Estimate
 from planner.space import ZERO_BUBBLE_RECOMPUTE
-from planner.milp import SolveStatus
 from planner.stage_ilp import split_ilp
 from planner.stage_problem import make_split
 
