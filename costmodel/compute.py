@@ -202,6 +202,12 @@ def _roofline_time_s(work: OpWork, device_name: str, peak_flops_per_s: float, me
     return max(compute_s, work.bytes / mem_bytes_per_s) + LAUNCH_OVERHEAD_S
 
 
+# Rates (FLOP/s, bytes/s) a measured op table may hold: from a byte per second to an exaFLOP per
+# second, beyond any device in either direction; outside it a value is damaged (and would price ops
+# at infinite or zero time).
+MEASURED_RATE_RANGE = (1.0, 1e18)
+
+
 @dataclass(frozen=True)
 class OpTable:
     """Measured op times for one device and dtype, overriding the roofline where they apply.
@@ -250,6 +256,12 @@ class OpTable:
                     + list(self.elementwise_bytes_per_s.values()))
         if not all(0 < t < math.inf for t in measured) or not 0 <= self.loss_bytes_per_s < math.inf:
             raise ProfileError(f"op table for {self.device}: every measured size, time and rate must be finite and > 0")
+        rates = ([flops / t for flops, t in self.matmul_times_s]
+                 + [flops / t for flops, *times in self.attention_times_s for t in times]
+                 + list(self.elementwise_bytes_per_s.values()) + ([self.loss_bytes_per_s] if self.loss_bytes_per_s else []))
+        if not all(MEASURED_RATE_RANGE[0] <= rate <= MEASURED_RATE_RANGE[1] for rate in rates):
+            raise ProfileError(f"op table for {self.device}: a FLOP or byte rate outside {MEASURED_RATE_RANGE[0]:g}-"
+                               f"{MEASURED_RATE_RANGE[1]:g} per second, which no device runs at")
         if len(self.tp_linear_host_s) not in (0, 2) or not all(0 <= t < math.inf for t in self.tp_linear_host_s):
             raise ProfileError(f"op table for {self.device}: tp_linear_host_s must be [forward s, backward s], each >= 0")
         if not 0 <= self.sync_wait_fraction < math.inf:

@@ -192,6 +192,6 @@ def load_op_table(path: str) -> OpTable:
         if not isinstance(data, dict):
             raise ProfileError(f"expected a mapping, got {type(data).__name__}")
         return OpTable.from_dict(data)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ProfileError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, ProfileError) as exc:
         reason = str(exc).removeprefix("op table: ")
         raise ProfileError(f"{path}: not a readable op table ({reason}); re-run `paraplan profile`") from None

@@ -244,10 +244,16 @@ def test_a_damaged_op_table_fails_in_one_line_naming_it(tmp_path):
     good = json.loads((tmp_path / "box-ops-fp32.json").read_text())
     for broken in ({"loss_bytes_per_s": -1.0}, {"loss_bytes_per_s": float("inf")},
                    {"matmul_times_s": [{"flops": 1e9, "time_s": float("nan")}]},
-                   {"matmul_times_s": [{"flops": 10**400, "time_s": 1.0}]}):
+                   {"matmul_times_s": [{"flops": 10**400, "time_s": 1.0}]},
+                   # finite sizes and times whose rate is not: 1e9 FLOPs in 1e-320 s; a 1e-300 B/s add
+                   {"matmul_times_s": [{"flops": 1e9, "time_s": 1e-320}]},
+                   {"elementwise_bytes_per_s": {"add": 1e-300}}):
         table.write_text(json.dumps({**good, "dtype": "bf16", **broken}))
         with pytest.raises(ProfileError, match=r"box-ops-bf16.json: not a readable op table \(.*\); re-run"):
             load_cluster(str(tmp_path / "box.yaml"))
+    table.write_text("[" * 100000 + "]" * 100000)  # too deep for the JSON parser
+    with pytest.raises(ProfileError, match=r"box-ops-bf16.json: not a readable op table"):
+        load_cluster(str(tmp_path / "box.yaml"))
     table.write_text(json.dumps(good))  # the fp32 table named as the bf16 one
     with pytest.raises(ProfileError, match=r"op_tables.bf16: .*box-ops-bf16.json' holds the table of box-device/fp32, not "
                                            r"box-device/bf16"):
