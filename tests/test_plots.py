@@ -159,7 +159,8 @@ def sweep_rows() -> list[dict]:
             values["reason"] = "no plan fits: try more devices"
         return values
 
-    return [row("a", 8, 1000.0, 0.5, 0.2), row("a", 16, 1900.0, 0.45, 0.25), row("b", 8, 3000.0, 0.6, None),
+    return [row("a", 8, 1000.0, 0.5, 0.2), row("a", 16, 1900.0, 0.45, 0.25),
+            {**row("b", 8, 3000.0, 0.6, None), "notes": "b has no bf16: priced in fp16"},
             row("b", 16, None, None, None, status="infeasible")]
 
 
@@ -189,6 +190,7 @@ def test_report_bundles_tables_and_charts(tmp_path, suffix, capsys):
     assert cli.main(["report", str(results), "--out", str(report)]) == 0
     text = report.read_text()
     assert "no plan fits: try more devices" in text and "3,000" in text and "$0.200" in text
+    assert "b has no bf16: priced in fp16" in text  # the row's notes
     assert "4 points: 3 ok, 1 infeasible." in text
     if suffix == ".html":
         assert len(re.findall(r"<img alt='[^']+' src='data:image/png;base64,", text)) == 3

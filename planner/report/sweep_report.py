@@ -28,7 +28,7 @@ th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }
 th { background: #f0f0f0; } td.num { text-align: right; }
 img { max-width: 100%; margin: 1em 0; }"""
 ALL_POINT_COLUMNS = ("model", "cluster", "global batch", "seq len", "status", "config", "tokens/s", "MFU", "step time",
-                     "peak memory", "USD / M tokens")
+                     "peak memory", "USD / M tokens", "notes")
 
 
 def render_sweep_summary(summary: SweepSummary) -> Table:
@@ -101,7 +101,8 @@ def _point_cells(row: dict) -> tuple[str, ...]:
     return (row["model"], row["cluster"], str(row["global_batch"]), str(row["seq_len"]), row["status"],
             row["config"] or "", f"{row['tokens_per_s']:,.0f}" if ok else "", f"{row['mfu']:.1%}" if ok else "",
             fmt_seconds(row["step_time_s"]) if ok else "", fmt_bytes(row["peak_memory_bytes"]) if ok else "",
-            _usd(row["usd_per_million_tokens"]) if ok and row["usd_per_million_tokens"] is not None else "")
+            _usd(row["usd_per_million_tokens"]) if ok and row["usd_per_million_tokens"] is not None else "",
+            row.get("notes") or "")  # e.g. bf16 priced as fp16 on a device without it
 
 
 def _usd(value: float) -> str:
