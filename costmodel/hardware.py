@@ -95,7 +95,7 @@ class DeviceSpec:
             their own stream); False where the same cores do both (CPU ranks under gloo), so no
             communication hides behind compute.
         op_tables: dtype -> path of a measured op-time table (`paraplan profile` writes them; JSON
-            of `costmodel.compute.OpTable.to_dict`); the cost model uses it instead of the roofline
+            of `costmodel.op_table.OpTable.to_dict`); the cost model uses it instead of the roofline
             where it has a measurement.
     """
 

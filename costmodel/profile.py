@@ -45,7 +45,7 @@ import torch.distributed as dist
 import yaml
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from costmodel.compute import OpTable
+from costmodel.op_table import OpTable
 from costmodel.errors import ProfileError
 from costmodel.hardware import DeviceSpec, LinkTier
 from costmodel.profile_collectives import (COLLECTIVE_BYTES, COLLECTIVE_ITERATIONS, QUICK_COLLECTIVE_BYTES,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from costmodel.compute import OpTable
+from costmodel.op_table import OpTable
 from costmodel.errors import ProfileError
 from costmodel.strict_parse import load_text
 

@@ -27,9 +27,10 @@ import numpy as np
 from costmodel import memory as memory_model
 from costmodel import pipeline
 from costmodel.comm import Collective, CommGroup, collective_time_s
-from costmodel.compute import OpTable, base_dtype, bytes_per_element
+from costmodel.compute import base_dtype, bytes_per_element
 from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
 from costmodel.offload import host_state_bytes
+from costmodel.op_table import OpTable
 from costmodel.profile_files import load_op_table
 from planner.config import TRAINING_DTYPES, ParallelConfig
 from planner.errors import PlannerError, invalid

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from costmodel.comm import Collective, CommGroup, collective_time_s
-from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO, OpTable, OpWork, WorkKind, base_dtype, bytes_per_element, layer_time_s
+from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO, OpWork, WorkKind, base_dtype, bytes_per_element, layer_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
+from costmodel.op_table import OpTable
 from planner.fusion import ElementwiseKernels, fused_works
 from planner.graph import Layer, Op, OpKind, Recompute
 from planner.layer_comm import CpComm, cp_exposed_s, ep_all_to_all_fwd_s, overlapped_tp_comm_s

@@ -13,7 +13,6 @@ from costmodel.compute import (
     FP8_CAST_TRAFFIC_RATIO,
     FP8_MATMUL_EFFICIENCY_RATIO,
     LAUNCH_OVERHEAD_S,
-    OpTable,
     OpWork,
     WorkKind,
     layer_time_s,
@@ -21,9 +20,10 @@ from costmodel.compute import (
     op_time_s,
 )
 from costmodel.errors import ProfileError
+from costmodel.hardware import DeviceSpec, LinkTier
+from costmodel.op_table import OpTable
 from costmodel.profile_files import list_devices
 from costmodel.profile_loader import load_device
-from costmodel.hardware import DeviceSpec, LinkTier
 
 LINK = LinkTier("test-link", "nvswitch", bw_bytes_per_s=400e9, latency_s=1e-6)
 NIC = LinkTier("test-nic", "ib", bw_bytes_per_s=50e9, latency_s=5e-6)

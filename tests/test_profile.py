@@ -16,9 +16,10 @@ import yaml
 
 import cli
 import planner
-from costmodel.compute import OpTable, OpWork, WorkKind, op_time_s
 from costmodel import profile as profile_module
+from costmodel.compute import OpWork, WorkKind, op_time_s
 from costmodel.errors import ProfileError
+from costmodel.op_table import OpTable
 from costmodel.profile import Measurements, run_profile, write_profile
 from costmodel.profile_files import list_devices, profile_kind
 from costmodel.profile_loader import load_cluster, load_device
