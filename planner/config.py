@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 
-from planner.errors import invalid
+from planner.errors import check_positive_int, invalid
 from planner.graph import Recompute
 
 
@@ -79,9 +79,7 @@ class ParallelConfig:
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "micro_batch", "num_microbatches", "dp_replicate"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise invalid(f"{name}={value!r}: must be a positive integer")
+            check_positive_int(name, getattr(self, name))
         if self.zero not in (0, 1, 2, 3):
             raise invalid(f"zero={self.zero!r}: must be 0, 1, 2 or 3")
         for name, kind in (("recompute", Recompute), ("schedule", Schedule)):

@@ -27,7 +27,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColu
 from rich.text import Text
 
 from planner.api import model_graph
-from planner.errors import invalid
+from planner.errors import check_positive_int, invalid
 from planner.report.units import fmt_number_of
 from planner.sweeps.executors import (ExecutorKind, PlanSettings, Tables, base_row, failure, point_fingerprint, run_inline,
                                       run_processes, run_ray)
@@ -110,8 +110,8 @@ def sweep(spec: SweepSpec | str | Path | dict, out: str | Path, *, workers: int 
     kind = _executor_kind(executor)
     if address is not None and kind != ExecutorKind.RAY:
         raise invalid(f"--address {address}: only with --executor ray")
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-        raise invalid(f"--workers={workers!r}: must be a positive integer")
+    if workers is not None:
+        check_positive_int("--workers", workers)
     settings = PlanSettings(spec.dtype, spec.code, spec.constraints, spec.settings, None if plan_dir is None else str(plan_dir))
     with ResultsFile.open(out) as results, _StopOnSignal() as stop, _progress_bar(progress) as bar:
         todo = _unfinished(spec, results)
