@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import signal
 import sys
 
@@ -352,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     from costmodel.errors import ProfileError
 
     signal.signal(signal.SIGTERM, _terminate)  # a sweep installs its own while it runs
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # `--model mymodel:build` imports mymodel.py from here, as `python -m` would
     try:
         return _run(args)
     except PlannerError as error:

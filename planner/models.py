@@ -211,8 +211,8 @@ def _load_factory(ref: str) -> Callable:
         py_module = importlib.import_module(module_name)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - user code may raise anything on import, or exit
         raise invalid(f"model `{ref}`: cannot import module `{module_name}` ({_describe(exc)}); "
-                      f"fix: check the module path and that it is importable from the current "
-                      f"directory or PYTHONPATH") from None
+                      f"fix: check the module path, and that `python -c 'import {module_name}'` works from "
+                      f"the current directory (or add its folder to PYTHONPATH)") from None
     if not hasattr(py_module, attr):
         nearest = difflib.get_close_matches(attr, [n for n in dir(py_module)
                                                    if not n.startswith("_")], n=1)

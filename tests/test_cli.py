@@ -464,6 +464,20 @@ def test_sigterm_while_tracing_is_not_taken_for_a_trace_failure(capsys, monkeypa
     assert (code, out, err) == (143, "", "paraplan: terminated\n")
 
 
+def test_a_factory_module_in_the_current_directory_imports(capsys, monkeypatch, tmp_path):
+    # The console script's sys.path holds its own folder, not the caller's: `paraplan` adds the
+    # current directory as `python -m` does, so `--model mymodel:build` finds ./mymodel.py.
+    (tmp_path / "paraplan_cwd_model.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "def build():\n    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), (torch.ones(4, 8),)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "paraplan_cwd_model", raising=False)
+    code, out, err = run(["inspect", "--model", "paraplan_cwd_model:build", "--json"], capsys)
+    assert (code, err) == (0, "")
+    assert json.loads(out)["params"] == 8 * 8 + 8 + 8 * 2 + 2
+
+
 def test_a_shorthand_of_a_billion_devices_is_refused_not_searched_forever(capsys):
     code, _, err = run(["plan", *MODEL_ARGS, "--cluster", "h100-sxm:125000000x8", "--global-batch", "32"], capsys)
     assert code == 2 and "on 1000000000 devices is valid" in err

@@ -385,6 +385,16 @@ def test_hardware_list_shows_every_device_link_and_cluster():
     assert cells["llama3-h100-roce-24k"] == ["24576", "3072", "3072 x 8 h100-sxm", "7:1"]
 
 
+def test_hardware_list_names_a_broken_profile_and_lists_the_rest(tmp_path, monkeypatch):
+    (tmp_path / "devices").mkdir()
+    (tmp_path / "devices" / "broken.yaml").write_text("name: broken\npeak_flops_per_s: {bf16: 1.0e+12}\nmem_bytes: 1.0e+9\n")
+    monkeypatch.setenv("PARAPLAN_PROFILES_PATH", str(tmp_path))
+    text = _text(render_hardware_list())
+    cells = _cells(text)
+    assert "broken" not in cells and "h100-sxm" in cells and "ib-hdr200" in cells
+    assert "broken.yaml: mem_bw_bytes_per_s: missing required key" in text.split("Not listed")[1]
+
+
 def test_device_detail_shows_sources_and_bracketed_text_verbatim():
     text = _text(render_hardware("h100-sxm"))
     assert "81089MB" in text and "hwLat[NET][Ring][Simple]" in text and "(nvswitch)" in text

@@ -24,17 +24,17 @@ CURVE_POINTS_SHOWN = 5
 def render_hardware_list() -> RenderableType:
     """Three tables: every known device (peak, memory, node, NIC, price), link and cluster.
 
+    A profile on the search path that does not load is left out of its table and named below the
+    tables with the reason, so one broken file does not hide the rest.
+
     Returns:
         A rich renderable.
-
-    Raises:
-        ProfileError: a profile on the search path is invalid.
     """
+    problems: list[str] = []
     devices = Table(title="Devices", title_justify="left")
     for column in ("Device", f"{LIST_DTYPE} TFLOP/s", "Memory GiB", "Mem TB/s", "Node", "NIC", "$/device-h"):
         devices.add_column(column, justify="left" if column in ("Device", "Node", "NIC") else "right")
-    for name in list_devices():
-        device = load_device(name)
+    for name, device in _loaded(list_devices(), load_device, problems):
         peak = device.peak_flops_per_s.get(LIST_DTYPE)
         _row(devices, name, f"{peak / FLOPS_PER_TFLOP:.1f}" if peak else MISSING,
              f"{device.mem_bytes / BYTES_PER_GIB:.1f}", f"{device.mem_bw_bytes_per_s / BYTES_PER_TB:.2f}",
@@ -43,18 +43,28 @@ def render_hardware_list() -> RenderableType:
     links = Table(title="Links (intra-node links and NICs the devices and clusters name)", title_justify="left")
     for column in ("Link", "Kind", "GB/s per direction", "Latency us", "Efficiency"):
         links.add_column(column, justify="left" if column in ("Link", "Kind") else "right")
-    for name in list_links():
-        link = load_link(name)
+    for name, link in _loaded(list_links(), load_link, problems):
         _row(links, name, str(link.kind), f"{link.bw_bytes_per_s / BYTES_PER_GB:g}", f"{link.latency_s * US_PER_S:g}",
              f"{link.efficiency:g}")
     clusters = Table(title="Clusters", title_justify="left")
     for column in ("Cluster", "Devices", "Nodes", "Node groups", "Oversubscription"):
         clusters.add_column(column, justify="right" if column in ("Devices", "Nodes") else "left")
-    for name in list_clusters():
-        cluster = load_cluster(name)
+    for name, cluster in _loaded(list_clusters(), load_cluster, problems):
         _row(clusters, name, str(cluster.num_devices), str(cluster.num_nodes), _groups_brief(cluster),
              f"{cluster.oversubscription:g}:1")
-    return Group(devices, links, clusters)
+    if not problems:
+        return Group(devices, links, clusters)
+    return Group(devices, links, clusters, Text("Not listed, their profiles do not load:", style="bold red"),
+                 *(Text(f"  {problem}", style="red") for problem in problems))
+
+
+def _loaded(names: list[str], load, problems: list[str]):
+    """(name, loaded profile) for each name in turn; a name whose profile fails adds its error to `problems`."""
+    for name in names:
+        try:
+            yield name, load(name)
+        except ProfileError as error:
+            problems.append(str(error))
 
 
 def render_hardware(name: str) -> RenderableType:
