@@ -19,7 +19,10 @@ and the local batch splits into one micro-batch per pipeline stage (torchtitan's
 time, `n_microbatches = pp x stages per rank`; the per-micro-batch size setting came in 2025):
 Table 5 runs 8 micro-batches of 4 sequences under 1F1B and 16 of 2 interleaved. torchtitan reports the caching allocator's reserved peak, so the predicted
 peak is compared after the allocator's share (`costmodel.memory.ALLOCATOR_FRAGMENTATION_FRACTION`). Float8 is priced as fp8 GEMMs (`--dtype fp8`); AsyncTP as overlapped
-tensor-parallel collectives (`--tp-comm-overlap`).
+tensor-parallel collectives (`--tp-comm-overlap`). Attention is FlashAttention-2's kernels
+(`--attention flash2`): torchtitan calls PyTorch's SDPA, which on H100 ran FlashAttention-2 in the
+nightlies of December 2024 (pytorch/pytorch#142132, torch 2.6.0.dev20241204; cuDNN attention was
+opt-in from 2.5.1, pytorch/pytorch#138522).
 
 Usage: python benchmarks/torchtitan_h100.py
 """
@@ -94,7 +97,7 @@ def evaluate_row(row: Row):
     dtype = "fp8" if row.float8 else "bf16"
     return evaluate(trace(row.model, seq_len=row.seq_len, dtype=dtype), f"{DEVICE}:{nodes}x{min(row.gpus, GPUS_PER_NODE)}",
                     config, global_batch=row.global_batch, dtype=dtype, tp_overlap=row.async_tp,
-                    elementwise="fused" if row.compiled else "eager")
+                    elementwise="fused" if row.compiled else "eager", attention="flash2")
 
 
 def techniques(row: Row) -> str:

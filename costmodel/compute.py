@@ -81,7 +81,9 @@ class WorkKind(StrEnum):
 
     MATMUL: GEMM on the tensor cores. ATTENTION / ATTENTION_BWD: fused (flash) attention forward /
     backward, priced as a matmul at a lower efficiency; callers give forward and backward FLOPs as
-    separate works. MEMORY: elementwise, norm, embedding lookup: bound by memory bandwidth. LOSS: a
+    separate works. FLASH2_ATTENTION / FLASH2_ATTENTION_BWD: the same run by FlashAttention-2's
+    kernels, at the device's `flash2_attention_ratio` of those rates (below 1 where the device has
+    newer attention kernels than FlashAttention-2 uses, as Hopper has). MEMORY: elementwise, norm, embedding lookup: bound by memory bandwidth. LOSS: a
     loss over the logits, priced as MEMORY unless an op table measured it (on CPUs cross-entropy's
     exp and log over every logit, not the bytes, set its time).
     """
@@ -89,6 +91,8 @@ class WorkKind(StrEnum):
     MATMUL = "matmul"
     ATTENTION = "attention"
     ATTENTION_BWD = "attention_bwd"
+    FLASH2_ATTENTION = "flash2_attention"
+    FLASH2_ATTENTION_BWD = "flash2_attention_bwd"
     MEMORY = "memory"
     LOSS = "loss"
 
@@ -97,7 +101,22 @@ _EFFICIENCY_RATIO = {
     WorkKind.MATMUL: 1.0,
     WorkKind.ATTENTION: ATTENTION_FWD_EFFICIENCY_RATIO,
     WorkKind.ATTENTION_BWD: ATTENTION_BWD_EFFICIENCY_RATIO,
+    WorkKind.FLASH2_ATTENTION: ATTENTION_FWD_EFFICIENCY_RATIO,
+    WorkKind.FLASH2_ATTENTION_BWD: ATTENTION_BWD_EFFICIENCY_RATIO,
 }
+
+# What FlashAttention-2 works are, where a measured op table has timed the machine's attention kernel.
+FLASH2_MEASURED_AS = {WorkKind.FLASH2_ATTENTION: WorkKind.ATTENTION, WorkKind.FLASH2_ATTENTION_BWD: WorkKind.ATTENTION_BWD}
+
+
+def kernel_fraction(kind: WorkKind, device: DeviceSpec) -> float:
+    """The fraction of the device's rate for `kind` that its kernels reach: the device's
+    `flash2_attention_ratio` (forward, backward) for FlashAttention-2 works, else 1."""
+    if kind is WorkKind.FLASH2_ATTENTION:
+        return device.flash2_attention_ratio[0]
+    if kind is WorkKind.FLASH2_ATTENTION_BWD:
+        return device.flash2_attention_ratio[1]
+    return 1.0
 
 
 @dataclass(frozen=True)
@@ -245,6 +264,7 @@ def layer_time_s(works: Sequence[OpWork], device: DeviceSpec, dtype: str = "bf16
                     + _roofline_time_s(OpWork(WorkKind.MEMORY, 0.0, cast_traffic_ratio * work.bytes), device.name,
                                        peak, mem_bytes_per_s, curve, device.matmul_sustained_fraction))
         elif op_s is None:
-            op_s = _roofline_time_s(work, device.name, base_peak, mem_bytes_per_s, curve, device.matmul_sustained_fraction)
+            op_s = _roofline_time_s(work, device.name, base_peak, mem_bytes_per_s, curve,
+                                    device.matmul_sustained_fraction * kernel_fraction(work.kind, device))
         total_s += op_s
     return total_s

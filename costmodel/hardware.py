@@ -91,6 +91,9 @@ class DeviceSpec:
         price_per_hour: on-demand price per device-hour in USD (0 when unknown).
         power_w: board power (0 when unknown).
         description: human-readable product name.
+        flash2_attention_ratio: (forward, backward) fraction of the device's flash-attention rates
+            that FlashAttention-2's kernels reach: 1 where they are the device's flash kernels
+            (Ampere), below 1 where newer kernels use instructions they do not (Hopper's wgmma).
         comm_overlaps_compute: collectives run beside compute (GPUs: copy engines or a few SMs on
             their own stream); False where the same cores do both (CPU ranks under gloo), so no
             communication hides behind compute.
@@ -109,6 +112,7 @@ class DeviceSpec:
     matmul_efficiency: tuple[tuple[float, float], ...] = ()
     mem_bw_efficiency: float = 1.0
     matmul_sustained_fraction: float = 1.0
+    flash2_attention_ratio: tuple[float, float] = (1.0, 1.0)
     comm_overlaps_compute: bool = True
     price_per_hour: float = 0.0
     power_w: float = 0.0
@@ -133,6 +137,14 @@ class NodeSpec:
     def host_mem_bytes_per_device(self) -> float:
         """Each device's share of the node's host memory (0 when unknown)."""
         return self.host_mem_bytes / self.devices_per_node
+
+    def __hash__(self) -> int:
+        # Computed once: the planner's price caches are keyed by the node a stage sits on.
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.device, self.devices_per_node, self.intra_link, self.nic, self.host_mem_bytes))
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from costmodel.compute import OpWork, WorkKind
+from costmodel.compute import FLASH2_MEASURED_AS, OpWork, WorkKind
 from costmodel.curves import interp_log_log, log_curve
 from costmodel.errors import ProfileError
 
@@ -100,7 +100,7 @@ class OpTable:
             return work.bytes / self.elementwise_bytes_per_s[work.key]
         if work.kind is WorkKind.LOSS and self.loss_bytes_per_s > 0:
             return work.bytes / self.loss_bytes_per_s
-        rates = self._curves.get(work.kind)
+        rates = self._curves.get(FLASH2_MEASURED_AS.get(work.kind, work.kind))
         if rates and work.flops > 0:
             size = work.unit_flops or work.flops
             return work.flops / interp_log_log(size, rates, f"op table for {self.device} {work.kind}")

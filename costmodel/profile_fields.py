@@ -95,6 +95,14 @@ def fraction(origin: Origin, field_name: str, value) -> float:
     return parsed
 
 
+def fractions(origin: Origin, field_name: str, value, keys: tuple[str, ...]) -> tuple[float, ...]:
+    """A mapping of exactly `keys` to numbers in (0, 1], in the order of `keys`."""
+    if not isinstance(value, dict):
+        raise origin.error(field_name, "must be a mapping {" + ", ".join(f"{key}: F" for key in keys) + "} of fractions in (0, 1]")
+    check_keys(origin, f"{field_name}.", value, keys, keys)
+    return tuple(fraction(origin, f"{field_name}.{key}", value[key]) for key in keys)
+
+
 def boolean(origin: Origin, field_name: str, value) -> bool:
     """true or false (YAML booleans only, not 0/1 or strings)."""
     if not isinstance(value, bool):

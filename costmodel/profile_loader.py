@@ -53,10 +53,11 @@ _SHORTHAND = re.compile(r"(?P<device>[^:]+):(?P<nodes>[0-9]+)(?:[xX](?P<gpus>[0-
 
 _LINK_KEYS = ("name", "kind", "bw_bytes_per_s", "latency_s", "efficiency", "collective_factors", "sources")
 _LINK_REQUIRED = ("kind", "bw_bytes_per_s", "latency_s")
-_DEVICE_KEYS = ("name", "description", "peak_flops_per_s", "mem_bytes", "mem_bw_bytes_per_s",
-                "matmul_efficiency", "mem_bw_efficiency", "matmul_sustained_fraction", "comm_overlaps_compute", "node", "nic", "price_per_hour", "power_w",
-                "op_tables", "sources")
+_DEVICE_KEYS = ("name", "description", "peak_flops_per_s", "mem_bytes", "mem_bw_bytes_per_s", "matmul_efficiency",
+                "mem_bw_efficiency", "matmul_sustained_fraction", "flash2_attention_ratio", "comm_overlaps_compute", "node",
+                "nic", "price_per_hour", "power_w", "op_tables", "sources")
 _DEVICE_REQUIRED = ("peak_flops_per_s", "mem_bytes", "mem_bw_bytes_per_s", "node", "nic")
+_SAME_RATE = {"fwd": 1.0, "bwd": 1.0}  # flash2_attention_ratio where FlashAttention-2 is the device's flash kernel
 _NODE_KEYS = ("devices_per_node", "intra_link", "host_mem_bytes")
 _NODE_REQUIRED = ("devices_per_node", "intra_link")
 # `sources` may also name the node's host memory.
@@ -247,6 +248,8 @@ def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Pat
                                           data.get("mem_bw_efficiency", DEFAULT_MEM_BW_EFFICIENCY)),
         matmul_sustained_fraction=fields.fraction(origin, "matmul_sustained_fraction",
                                                   data.get("matmul_sustained_fraction", DEFAULT_MATMUL_SUSTAINED_FRACTION)),
+        flash2_attention_ratio=fields.fractions(origin, "flash2_attention_ratio",
+                                                data.get("flash2_attention_ratio", _SAME_RATE), ("fwd", "bwd")),
         comm_overlaps_compute=fields.boolean(origin, "comm_overlaps_compute", data.get("comm_overlaps_compute", True)),
         price_per_hour=fields.optional_positive(origin, "price_per_hour", data),
         power_w=fields.optional_positive(origin, "power_w", data),

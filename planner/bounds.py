@@ -92,12 +92,12 @@ def work_bound(evaluator: Evaluator, config: ParallelConfig, refine: bool = True
     policies = evaluator.policies(config)
     per_stage = evaluator.stage_devices(config.pp)
     types = evaluator.device_types(config.pp)
-    tables = {device.name: evaluator.time_table(config, device, node, policies) for device, node in types}
-    layer_s = {name: table[:, COL["fwd_s"]] + table[:, COL["bwd_s"]] for name, table in tables.items()}
+    tables = {node: evaluator.time_table(config, device, node, policies) for device, node in types}
+    layer_s = {node: table[:, COL["fwd_s"]] + table[:, COL["bwd_s"]] for node, table in tables.items()}
     fastest_s = np.min(list(layer_s.values()), axis=0)
     fastest_fwd_s = np.min([table[:, COL["fwd_s"]] for table in tables.values()], axis=0)
     timed = fastest_s > 0
-    slowdown = {name: float(np.min(times[timed] / fastest_s[timed])) if timed.any() else 1.0 for name, times in layer_s.items()}
+    slowdown = {node: float(np.min(times[timed] / fastest_s[timed])) if timed.any() else 1.0 for node, times in layer_s.items()}
     later_s, later_fwd_s = np.cumsum(fastest_s[1:]), np.cumsum(fastest_fwd_s[1:])
     microbatch_s = float(fastest_s.sum())
     refined = refine or config.pp == 1
@@ -106,27 +106,27 @@ def work_bound(evaluator: Evaluator, config: ParallelConfig, refine: bool = True
         microbatch_fwd_s=float(fastest_fwd_s.sum()),
         fwd_share=float(np.min(later_fwd_s[later_s > 0] / later_s[later_s > 0])) if np.any(later_s > 0) else 0.0,
         first_layer_s=float(fastest_s[0]),
-        balanced_s=microbatch_s / sum(1 / slowdown[device.name] for device, _ in per_stage),
+        balanced_s=microbatch_s / sum(1 / slowdown[node] for _, node in per_stage),
         slowest_stage_s=_slowest_stage_s(fastest_s, layer_s, per_stage, config, refined),
         refined=refined,
-        p2p_s=min(collective_time_s(Collective.P2P, float(tables[device.name][:-1, COL["out_bytes"]].min()) / config.seq_split,
+        p2p_s=min(collective_time_s(Collective.P2P, float(tables[node][:-1, COL["out_bytes"]].min()) / config.seq_split,
                                     mesh_groups(config, node.devices_per_node).pp, node, evaluator.cluster.oversubscription)
                   for device, node in types) if config.pp > 1 else 0.0,
         type_totals=tuple((float(total[COL["fwd_s"]]), float(total[COL["bwd_s"]]), float(total[COL["dense_params"]]),
                            float(total[COL["expert_params"]]), float(total[COL["frozen_params"]]))
-                          for total in (tables[device.name].sum(axis=0) for device, _ in types)),
+                          for total in (tables[node].sum(axis=0) for _, node in types)),
     )
 
 
-def _slowest_stage_s(fastest_s: np.ndarray, layer_s: dict[str, np.ndarray], per_stage: list, config: ParallelConfig,
+def _slowest_stage_s(fastest_s: np.ndarray, layer_s: dict, per_stage: list, config: ParallelConfig,
                      refined: bool) -> float:
     """`WorkBound.slowest_stage_s`: its floor, or the least slowest stage over contiguous splits into
-    pp stages, with each stage's own device times (`layer_s` by device type) when the stages sit on
-    several device types (`pipeline_bound_s` uses it only when vpp = 1)."""
+    pp stages, with each stage's own device times (`layer_s` by node kind) when the stages sit on
+    several node kinds (`pipeline_bound_s` uses it only when vpp = 1)."""
     if not refined:
         return max(float(fastest_s.max()), float(fastest_s.sum()) / config.pp)
     if config.pp > 1 and len(layer_s) > 1:
-        return least_slowest_split_s(np.stack([layer_s[device.name] for device, _ in per_stage]))
+        return least_slowest_split_s(np.stack([layer_s[node] for _, node in per_stage]))
     return least_slowest_stage_s(fastest_s, config.pp)
 
 
@@ -280,7 +280,9 @@ def memory_floor_bytes(evaluator: Evaluator, config: ParallelConfig) -> float:
     every layer's states plus the least in-flight count times every layer's activations (each on
     the device type where it is smallest); the fullest stage holds at least the average. Without
     gradient accumulation the gradients are left out (they are not alive at the forward's end,
-    where the loss's temporaries are, which count).
+    where the loss's temporaries are, which count). Pipelined ZeRO-3 stages hold all their layers
+    gathered only at a backward's end, one chunk's micro-batch of activations fewer
+    (`costmodel.memory.stage_memory`): the floor counts that moment.
     """
     policies = evaluator.policies(config)
     tables = [evaluator.layer_table(config, device, node, policies) for device, node in evaluator.device_types(config.pp)]
@@ -290,6 +292,8 @@ def memory_floor_bytes(evaluator: Evaluator, config: ParallelConfig) -> float:
     activations = min(float(table[:, COL["act_bytes"]].sum()) for table in tables)
     in_flight = min(pipeline.in_flight_microbatches(str(config.schedule), config.pp, stage, config.num_microbatches, config.vpp)
                     for stage in range(config.pp)) if config.pp > 1 else 1.0
+    if config.zero == 3 and config.pp > 1:
+        in_flight = max(0.0, in_flight - 1 / config.vpp)
     return (states + in_flight * activations) / config.pp
 
 

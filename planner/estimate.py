@@ -13,7 +13,9 @@ compute, recompute, exposed tensor/context/expert-parallel communication, expose
   (unless the training code fetches them blocking, `state_cost.Zero3Fetch`);
 - TP/SP collectives are exposed (they sit between dependent matmuls), unless the training code
   pipelines them with the GEMMs (`tp_overlap`, `layer_comm.overlapped_tp_comm_s`);
-- the CP ring overlaps with attention (`layer_cost`); EP all-to-all is exposed;
+- the CP ring overlaps with attention (`layer_cost`), and keeps its links busy: DP and FSDP traffic
+  over the same links (`mesh.cp_shares_shard_links`) hides only in the compute it leaves; EP
+  all-to-all is exposed;
 - pipeline p2p sits on the critical path of the schedule (`costmodel.pipeline`);
 - the sum of a tied weight's gradients between the first and last stages is exposed after the
   schedule (counted with the data-parallel traffic, `state_cost.tied_gradient_sum_s`).
@@ -37,7 +39,7 @@ from planner.errors import PlannerError, invalid
 from planner.estimate_assembly import assemble_estimate
 from planner.graph import LayerKind, ModelGraph, Recompute
 from planner.layer_cost import LayerContext, LayerCost, price_layer
-from planner.mesh import expert_data_group, mesh_groups, stage_devices
+from planner.mesh import cp_shares_shard_links, expert_data_group, mesh_groups, stage_devices
 from planner.pipeline_buffers import chunk_recv_bytes, recv_buffer_bytes
 from planner.result import Estimate, StagePlan, contiguous_runs
 from planner.space import check_config
@@ -58,8 +60,8 @@ NO_ROOM_BYTES = 1.0
 ZERO3_GATHERED_LAYERS = 2
 
 # Columns of the per-layer table one device type yields for one configuration (one micro-batch).
-COLUMNS = ("fwd_s", "bwd_s", "compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s",
-           "fsdp_exposed_s", "dense_params", "expert_params", "frozen_params", "buffer_bytes", "static_bytes", "grad_bytes",
+COLUMNS = ("fwd_s", "bwd_s", "compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "cp_hidden_fwd_s",
+           "cp_hidden_bwd_s", "fsdp_exposed_s", "dense_params", "expert_params", "frozen_params", "buffer_bytes", "static_bytes", "grad_bytes",
            "act_bytes", "temp_bytes", "out_bytes")
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
@@ -106,9 +108,9 @@ class Evaluator:
         return self._stage_devices[pp]
 
     def device_types(self, pp: int) -> list[tuple[DeviceSpec, NodeSpec]]:
-        """The distinct (device, node) kinds the pp stages sit on, in stage order of first use."""
+        """The distinct (device, node) kinds the pp stages sit on (node size and links count), in stage order."""
         if pp not in self._device_types:
-            self._device_types[pp] = list({device.name: (device, node) for device, node in self.stage_devices(pp)}.values())
+            self._device_types[pp] = list({node: (device, node) for device, node in self.stage_devices(pp)}.values())
         return self._device_types[pp]
 
     def table_for(self, device: DeviceSpec, dtype: str) -> OpTable | None:
@@ -130,8 +132,8 @@ class Evaluator:
 
     def layer_cost(self, index: int, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, recompute: Recompute) -> LayerCost:
         layer = self.graph.layers[index]
-        key = (layer.signature or layer.name, device.name, node.devices_per_node, config.tp, config.cp, config.ep,
-               config.micro_batch, recompute, config.sequence_parallel)
+        key = (layer.signature or layer.name, node, config.tp, config.cp, config.ep, config.micro_batch, recompute,
+               config.sequence_parallel)
         cost = self._layer_cache.get(key)
         if cost is None:
             groups = mesh_groups(config, node.devices_per_node)
@@ -158,7 +160,7 @@ class Evaluator:
 
     def layer_table(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, policies: tuple[Recompute, ...]) -> np.ndarray:
         """[L, len(COLUMNS)] per-layer seconds and bytes of one micro-batch on `device` (cached)."""
-        key = (device.name, node.devices_per_node, config.tp, config.cp, config.ep, config.dp, config.micro_batch,
+        key = (node, config.tp, config.cp, config.ep, config.dp, config.micro_batch,
                config.zero, config.dp_replicate, config.sequence_parallel, config.offload_optimizer, policies, config.pp > 1)
         table = self._table_cache.get(key)
         if table is not None:
@@ -177,7 +179,7 @@ class Evaluator:
         dp and the ZeRO stage only through ZeRO-3's parameter gathers, and on pp only through the stage
         copies of tied weights: configs that differ only there share one table (its memory columns are
         those of the first such config)."""
-        key = (device.name, node.devices_per_node, config.tp, config.cp, config.ep, config.micro_batch,
+        key = (node, config.tp, config.cp, config.ep, config.micro_batch,
                config.sequence_parallel, policies, (config.dp, config.dp_replicate) if config.zero == 3 else None, config.pp > 1)
         table = self._time_cache.get(key)
         if table is None:
@@ -215,19 +217,15 @@ class Evaluator:
         static, grads = sum(sum(part) for part in states) + layer.buffer_bytes, sum(part.grads_bytes for part in states)
         exposed_fwd_s = exposed_bwd_s = 0.0
         if config.zero == 3:
-            windows = (cost.fwd_s, cost.bwd_s + cost.recompute_s) if device.comm_overlaps_compute else (0.0, 0.0)
-            exposed_fwd_s, exposed_bwd_s = zero3_exposed_s(self.code.zero3_fetch, self.precision, dense, expert, groups, expert_group,
-                                                           node, self.cluster.oversubscription, *windows,
-                                                           refetch=policy is Recompute.FULL, pipelined=config.pp > 1,
-                                                           frozen=frozen)
+            windows = cost.windows_s(cp_shares_shard_links(groups)) if device.comm_overlaps_compute else (0.0, 0.0)
+            exposed_fwd_s, exposed_bwd_s = zero3_exposed_s(self.code.zero3_fetch, self.precision, dense, expert, groups, expert_group, node,
+                                                           self.cluster.oversubscription, *windows, refetch=policy is Recompute.FULL,
+                                                           pipelined=config.pp > 1, frozen=frozen)
         fwd = cost.fwd_s + cost.tp_comm_s / 2 + cost.cp_fwd_comm_s + cost.ep_comm_s / 2 + exposed_fwd_s
         exposed = exposed_fwd_s + exposed_bwd_s
-        return (
-            fwd, cost.total_s + exposed - fwd, cost.fwd_s + cost.bwd_s, cost.recompute_s, cost.tp_comm_s,
-            cost.cp_comm_s, cost.ep_comm_s, exposed, dense, expert, frozen, layer.buffer_bytes, static, grads, cost.act_bytes,
-            cost.temp_bytes,
-            layer.out_bytes * config.micro_batch / self.graph.micro_batch,
-        )
+        return (fwd, cost.total_s + exposed - fwd, cost.fwd_s + cost.bwd_s, cost.recompute_s, cost.tp_comm_s, cost.cp_comm_s,
+                cost.ep_comm_s, *cost.cp_hidden_s, exposed, dense, expert, frozen, layer.buffer_bytes, static, grads,
+                cost.act_bytes, cost.temp_bytes, layer.out_bytes * config.micro_batch / self.graph.micro_batch)
 
     def stage_problem(self, config: ParallelConfig, policy_sets: list[tuple[Recompute, ...]], headroom: float = 0.0) -> StageProblem:
         """The stage-split instance of `config`: one column per candidate per-layer policy set."""
@@ -314,22 +312,22 @@ class Evaluator:
 
         sums, stage_plans, breakdowns = [], [], []
         exposed_dp_s = optimizer_s = p2p_s = 0.0
-        tables = {device.name: self.layer_table(config, device, node, policies) for device, node in self.device_types(config.pp)}
-        priced: dict = {}  # stages with the same device and layer totals price the same (identical blocks)
+        tables = {node: self.layer_table(config, device, node, policies) for device, node in self.device_types(config.pp)}
+        priced: dict = {}  # stages with the same node and layer totals price the same (identical blocks)
         for stage in range(config.pp):
             device, node = per_device[stage]
             layer_ids = stage_layers[stage]
-            rows = tables[device.name][layer_ids]
+            rows = tables[node][layer_ids]
             total = rows.sum(axis=0).tolist()  # Python floats: the Estimate must serialise (JSON, YAML)
             sums.append(total)
             in_flight = pipeline.in_flight_microbatches(str(config.schedule), config.pp, stage, m, config.vpp) if config.pp > 1 else 1.0
-            recv_bytes = recv_buffer_bytes(self.code.pp_buffers, boundaries, tables[device.name][:, COL["out_bytes"]], stage,
+            recv_bytes = recv_buffer_bytes(self.code.pp_buffers, boundaries, tables[node][:, COL["out_bytes"]], stage,
                                            config.pp, m, config.seq_split)
             params = rows[:, COL["dense_params"]] + rows[:, COL["expert_params"]]
             trainable = rows[:, [COL["dense_params"], COL["expert_params"]]] - rows[:, [COL["frozen_params"]]] * [1, 0]
             first_gathered = rows[int(np.argmax(params > 0)), [COL["dense_params"], COL["expert_params"]]]
             last_reduced = trainable[int(np.argmax(trainable.sum(axis=1) > 0))]
-            key = (device.name, tuple(total), float(rows[-1, COL["out_bytes"]]), float(params.max()), in_flight, recv_bytes,
+            key = (node, tuple(total), float(rows[-1, COL["out_bytes"]]), float(params.max()), in_flight, recv_bytes,
                    tuple(first_gathered.tolist()), tuple(last_reduced.tolist()))
             if key not in priced:
                 priced[key] = self._stage_costs(config, device, node, *key[1:])
@@ -384,8 +382,10 @@ class Evaluator:
         p2p_s = (collective_time_s(Collective.P2P, last_out_bytes / config.seq_split, groups.pp, node, self.cluster.oversubscription)
                  if config.pp > 1 else 0.0)
         dense, expert, frozen = total[COL["dense_params"]], total[COL["expert_params"]], total[COL["frozen_params"]]
-        dp_s = dp_exposed_s(config, self.precision, node, groups, dense, expert, total[COL["fwd_s"]], total[COL["bwd_s"]],
-                           self.cluster.oversubscription, self.code.dp_sync, frozen, first_gathered, last_reduced)
+        shared = cp_shares_shard_links(groups)  # the windows are what the compute leaves beside a cp exchange on the links
+        dp_s = dp_exposed_s(config, self.precision, node, groups, dense, expert, total[COL["fwd_s"]] - shared * total[COL["cp_hidden_fwd_s"]],
+                            total[COL["bwd_s"]] - shared * total[COL["cp_hidden_bwd_s"]], self.cluster.oversubscription,
+                            self.code.dp_sync, frozen, first_gathered, last_reduced)
         expert_group = expert_data_group(config, node).size
         dense_shard, expert_shard = (config.shard_ranks, expert_group) if config.zero >= 1 else (1, 1)
         breakdown = memory_model.stage_memory(

@@ -22,12 +22,22 @@ from planner.op_kinds import VIEW_TARGETS
 from planner.parallel_overhead import blocking_collective_kind, sync_wait_s, tp_host_s
 
 class AttentionKernel(StrEnum):
-    """How the attention core runs: fused flash attention (scores never leave on-chip memory), or
-    unfused (QK^T and AV as batched GEMMs with the a*s*s score tensor written to device memory and
-    passed through scale/mask/softmax/dropout kernels, as in Megatron-LM before FlashAttention)."""
+    """How the attention core runs: fused flash attention (scores never leave on-chip memory) with the
+    device's own flash kernels (FlashAttention-2 on Ampere; cuDNN or FlashAttention-3 on Hopper, as
+    Transformer Engine and PyTorch's SDPA from torch 2.11 run there), or with FlashAttention-2's (the
+    flash-attn 2 package; PyTorch's SDPA on Hopper up to torch 2.10) at the device's
+    `flash2_attention_ratio` of the first; or unfused (QK^T and AV as batched GEMMs with
+    the a*s*s score tensor written to device memory and passed through scale/mask/softmax/dropout
+    kernels, as in Megatron-LM before FlashAttention)."""
 
     FLASH = "flash"
+    FLASH2 = "flash2"
     UNFUSED = "unfused"
+
+
+# The (forward, backward) work kinds of each fused attention kernel.
+_FUSED_ATTENTION_WORKS = {AttentionKernel.FLASH: (WorkKind.ATTENTION, WorkKind.ATTENTION_BWD),
+                          AttentionKernel.FLASH2: (WorkKind.FLASH2_ATTENTION, WorkKind.FLASH2_ATTENTION_BWD)}
 
 
 # Unfused attention, bytes of device-memory traffic per score element (b*a*s*s) in the forward:
@@ -81,10 +91,19 @@ class LayerCost:
     act_bytes: float
     temp_bytes: float = 0.0
     cp_fwd_comm_s: float = 0.0  # the forward's part of cp_comm_s
+    # (forward, backward with recompute) seconds of the context-parallel exchange hidden behind the
+    # layer's compute: its links are busy then, for whatever else would hide there (`planner.estimate`)
+    cp_hidden_s: tuple[float, float] = (0.0, 0.0)
 
     @property
     def total_s(self) -> float:
         return self.fwd_s + self.bwd_s + self.recompute_s + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s
+
+    def windows_s(self, beside_cp: bool) -> tuple[float, float]:
+        """(forward, backward with recompute) compute seconds that other traffic can hide in; `beside_cp`:
+        it shares the links of the context-parallel exchange, so only what that leaves."""
+        hidden_fwd_s, hidden_bwd_s = self.cp_hidden_s if beside_cp else (0.0, 0.0)
+        return max(0.0, self.fwd_s - hidden_fwd_s), max(0.0, self.bwd_s + self.recompute_s - hidden_bwd_s)
 
 
 @dataclass(frozen=True)
@@ -136,10 +155,11 @@ def _op_works(op: Op, ctx: LayerContext, split: int, input_bytes: float | None =
         fwd = [OpWork(WorkKind.MATMUL, flops, 0.0), OpWork(WorkKind.MEMORY, 0.0, UNFUSED_FWD_BYTES_PER_SCORE * scores)]
         bwd = [OpWork(WorkKind.MATMUL, 2 * flops, 0.0), OpWork(WorkKind.MEMORY, 0.0, UNFUSED_BWD_BYTES_PER_SCORE * scores)]
         return fwd, bwd
-    return _works(op, share, input_bytes, ctx.cp)
+    return _works(op, share, input_bytes, ctx.cp, ctx.attention)
 
 
-def _works(op: Op, share: float, input_bytes: float | None = None, cp: int = 1) -> tuple[list[OpWork], list[OpWork]]:
+def _works(op: Op, share: float, input_bytes: float | None = None, cp: int = 1,
+           attention: AttentionKernel = AttentionKernel.FLASH) -> tuple[list[OpWork], list[OpWork]]:
     """Forward and backward work of `share` of one op of the traced micro-batch.
 
     `input_bytes` is what the op reads (its producers' outputs); when unknown each input is taken
@@ -152,8 +172,9 @@ def _works(op: Op, share: float, input_bytes: float | None = None, cp: int = 1) 
     flops = op.fwd_flops * share
     if op.kind == OpKind.ATTENTION:
         head_flops = op.fwd_flops / (op.out_shape[0] * op.out_shape[1] * cp)
-        return ([OpWork(WorkKind.ATTENTION, flops, 0.0, unit_flops=head_flops)],
-                [OpWork(WorkKind.ATTENTION_BWD, 2 * flops, 0.0, unit_flops=2 * head_flops)])
+        fwd_kind, bwd_kind = _FUSED_ATTENTION_WORKS[attention]
+        return ([OpWork(fwd_kind, flops, 0.0, unit_flops=head_flops)],
+                [OpWork(bwd_kind, 2 * flops, 0.0, unit_flops=2 * head_flops)])
     if op.kind == OpKind.MATMUL or (flops > 0 and op.kind == OpKind.OTHER):
         io_bytes = op.out_bytes * share
         gemm = OpWork(WorkKind.MATMUL, flops, io_bytes)
@@ -214,11 +235,12 @@ def _activation_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:
                                bytes_per_element(base_dtype(ctx.dtype)))
     saved = (layer.saved_bytes[ctx.recompute] - saving) * ctx.batch_scale / ctx.cp
     # Score tensors and gathered keys and values are split by heads, so tp divides them with or
-    # without sequence parallelism.
+    # without sequence parallelism. Under cp a rank keeps 1/cp of the scores: its s/cp queries
+    # against all s keys (gathered), or its heads/cp over the whole sequence (all-to-all).
     by_heads = _gathered_kv_bytes(layer, ctx)
     if ctx.attention == AttentionKernel.UNFUSED and ctx.recompute == Recompute.NONE:
         by_heads += sum(UNFUSED_SAVED_BYTES_PER_SCORE * score_elements(op) for op in layer.ops
-                        if op.kind == OpKind.ATTENTION) * ctx.batch_scale / (ctx.cp * ctx.cp)
+                        if op.kind == OpKind.ATTENTION) * ctx.batch_scale / ctx.cp
     if tp == 1:
         return saved + by_heads
     if ctx.sequence_parallel or ctx.recompute == Recompute.FULL:
@@ -334,6 +356,10 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
     ep_bwd_s = ep_fwd_s if layer.bwd_work_fraction else 0.0
     cp_comm_s, ep_comm_s = cp_fwd_s + cp_bwd_s, ep_fwd_s + ep_bwd_s
     cp_fwd_comm_s = cp_fwd_s
+    busy_fwd_s, busy_bwd_s = cp_exposed_s(layer, ctx, 0.0, 0.0)  # the exchange's whole time
+    hidden_fwd_s = busy_fwd_s - cp_fwd_s
+    reruns_exchange = ctx.recompute in (Recompute.FULL, Recompute.SELECTIVE_OP)
+    hidden_bwd_s = (busy_bwd_s - cp_bwd_s + hidden_fwd_s * reruns_exchange) if layer.bwd_work_fraction else 0.0
     waited_at = blocking_collective_kind(layer, plan, ctx)
     if waited_at is not None:
         wait_fwd_s, wait_bwd_s = sync_wait_s(ctx, fwd_s, bwd_s)
@@ -360,6 +386,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         cp_comm_s=cp_comm_s,
         ep_comm_s=ep_comm_s,
         cp_fwd_comm_s=cp_fwd_comm_s,
+        cp_hidden_s=(hidden_fwd_s, hidden_bwd_s),
         act_bytes=_activation_bytes(layer, ctx, plan.tp),
         temp_bytes=_loss_temp_bytes(layer, plan, ctx),
     )

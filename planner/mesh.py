@@ -117,3 +117,9 @@ def slowest_node(nodes: list[NodeSpec]) -> NodeSpec:
     return NodeSpec(device=nodes[0].device, devices_per_node=per_node,
                     intra_link=slowest([node.intra_link for node in nodes]), nic=slowest([node.nic for node in nodes]),
                     host_mem_bytes=host_share * per_node)
+
+
+def cp_shares_shard_links(groups: MeshGroups) -> bool:
+    """Whether the context-parallel exchange and the data-parallel (ZeRO) traffic run over the same
+    links: both inside nodes (each device's NVLink or PCIe port) or both between nodes (its NIC)."""
+    return groups.cp.size > 1 and (groups.cp.num_nodes > 1) == (groups.shard.num_nodes > 1)

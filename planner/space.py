@@ -212,13 +212,16 @@ def recompute_options(constraints: dict, measured: tuple[Recompute, ...]) -> lis
 
 
 def zero_options(constraints: dict, dp_cp: int, pp: int) -> list[int]:
-    """The fixed ZeRO stage, else every stage that differs: none without data parallelism, and no
-    ZeRO-2 under pipelining, where it runs as ZeRO-1 (torch's pipeline stages accumulate the whole
-    gradients and reduce them once per step: `planner.state_cost.zero3_exposed_s`)."""
+    """The fixed ZeRO stage, else every stage that differs: no ZeRO-2 under pipelining, where it runs
+    as ZeRO-1 (torch's pipeline stages accumulate the whole gradients and reduce them once per step:
+    `planner.state_cost.zero3_exposed_s`). Without data parallelism only ZeRO-3 differs, and only
+    without pipelining: FSDP2 on one rank keeps the fp32 master alone and casts each layer to the
+    compute dtype as it gathers it, where replication keeps a whole working copy too; pipeline
+    stages keep their layers gathered anyway."""
     if "zero" in constraints:
         return [constraints["zero"]]
     if dp_cp == 1:
-        return [0]
+        return [0, 3] if pp == 1 else [0]
     return [0, 1, 3] if pp > 1 else [0, 1, 2, 3]
 
 

@@ -128,6 +128,30 @@ def test_attention_is_a_slower_matmul(kind, ratio):
     assert ATTENTION_BWD_EFFICIENCY_RATIO < ATTENTION_FWD_EFFICIENCY_RATIO < 1
 
 
+@pytest.mark.parametrize(("kind", "ratio", "device_fraction"), [
+    (WorkKind.FLASH2_ATTENTION, ATTENTION_FWD_EFFICIENCY_RATIO, 0.5),
+    (WorkKind.FLASH2_ATTENTION_BWD, ATTENTION_BWD_EFFICIENCY_RATIO, 0.25),
+])
+def test_flash2_attention_runs_at_the_devices_fraction_of_flash(kind, ratio, device_fraction):
+    # A device whose FlashAttention-2 reaches 0.5 of its flash forward and 0.25 of its backward:
+    # 1e11 / (1e15 * 0.9 * ratio * fraction). Where FlashAttention-2 is the flash kernel (the
+    # default (1, 1)), both price the same.
+    slower = dataclasses.replace(DEVICE, flash2_attention_ratio=(0.5, 0.25))
+    work = OpWork(kind, flops=1e11, bytes=1e6)
+    assert op_time_s(work, slower) == pytest.approx(1e11 / (1e15 * 0.9 * ratio * device_fraction) + LAUNCH_OVERHEAD_S)
+    flash = OpWork(WorkKind.ATTENTION if kind is WorkKind.FLASH2_ATTENTION else WorkKind.ATTENTION_BWD, 1e11, 1e6)
+    assert op_time_s(work, DEVICE) == op_time_s(flash, DEVICE) == op_time_s(flash, slower)
+
+
+def test_hopper_profiles_price_flash2_at_the_measured_fractions():
+    # FlashAttention-2 on H100: 329.5 / 631.8 TFLOP/s forward (tritonbench), 322 / 561 backward
+    # (FlashAttention-3 paper): 0.52 and 0.57 of the Hopper-native kernels. A100: its own kernel.
+    for name in ("h100-sxm", "h100-pcie", "h100-hbm2e", "h800", "h200"):
+        assert load_device(name).flash2_attention_ratio == (pytest.approx(329.5 / 631.8, abs=0.005),
+                                                            pytest.approx(322 / 561, abs=0.005))
+    assert load_device("a100-80g").flash2_attention_ratio == (1.0, 1.0)
+
+
 def test_memory_kind_is_bandwidth_bound():
     # 1e9 bytes at 2.5e12 * 0.8 = 2e12 B/s = 5e-4 s; its FLOPs do not count.
     assert op_time_s(OpWork(WorkKind.MEMORY, flops=1e13, bytes=1e9), DEVICE) == \

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from costmodel.comm import Collective, collective_time_s
-from costmodel.compute import peak_flops_per_s
+from costmodel.compute import (ATTENTION_BWD_EFFICIENCY_RATIO, ATTENTION_FWD_EFFICIENCY_RATIO, matmul_efficiency,
+                               peak_flops_per_s)
 from costmodel.memory import STATE_BYTES_PER_PARAM, Optimizer
 from costmodel.profile_loader import load_cluster
 from planner.api import evaluate
@@ -22,7 +23,7 @@ from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError
 from planner.estimate import COL, ZERO3_GATHERED_LAYERS, Evaluator
 from planner.mesh import axis_group, mesh_groups, stage_devices
-from planner.graph import LayerKind, Recompute
+from planner.graph import LayerKind, OpKind, Recompute
 from planner.layer_comm import overlapped_tp_comm_s
 from planner.layer_cost import AttentionKernel, op_sac_reruns_collectives
 from planner.loss_cost import LOSS_TEMP_INPUT_COPIES
@@ -131,6 +132,41 @@ def test_block_activations_match_korthikanti_table2(gpt22b, case, tp, sp, recomp
     config = ParallelConfig(dp=8 // tp, tp=tp, micro_batch=b, num_microbatches=1, recompute=recompute, sequence_parallel=sp)
     expected = sbh_units * KORTHIKANTI_SEQ * b * 6144
     assert _block_act_bytes(evaluator, config, recompute) == pytest.approx(expected, rel=0.10)
+
+
+@pytest.mark.parametrize("cp_comm", ["all_gather", "a2a"])
+def test_context_parallel_keeps_a_cp_th_of_the_unfused_scores(gpt350m, cp_comm):
+    # A block under unfused attention keeps 5 bytes per score (Korthikanti et al. Table 2's 5as/h);
+    # a cp rank scores its s/cp queries against all s keys, or its a/cp heads over the whole
+    # sequence: 1/cp of the a x s x s scores of each of the micro-batch's b sequences, beside what
+    # flash attention keeps.
+    b, s, a = 2, 256, 16
+    for cp in (1, 2, 4):
+        config = ParallelConfig(dp=8 // cp, cp=cp, micro_batch=b, num_microbatches=1)
+        kept = [_block_act_bytes(Evaluator(gpt350m, load_cluster("a100-80g:1x8"),
+                                           code=TrainingCode.of(attention=kernel, cp_comm=cp_comm)), config, Recompute.NONE)
+                for kernel in ("flash", "unfused")]
+        assert kept[1] - kept[0] == pytest.approx(5 * b * a * s * s / cp, rel=1e-9)
+
+
+def test_a_context_parallel_exchange_and_zero3_traffic_share_the_nic():
+    # One GPU per node: the cp ring (keys and values gathered in the forward, again with their
+    # gradients in the backward: 3 all-gathers of 2 x the attention output per layer) and ZeRO-3's
+    # traffic (2 B weights gathered in the forward and the backward, 4 B gradients reduce-scattered)
+    # all go through each device's one NIC. Each hides behind compute, but not both at once: the
+    # step lasts at least the NIC's busy time.
+    graph = trace("gpt3-1.3b", seq_len=16384)
+    cluster = load_cluster("h100-sxm:4x1")
+    node = cluster.groups[0].node
+    config = ParallelConfig(dp=1, cp=4, zero=3, micro_batch=1, num_microbatches=1)
+    groups = mesh_groups(config, 1)
+    busy_s = 0.0
+    for layer in graph.layers:
+        busy_s += (2 * collective_time_s(Collective.ALL_GATHER, 2 * layer.params, groups.shard, node, 1.0)
+                   + collective_time_s(Collective.REDUCE_SCATTER, 4 * layer.params, groups.shard, node, 1.0))
+        busy_s += sum(3 * collective_time_s(Collective.ALL_GATHER, 2 * op.out_bytes, groups.cp, node, 1.0)
+                      for op in layer.ops if op.kind == OpKind.ATTENTION)
+    assert evaluate(graph, cluster, config, global_batch=1).step_time_s >= busy_s
 
 
 @pytest.mark.parametrize("tp,recompute,extra_kv_fraction", [
@@ -383,6 +419,49 @@ def test_blocking_zero3_fetches_stall_compute_at_the_implementation_rate(gpt350m
         assert exposed["prefetch"] == pytest.approx(copies_s, rel=1e-9)
         expected_s = [fetches * gpt350m.layers[i].params * 2 / BLOCKING_FETCH_BYTES_PER_S for i in blocks]
         assert exposed["blocking"] == pytest.approx(expected_s, rel=1e-9)
+
+
+def test_flash2_attention_slows_only_attention_and_only_on_hopper(gpt350m):
+    # FlashAttention-2 is the A100's flash kernel: the same estimate. On an H100 (one device, so
+    # nothing overlaps) each micro-batch's attention op of F forward FLOPs takes
+    # F / (peak x eff(F) x 0.86) x (1 / 0.52 - 1) longer in the forward and
+    # 2F / (peak x eff(2F) x 0.74) x (1 / 0.57 - 1) in the backward; memory does not change.
+    config = ParallelConfig(dp=1, micro_batch=4, num_microbatches=2)
+    a100 = [evaluate(gpt350m, "a100-80g:1x1", config, global_batch=8, attention=kernel) for kernel in ("flash", "flash2")]
+    assert a100[0].step_time_s == a100[1].step_time_s
+    flash, flash2 = (evaluate(gpt350m, "h100-sxm:1x1", config, global_batch=8, attention=kernel) for kernel in ("flash", "flash2"))
+    device = load_cluster("h100-sxm:1x1").groups[0].node.device
+    peak = peak_flops_per_s(device, "bf16")
+    fwd_ratio, bwd_ratio = device.flash2_attention_ratio
+    extra_s = 0.0
+    for op in (op for layer in gpt350m.layers for op in layer.ops if op.kind == OpKind.ATTENTION):
+        flops = op.fwd_flops * config.micro_batch / gpt350m.micro_batch
+        extra_s += (flops / (peak * matmul_efficiency(device, flops) * ATTENTION_FWD_EFFICIENCY_RATIO) * (1 / fwd_ratio - 1)
+                    + 2 * flops / (peak * matmul_efficiency(device, 2 * flops) * ATTENTION_BWD_EFFICIENCY_RATIO)
+                    * (1 / bwd_ratio - 1))
+    assert extra_s > 0
+    assert flash2.step_time_s - flash.step_time_s == pytest.approx(config.num_microbatches * extra_s, rel=1e-9)
+    assert flash2.peak_memory_bytes == flash.peak_memory_bytes
+
+
+def test_node_groups_of_one_device_price_each_stage_on_its_own_node(gpt350m):
+    # Two groups of H100s, 8 and 4 to a node: with tp 8 each stage prices its layers as a cluster of
+    # only its own nodes does (the 4-GPU nodes' tp crosses the NIC), whichever group comes first.
+    eight = {"device": "h100-sxm", "nodes": 2}
+    four = {"device": "h100-sxm", "nodes": 4, "devices_per_node": 4}
+    config = ParallelConfig(dp=2, tp=8, pp=2, micro_batch=1, num_microbatches=4)
+    own = {}
+    for group in (eight, four):
+        alone = Evaluator(gpt350m, load_cluster({"name": "alone", "groups": [group, group]}))
+        device, node = alone.stage_devices(2)[0]
+        own[node.devices_per_node] = alone.layer_table(config, device, node, alone.policies(config))
+    assert not (own[8] == own[4]).all()
+    for groups in ([eight, four], [four, eight]):
+        mixed = Evaluator(gpt350m, load_cluster({"name": "mixed", "groups": groups}))
+        kinds = mixed.device_types(2)
+        assert [node.devices_per_node for _, node in kinds] == [group.get("devices_per_node", 8) for group in groups]
+        for device, node in kinds:
+            assert (mixed.layer_table(config, device, node, mixed.policies(config)) == own[node.devices_per_node]).all()
 
 
 def test_unknown_zero3_fetch_is_one_line(gpt350m):

@@ -19,7 +19,7 @@ MIB = 2**20
 REQUIRED_DEVICES = {"v100-32g", "a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h800", "h200", "b200", "gb200",
                     "mi250x", "mi300x", "l4", "l40s", "a10g", "rtx-4090", "cpu"}
 DEVICE_NUMBER_KEYS = {"peak_flops_per_s", "mem_bytes", "mem_bw_bytes_per_s", "matmul_efficiency",
-                      "mem_bw_efficiency", "node", "nic", "price_per_hour", "power_w"}
+                      "mem_bw_efficiency", "flash2_attention_ratio", "node", "nic", "price_per_hour", "power_w"}
 LINK_NUMBER_KEYS = {"bw_bytes_per_s", "latency_s", "efficiency"}
 
 # A valid device profile with inline links; the validation cases below break one field each.
@@ -245,6 +245,9 @@ DEVICE_ERRORS = [
     ({"node__host_mem_bytes": 0}, "node.host_mem_bytes", "leave the key out"),
     ({"host_mem_bytes": 1.0e12}, "host_mem_bytes", "node.host_mem_bytes"),
     ({"comm_overlaps_compute": "no"}, "comm_overlaps_compute", "true or false"),
+    ({"flash2_attention_ratio": 0.5}, "flash2_attention_ratio", "mapping {fwd: F, bwd: F}"),
+    ({"flash2_attention_ratio": {"fwd": 0.5}}, "flash2_attention_ratio.bwd", "missing required key"),
+    ({"flash2_attention_ratio": {"fwd": 0.5, "bwd": 1.5}}, "flash2_attention_ratio.bwd", "(0, 1]"),
     ({"nic__collective_factors": {"allgather": 2.0}}, "nic.collective_factors.allgather", "did you mean 'all_gather'"),
     ({"nic__collective_factors": {"all_gather": 0}}, "nic.collective_factors.all_gather", "positive"),
     ({"nic__collective_factors": [2.0]}, "nic.collective_factors", "mapping of collective to factor"),

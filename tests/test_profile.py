@@ -132,6 +132,9 @@ def test_measured_op_table_overrides_the_roofline(tmp_path):
     # midpoint, the geometric mean of the two rates.
     assert op_time_s(OpWork(WorkKind.ATTENTION, 1e8, 0.0), device, "fp32", table) == pytest.approx(2e-3)
     assert op_time_s(OpWork(WorkKind.ATTENTION_BWD, 2e8, 0.0), device, "fp32", table) == pytest.approx(5e-3)
+    # The table timed the machine's attention kernel: FlashAttention-2 works are priced by it too.
+    assert op_time_s(OpWork(WorkKind.FLASH2_ATTENTION, 1e8, 0.0), device, "fp32", table) == pytest.approx(2e-3)
+    assert op_time_s(OpWork(WorkKind.FLASH2_ATTENTION_BWD, 2e8, 0.0), device, "fp32", table) == pytest.approx(5e-3)
     middle = 10 ** 8.5
     assert op_time_s(OpWork(WorkKind.ATTENTION, middle, 0.0), device, "fp32", table) == pytest.approx(middle / (50e9 * 100e9) ** 0.5)
     # Eight heads of the smaller measured size run at that size's rate, not at the rate of their total.

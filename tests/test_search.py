@@ -9,6 +9,7 @@ promises (its lower bound is sound and it stops only when the bound cannot beat 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from itertools import combinations
 
@@ -127,6 +128,21 @@ def test_search_matches_brute_force(model_ref, model, seq_len, cluster, global_b
         assert plan.estimate.step_time_s == pytest.approx(best_s, rel=REL_TOL)
     if expect_pruning:
         assert plan.search["candidates_evaluated"] < priced
+
+
+@pytest.mark.parametrize("pp, vpp, microbatches, offload", [(2, 1, 1, True), (2, 1, 1, False), (2, 1, 4, False),
+                                                             (4, 2, 8, False), (4, 1, 2, True)])
+def test_memory_floor_of_pipelined_zero3_is_below_the_average_stage(pp, vpp, microbatches, offload):
+    # Pipelined ZeRO-3 stages hold every layer gathered only at a backward's end, with one
+    # micro-batch fewer in flight: the floor must not count the gathered weights beside all the
+    # activations (llama2-13b, pp 2, one micro-batch, offloaded: 43 GiB floor, a 36 GiB peak).
+    graph = planner.trace("gpt3-1.3b", seq_len=2048)
+    evaluator = Evaluator(graph, load_cluster("a100-40g:1x8"))
+    config = ParallelConfig(dp=8 // pp, pp=pp, vpp=vpp, zero=3, micro_batch=2, num_microbatches=microbatches,
+                            recompute=Recompute.NONE, offload_optimizer=offload,
+                            schedule=Schedule.INTERLEAVED if vpp > 1 else Schedule.ONE_F_ONE_B)
+    stages = evaluator.estimate(config, 2 * microbatches * 8 // pp).stages
+    assert memory_floor_bytes(evaluator, config) <= sum(stage.memory["total_bytes"] for stage in stages) / pp
 
 
 @given(layer_s=st.lists(st.sampled_from([0.0, 0.5, 1.0, 1.5, 3.0, 7.25]), min_size=1, max_size=9), data=st.data())
@@ -433,6 +449,19 @@ def test_offloads_the_optimizer_only_when_nothing_fits_on_the_device():
     with pytest.raises(PlannerError) as error:
         planner.plan("gpt3-2.7b", "a10g:1x1", global_batch=8, seq_len=1024, allow_offload=False)
     assert error.value.kind == PlannerErrorKind.INSUFFICIENT_MEMORY
+
+
+def test_one_device_tries_zero3_which_keeps_no_working_copy(tmp_path):
+    # A 2.2e9-parameter llama on one 40 GB A100. Replicated, the device keeps a bf16 working copy
+    # beside FSDP2's fp32 master, fp32 gradients and Adam's two moments: 2 + 4 + 4 + 8 = 18 B per
+    # parameter, 40 GB, which does not fit. ZeRO-3 on one rank keeps the master alone and casts a
+    # layer at a time: 16 B, which fits without offloading the optimizer.
+    spec = tmp_path / "llama-2b.yaml"
+    spec.write_text("arch: llama\nlayers: 26\nhidden: 2560\nheads: 20\nffn_hidden: 6912\nvocab: 32000\n")
+    plan = planner.plan(str(spec), "a100-40g:1x1", global_batch=8, seq_len=2048)
+    assert (plan.config.zero, plan.config.offload_optimizer, plan.estimate.fits) == (3, False, True)
+    replicated = planner.evaluate(str(spec), "a100-40g:1x1", dataclasses.replace(plan.config, zero=0), global_batch=8, seq_len=2048)
+    assert not replicated.fits
 
 
 @pytest.mark.parametrize("host_gb, fits", [(64, True), (32, False)])
