@@ -11,6 +11,7 @@ import functools
 import hashlib
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 
 
 class Dtype(StrEnum):
@@ -177,8 +178,10 @@ class Cluster:
     @functools.cached_property
     def fingerprint(self) -> str:
         """12 hex digits that change with any priced field of the hardware (groups, devices, links,
-        oversubscription), not with names, descriptions or sources (a sweep's rows record it)."""
-        return hashlib.sha256(repr((_priced_fields(self.groups), self.oversubscription)).encode()).hexdigest()[:12]
+        oversubscription) and with the measured op tables its devices name, not with names,
+        descriptions, sources or fields added to the schema at their defaults (a sweep's rows record it)."""
+        tables = sorted({_file_digest(path) for g in self.groups for path in g.node.device.op_tables.values()})
+        return hashlib.sha256(repr((_priced_fields(self.groups), self.oversubscription, tables)).encode()).hexdigest()[:12]
 
     @property
     def homogeneous(self) -> bool:
@@ -198,11 +201,21 @@ class Cluster:
 
 
 def _priced_fields(value):
-    """`value` as nested tuples of its dataclasses' compared fields (those that change a price)."""
+    """`value` as nested tuples of its dataclasses' compared fields (those that change a price) that
+    differ from their defaults."""
     if dataclasses.is_dataclass(value):
-        return tuple((f.name, _priced_fields(getattr(value, f.name))) for f in dataclasses.fields(value) if f.compare)
+        return tuple((f.name, _priced_fields(getattr(value, f.name))) for f in dataclasses.fields(value)
+                     if f.compare and getattr(value, f.name) != f.default)
     if isinstance(value, (tuple, list)):
         return tuple(_priced_fields(item) for item in value)
     if isinstance(value, dict):
         return tuple(sorted((str(key), _priced_fields(item)) for key, item in value.items()))
     return value
+
+
+def _file_digest(path: str) -> str:
+    """SHA-256 of a file's bytes ("missing" when it cannot be read)."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return "missing"

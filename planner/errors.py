@@ -41,6 +41,10 @@ def invalid(message: str) -> PlannerError:
     return PlannerError(PlannerErrorKind.INVALID_INPUT, message)
 
 
+def unsupported(message: str) -> PlannerError:
+    return PlannerError(PlannerErrorKind.UNSUPPORTED_MODEL, message)
+
+
 def check_positive_int(name: str, value) -> None:
     """PlannerError naming `name` unless `value` is a positive int (bools and numeric text are not)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

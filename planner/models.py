@@ -101,9 +101,16 @@ def _spec_source(spec: ModelSpec, example_inputs: Any) -> ModelSource:
     if example_inputs is not None:
         raise invalid(f"example_inputs: model `{spec.name}` is a built-in or spec model whose "
                       f"inputs are known; fix: pass no example inputs")
+    def build(seq_len: int | None = None) -> nn.Module:
+        try:
+            return build_model(spec, seq_len)
+        except (RuntimeError, TypeError, OverflowError, ValueError) as exc:  # sizes torch cannot allocate, even on meta
+            raise invalid(f"model `{spec.name}`: torch cannot build it ({_describe(exc)}); fix: check the spec's sizes "
+                          f"(layers, hidden, heads, vocab, ...) for a value too large") from None
+
     return ModelSource(
         name=spec.name,
-        build=functools.partial(build_model, spec),
+        build=build,
         example_inputs=functools.partial(zoo_example_inputs, spec),
         dims=spec.dims,
         default_seq_len=spec.default_seq_len,

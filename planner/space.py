@@ -11,7 +11,6 @@ ep divides the experts and dp*cp; dp is what is left. Micro-batches divide the p
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from costmodel.hardware import Cluster
@@ -54,9 +53,20 @@ class Space:
 
 
 def divisors(n: int) -> list[int]:
-    """The divisors of `n`, ascending, in O(sqrt(n)) (a shorthand cluster may name millions of devices)."""
-    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return low + [n // d for d in reversed(low) if d * d != n]
+    """The divisors of `n`, ascending, from its prime factors (a shorthand cluster may name 10^17
+    devices: trial division stops once what is left is 1 or prime)."""
+    found = [1]
+    prime = 2
+    while n > 1:
+        if prime * prime > n:
+            prime = n  # what is left is prime
+        power = 0
+        while n % prime == 0:
+            n //= prime
+            power += 1
+        found = [d * prime**k for d in found for k in range(power + 1)]
+        prime += 1 if prime == 2 else 2
+    return sorted(found)
 
 
 def _fixed(constraints: dict, key: str, options: list[int], space: Space, label: str, where: str = "") -> list[int]:

@@ -177,6 +177,9 @@ class _BlockTracer(fx.Tracer):
     def __init__(self, grouping: Grouping):
         super().__init__()
         self.grouping = grouping
+        # A buffer the forward slices or reduces (a mask or position table built for a longer
+        # context) must stay a graph input, not a folded constant, to be counted whole.
+        self.proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         container = self.grouping.container

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import re
 import socket
 import tempfile
 from pathlib import Path
@@ -29,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import planner
 from costmodel.profile_files import PROFILES_DIR
 from costmodel.profile_loader import load_cluster
-from planner.apply import AppliedPlan, check_applicable
+from planner.apply import AppliedPlan, apply_note, check_applicable
 from planner.apply.context_parallel import token_positions
 from planner.apply.expert_parallel import check_expert_mesh
 from planner.apply.tensor_parallel import tensor_parallel_plan
@@ -83,12 +84,16 @@ SPECS = {
     "moe": f"arch: moe\nlayers: 2\nhidden: 128\nheads: 4\nkv_heads: 2\nffn_hidden: 256\nvocab: {VOCAB}\n"
            f"max_seq_len: {SEQ_LEN}\nexperts: 4\ntop_k: 2\nmoe_ffn_hidden: 128\nshared_experts: 1\n",
 }
+# Models trained with modules frozen (requires_grad=False), as fine-tuning runs freeze them: spec
+# name -> (the spec it copies, the frozen modules).
+FROZEN = {"gpt-frozen": ("gpt", ("embed", "layers.0")),
+          "moe-frozen-experts": ("moe", ("layers.0.mlp.experts", "layers.1.mlp.experts"))}
 
 
 @pytest.fixture(scope="module")
 def spec_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("specs")
-    for name, text in SPECS.items():
+    for name, text in {**SPECS, **{name: SPECS[copied] for name, (copied, _) in FROZEN.items()}}.items():
         (root / f"{name}.yaml").write_text(text)
     return root
 
@@ -96,6 +101,8 @@ def spec_dir(tmp_path_factory) -> Path:
 def _build(spec_path: str) -> torch.nn.Module:
     torch.manual_seed(SEED)
     model = resolve_model(spec_path).build(seq_len=SEQ_LEN)
+    for fqn in FROZEN.get(Path(spec_path).stem, ("", ()))[1]:
+        model.get_submodule(fqn).requires_grad_(False)
     if spec_path not in LOGITS_MODELS and any(model.head.weight is p for p in model.embed.parameters()):
         # Tied to the head, nn.Embedding's N(0, 1) rows make each token's own logit dominate, and the
         # zoo's loss targets the input tokens: the loss starts near 0 and nothing trains. GPT-2's
@@ -297,8 +304,9 @@ def _memory_pressure_plan(spec: Path, tmp: Path) -> Plan:
 
 @pytest.fixture(scope="module")
 def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
-    gpt, mixed, llama, moe, tied, tied_odd, mqa = (
-        spec_dir / f"{name}.yaml" for name in ("gpt", "gpt-mixed", "llama", "moe", "gpt-tied", "gpt-tied-odd", "llama-mqa"))
+    gpt, mixed, llama, moe, tied, tied_odd, mqa, gpt_frozen, moe_frozen = (
+        spec_dir / f"{name}.yaml" for name in ("gpt", "gpt-mixed", "llama", "moe", "gpt-tied", "gpt-tied-odd", "llama-mqa",
+                                               "gpt-frozen", "moe-frozen-experts"))
     sp_plan = _plan(gpt, "cpu:1x2", tp=2, pp=1)
     mqa_plan = _plan(mqa, "cpu:1x2", tp=2, pp=1)  # key/value projections colwise, gathered
     all_blocks = [f"layers.{i}" for i in range(4)]
@@ -340,6 +348,9 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("moe_ep_offload", _plan(moe, "cpu:1x2", dp=2, ep=2, tp=1, pp=1, zero=2, offload_optimizer=True), moe),
         ("llama_selective_op", _plan(llama, "cpu:1x2", dp=2, tp=1, pp=1, recompute="selective_op"), llama),
         ("dp_offload", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=2, offload_optimizer=True), gpt),
+        ("frozen_tp", _plan(gpt_frozen, "cpu:1x2", tp=2, pp=1), gpt_frozen),
+        ("frozen_experts_dp", _plan(moe_frozen, "cpu:1x2", dp=2, ep=1, tp=1, pp=1, zero=0), moe_frozen),
+        ("frozen_experts_ep", _plan(moe_frozen, "cpu:1x2", dp=2, ep=2, tp=1, pp=1, zero=0), moe_frozen),
     ]
     four_rank = [
         ("dp_x_tp", _plan(gpt, "cpu:1x4", dp=2, tp=2, pp=1, zero=2), gpt),
@@ -447,6 +458,26 @@ def test_zero3_under_zero_bubble_fails_before_process_group(spec_dir, monkeypatc
     with pytest.raises(PlannerError, match=r"zero=3 with schedule=zb: .*use zero 0, 1 or 2, or another schedule$"):
         plan.apply(_build(str(spec_dir / "gpt.yaml")))
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("factory, pp, message", [
+    ("root_residual_lm", 2, r"its forward does more around layers\.0 \(a residual"),
+    ("root_parameter_lm", 2, r"parameter 'positions' sits outside its units"),
+])
+def test_pipelining_refuses_a_model_its_stages_cannot_reproduce(monkeypatch, factory, pp, message):
+    # Pipeline stages run the model's units in order, each on the previous one's output: a residual
+    # in the root's forward, or a parameter the root holds itself, would be lost (another model
+    # trained, silently). The planner's note says so and Plan.apply refuses before any process-group
+    # work; without pipelining the whole model runs as written.
+    model = f"tests.fixtures.custom_models:{factory}"
+    pipelined = planner.plan(model, "cpu:1x2", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32", pp=pp, tp=1)
+    assert re.search(message, apply_note(pipelined, model))  # what `paraplan plan` notes
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(PlannerError, match=message):
+        pipelined.apply(resolve_model(model).build(seq_len=SEQ_LEN), loss_fn=_logits_loss)
+    assert not dist.is_initialized()
+    whole = planner.plan(model, "cpu:1x2", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32", pp=1, dp=2)
+    check_applicable(whole, resolve_model(model).build(seq_len=SEQ_LEN))
 
 
 def test_recompute_exactly_the_planned_layers(trained):
@@ -628,6 +659,25 @@ def test_expert_parallel_trains_like_data_parallel(trained, case, reference_case
     held = experts // (plan.config.tp * plan.config.pp)
     if plan.config.zero == reference_plan.config.zero:
         assert max(reference["local_numel"]) - max(result["local_numel"]) == held - held // plan.config.ep
+
+
+def test_frozen_modules_stay_frozen_under_tensor_and_expert_parallelism(trained):
+    # Tensor and expert parallelism re-register the parameters they split or replicate (sequence-
+    # parallel norms, expert weights) as new DTensor parameters: those frozen must stay frozen. The
+    # frozen embedding and first block keep their values, as in one process.
+    _check(trained["frozen_tp"])
+    initial = dict(_build(str(trained["frozen_tp"][1])).named_parameters())
+    for name in (name for name, p in initial.items() if not p.requires_grad):
+        torch.testing.assert_close(trained["frozen_tp"][2]["params"][name], initial[name], atol=0, rtol=0, msg=name)
+    # Frozen experts split over ep=2 train as over ep=1 (each data-parallel rank fills its own expert
+    # capacity: `test_expert_parallel_trains_like_data_parallel`) and keep their values.
+    frozen_ep, frozen_dp = trained["frozen_experts_ep"][2], trained["frozen_experts_dp"][2]
+    initial = dict(_build(str(trained["frozen_experts_ep"][1])).named_parameters())
+    assert frozen_ep["losses"] == pytest.approx(frozen_dp["losses"], abs=TOLERANCE)
+    for name, value in frozen_dp["params"].items():
+        torch.testing.assert_close(frozen_ep["params"][name], value, atol=TOLERANCE, rtol=0, msg=name)
+        if ".experts." in name:
+            torch.testing.assert_close(frozen_ep["params"][name], initial[name], atol=0, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("case", ["cp", "llama_cp", "llama_cp_x_tp", "pp_x_cp"])

@@ -353,6 +353,7 @@ def bad_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
     (root / "cluster.yaml").write_text("name: x\ngroups: [1, 2\n")
     (root / "typo.yaml").write_text("arch: gpt\nlayers: 2\nhidden: 64\nhaeds: 4\nvocab: 128\n")
+    (root / "huge.yaml").write_text("arch: gpt\nlayers: 2\nhidden: 64\nheads: 4\nvocab: 100000000000000000000000\n")
     (root / "truncated.json").write_text('{"schema_version": 1, "model": ')
     fields = {"schema_version": 1, "model": "m", "cluster": "c", "global_batch": 32, "seq_len": 128, "dtype": "bf16", "config": {},
               "step_time_s": 1.0, "tokens_per_s": 1.0, "tflops_per_gpu": 1.0, "mfu": 0.5, "peak_memory_bytes": 1.0, "fits": True,
@@ -378,6 +379,8 @@ BAD_INPUT = [
                  "stages needs pp > 1", id="virtual stages without a pipeline"),
     pytest.param(["evaluate", "--model", "{bad}/typo.yaml", "--seq-len", "16", "--cluster", "a100-80g:1x8", "--global-batch", "8",
                   "--tp", "1", "--pp", "1"], "did you mean `heads`", id="spec file with a typo key"),
+    pytest.param(["inspect", "--model", "{bad}/huge.yaml", "--seq-len", "16"], "torch cannot build it",
+                 id="spec size beyond 64 bits"),
     pytest.param(["hardware", "h100-sxn"], "h100-sxn", id="unknown hardware name"),
     pytest.param(["evaluate", *RUN_ARGS, "--tp", "8", "--pp", "1"], "tp=8: must divide the 12 attention heads; fix: use tp 1 or 2 or 4",
                  id="tp not dividing the heads names the tp that do"),

@@ -19,6 +19,7 @@ import planner
 from costmodel import profile as profile_module
 from costmodel.compute import OpWork, WorkKind, op_time_s
 from costmodel.errors import ProfileError
+from costmodel.hardware import _priced_fields
 from costmodel.op_table import OpTable
 from costmodel.profile import Measurements, run_profile, write_profile
 from costmodel.profile_files import list_devices, profile_kind
@@ -294,6 +295,22 @@ def test_op_tables_on_the_profiles_path_are_not_devices(tmp_path, monkeypatch):
     monkeypatch.setenv("PARAPLAN_PROFILES_PATH", str(tmp_path / "roots"))
     assert "box-device" in list_devices() and not [name for name in list_devices() if "-ops-" in name]
     assert set(load_device("box-device").op_tables) == {"fp32", "bf16"}
+
+
+def test_the_cluster_fingerprint_follows_the_op_tables_contents_and_omits_default_fields(tmp_path):
+    # A sweep resumes into a row only while its hardware's fingerprint holds: a re-measured op table
+    # (the device file unchanged) prices differently, so it must change it. Fields at their defaults
+    # are left out, so a field added to the schema later keeps existing results resumable.
+    written = write_profile(tmp_path / "box.yaml", _measurements(), load_device("cpu"))
+    cluster = load_cluster(str(tmp_path / "box.yaml"))
+    before = cluster.fingerprint
+    table = next(path for path in written if "-ops-" in path.name)
+    data = json.loads(table.read_text())
+    data["loss_bytes_per_s"] *= 2
+    table.write_text(json.dumps(data))
+    assert dataclasses.replace(cluster).fingerprint != before
+    assert "flash2_attention_ratio" not in repr(_priced_fields(load_device("a100-80g")))
+    assert "flash2_attention_ratio" in repr(_priced_fields(load_device("h100-sxm")))
 
 
 def test_a_device_file_with_a_wrong_key_is_read_as_a_device(tmp_path):

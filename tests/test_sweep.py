@@ -228,6 +228,20 @@ def test_results_round_trip_and_a_partial_last_line_is_cut(tmp_path, suffix, ref
     assert read_results(path) == reference[:4]
 
 
+@pytest.mark.parametrize("change, message", [({"tokens_per_s": None}, "tokens_per_s is empty in a row of status ok"),
+                                             ({"status": "done"}, "status='done': expected one of ok, infeasible")])
+def test_a_row_missing_what_its_status_needs_is_damage_named_by_line(tmp_path, change, message):
+    # A plan's row without its throughput would break `paraplan report`, and a row of an unknown
+    # status would be counted nowhere: both are named, with their line, as damage to fix.
+    path = tmp_path / "results.jsonl"
+    row = {**dict.fromkeys(COLUMNS), "model": "gpt3-125m", "cluster": "a100-80g:1x8", "global_batch": 32, "seq_len": 128,
+           "settings": "dtype=bf16", "device": "a100-80g", "devices": 8, "status": "ok", "config": "dp8", "step_time_s": 1.0,
+           "tokens_per_s": 4096.0, "mfu": 0.5, "peak_memory_bytes": 1.0}
+    path.write_text(json.dumps(row) + "\n" + json.dumps({**row, **change}) + "\n")
+    with pytest.raises(PlannerError, match=rf"results.jsonl:2: {re.escape(message)}.*fix or remove that line$"):
+        read_results(path)
+
+
 @pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
 def test_a_file_from_before_the_added_columns_reads_and_resumes_with_them(tmp_path, suffix, reference):
     # A results file written before `dp_replicate`, `host_bytes`, `fingerprint` and `notes` existed: its rows
@@ -319,6 +333,9 @@ def test_rerun_plans_only_missing_points_and_matches_an_uninterrupted_run(tmp_pa
     assert sweep(GRID, out, workers=1).planned == 0
     with pytest.raises(PlannerError, match="planned with 'dtype=bf16 attention=flash', this sweep uses 'dtype=fp16"):
         sweep({**GRID, "dtype": "fp16"}, out, workers=1)
+    # Other points with other settings would join rows a report then compares as planned alike.
+    with pytest.raises(PlannerError, match="planned with 'dtype=bf16 attention=flash', this sweep uses 'dtype=fp16"):
+        sweep({**GRID, "devices": ["a100-40g"], "dtype": "fp16"}, out, workers=1)
 
 
 @pytest.mark.parametrize("edited", ["groups:\n  - {device: a100-80g, nodes: 2}\n",
@@ -334,7 +351,7 @@ def test_rows_of_a_cluster_file_edited_since_are_refused(tmp_path, edited):
     cluster.write_text("name: renamed\ndescription: the same node\ngroups:\n  - {device: a100-80g, nodes: 1}\n")
     assert sweep(grid, out, workers=1).planned == 0
     cluster.write_text(edited)
-    with pytest.raises(PlannerError, match=r"was planned from other files \(fingerprint [0-9a-f]{12}, now [0-9a-f]{12}"):
+    with pytest.raises(PlannerError, match=r"was planned from other hardware or model data \(fingerprint [0-9a-f]{12}, now [0-9a-f]{12}"):
         sweep(grid, out, workers=1)
 
 
@@ -346,7 +363,7 @@ def test_rows_of_a_model_spec_edited_since_are_refused(tmp_path):
     out = tmp_path / "results.jsonl"
     assert sweep(grid, out, workers=1).planned == 1
     spec.write_text("arch: gpt\nlayers: 4\nhidden: 64\nheads: 4\nvocab: 128\nmax_seq_len: 128\n")
-    with pytest.raises(PlannerError, match="its cluster, device or model spec file changed since"):
+    with pytest.raises(PlannerError, match="its cluster, device, op-table or model spec file changed since"):
         sweep(grid, out, workers=1)
 
 
@@ -407,6 +424,27 @@ def test_a_signalled_sweep_resumes_to_the_uninterrupted_rows(tmp_path, reference
     else:
         assert sweep(GRID, out, workers=int(workers)).planned == 6 - len(stopped)
     assert_same_rows(comparable(read_results(out)), comparable(reference))
+
+
+def test_workers_end_with_a_sweep_killed_outright(tmp_path):
+    """SIGKILL (the OOM killer) gives the parent no chance to stop its pool: the workers, which
+    ignore the stop signals, notice their parent is gone and end instead of holding its output open."""
+    out = tmp_path / "results.csv"
+    command = [sys.executable, str(REPO / "cli.py"), "sweep", *FLAGS, "--out", str(out), "--workers", "2"]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not out.exists() or len(read_results(out)) < 1):
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+
+    def left() -> list[str]:
+        return subprocess.run(["pgrep", "-s", str(process.pid)], capture_output=True, text=True).stdout.split()
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and left():
+        time.sleep(0.2)
+    assert left() == []
 
 
 # --- executors ---------------------------------------------------------------------------------

@@ -266,6 +266,14 @@ def test_layers_own_the_buffers_they_read():
         b.numel() * (4 if b.is_floating_point() else b.element_size()) for b in model.buffers())
 
 
+def test_a_buffer_the_forward_slices_counts_whole():
+    # Each block holds a 1024 x 1024 fp32 table and reads 32 x 32 of it: the device holds all
+    # 4 MiB, which fx must not fold into the small slice it computes.
+    graph = trace(f"{FIXTURES}:table_lm", seq_len=32)
+    assert graph.trace_method == "fx"
+    assert [layer.buffer_bytes for layer in graph.layers] == [0, 1024 * 1024 * 4, 1024 * 1024 * 4, 0]
+
+
 def test_resnet_traces_with_fx_and_counts_convolutions():
     graph = trace(f"{FIXTURES}:resnet_factory")
     assert graph.trace_method == "fx" and graph.notes == ()

@@ -49,12 +49,12 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from planner.apply.context_parallel import apply_context_parallel, token_positions
 from planner.apply.data_parallel import apply_data_parallel, data_parallel_mesh, mixed_precision_policy
 from planner.apply.expert_parallel import apply_expert_parallel, check_expert_mesh, expert_mesh
-from planner.apply.pipeline import StageModule, build_schedule, check_schedule, chunk_units
+from planner.apply.pipeline import StageModule, build_schedule, check_runs_in_order, check_schedule, chunk_units
 from planner.apply.recompute import apply_recompute
-from planner.apply.tensor_parallel import TensorParallelPlan, retie, shared_parameters, tensor_parallel_plan, unsupported
+from planner.apply.tensor_parallel import TensorParallelPlan, retie, shared_parameters, tensor_parallel_plan
 from planner.apply.tied import TiedCopy, sum_tied_gradients, tie_across_stages
 from planner.apply.validate import ModelMatch, check_world_size, match_model, world_size
-from planner.errors import PlannerError, invalid
+from planner.errors import PlannerError, invalid, unsupported
 from planner.graph import Recompute
 from planner.result import Plan
 from planner.training_code import TrainingCode
@@ -195,6 +195,17 @@ def language_model_loss(loss_module: nn.Module) -> Callable:
     return loss_fn
 
 
+@contextlib.contextmanager
+def _frozen_kept(module: nn.Module) -> Iterator[None]:
+    """Freezes again, by name, the parameters of `module` that were frozen before the block: tensor
+    and expert parallelism re-register parameters as new `nn.Parameter`s, which take gradients."""
+    frozen = {name for name, param in module.named_parameters(remove_duplicate=False) if not param.requires_grad}
+    yield
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if name in frozen:
+            param.requires_grad_(False)
+
+
 def _init_process_group(device: torch.device) -> None:
     """The default process group: torchrun's (env://), or a one-rank group when run without a launcher."""
     if dist.is_initialized():
@@ -222,6 +233,9 @@ def check_applicable(plan: Plan, model: nn.Module) -> tuple[ModelMatch, TensorPa
     if config.pp > 1 and nested is not None:
         raise unsupported(f"pipeline stages: block {nested} sits in a nested module, which Plan.apply does not cut "
                           f"into stages; plan with --pp 1 to apply it")
+    if config.pp > 1:
+        loss_module = getattr(model, "loss", None)
+        check_runs_in_order(model, tuple(unit for unit in match.units if model.get_submodule(unit) is not loss_module))
     if config.cp > 1 and not any(isinstance(module, Attention) for module in model.modules()):
         raise unsupported(f"cp={config.cp}: Plan.apply splits sequences through the zoo's Attention modules, and this "
                           f"model has none (its attention would see only this rank's tokens); plan with --cp 1 to apply it")
@@ -322,14 +336,15 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
         chunks = [(0, model, match.units)]
     recomputed: dict[str, Recompute] = {}
     for _, module, units in chunks:
-        if tp_plan is not None:
-            styles = {fqn: style for fqn, style in tp_plan.styles.items()
-                      if any(fqn == u or fqn.startswith(u + ".") for u in units)}
-            tied = shared_parameters(module)
-            parallelize_module(module, mesh["tp"], styles)
-            retie(module, tied)
-        experts = (apply_expert_parallel(module, experts_mesh["ep", "tp"], match.layouts)
-                   if experts_mesh is not None else [])
+        with _frozen_kept(module):
+            if tp_plan is not None:
+                styles = {fqn: style for fqn, style in tp_plan.styles.items()
+                          if any(fqn == u or fqn.startswith(u + ".") for u in units)}
+                tied = shared_parameters(module)
+                parallelize_module(module, mesh["tp"], styles)
+                retie(module, tied)
+            experts = (apply_expert_parallel(module, experts_mesh["ep", "tp"], match.layouts)
+                       if experts_mesh is not None else [])
         if config.cp > 1:
             apply_context_parallel(module, mesh["cp"], plan.seq_len, code.cp_comm)
         recomputed.update(apply_recompute(module, plan.memory_plan, units))

@@ -22,7 +22,7 @@ from torch.distributed.pipelining import (
 )
 
 from planner.config import MULTI_STAGE_SCHEDULES, Schedule, check_zero_bubble_sharding, pipeline_rounds, torch_runs_rounds
-from planner.errors import invalid
+from planner.errors import invalid, unsupported
 from planner.result import Plan, contiguous_runs
 
 # The schedule class of each plan schedule. torch's zero-bubble schedule for one or more stages per
@@ -59,6 +59,39 @@ class StageModule(nn.Module):
         for unit in self.units:
             x = self.get_submodule(unit)(x)
         return x
+
+
+class _UnitTracer(torch.fx.Tracer):
+    """Traces a model's own forward with its units (and their insides) as leaves."""
+
+    def __init__(self, units: tuple[str, ...]):
+        super().__init__()
+        self.units = units
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.units or super().is_leaf_module(m, module_qualified_name)
+
+
+def check_runs_in_order(model: nn.Module, units: tuple[str, ...]) -> None:
+    """Raises PlannerError unless `model`'s forward passes its input to the first of `units` and each
+    unit's output to the next alone, as the stage modules run them (`StageModule`): a residual add,
+    a scale or an extra argument between units would be lost, training another model. What follows
+    the last unit is the loss, which the schedule's `loss_fn` computes."""
+    try:
+        graph = _UnitTracer(units).trace(model)
+    except Exception as error:  # noqa: BLE001 - any tracing failure: the forward cannot be checked
+        raise unsupported(f"pipeline stages run the model's units in order, and torch.fx cannot trace its forward to check "
+                          f"that it does no more ({type(error).__name__}); plan with --pp 1 to apply it") from None
+    calls = [node for node in graph.nodes if node.op == "call_module" and node.target in units]
+    inputs = [node for node in graph.nodes if node.op == "placeholder"]
+    previous = inputs[0] if inputs else None
+    for expected, node in zip(units, calls + [None] * len(units)):
+        if node is None or node.target != expected or node.args != (previous,) or node.kwargs or (
+                previous is not inputs[0] and len(previous.users) != 1):
+            raise unsupported(f"pipeline stages run the model's units in order, each on the previous one's output alone, and "
+                              f"its forward does more around {expected} (a residual, a scale or another argument); move "
+                              f"that into the units or plan with --pp 1 to apply it")
+        previous = node
 
 
 def chunk_units(plan: Plan, units: tuple[str, ...], pp_rank: int) -> list[tuple[int, tuple[str, ...]]]:

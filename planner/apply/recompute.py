@@ -22,7 +22,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from planner.graph import Recompute
-from planner.apply.tensor_parallel import unsupported
+from planner.errors import unsupported
 from planner.op_sac import OpSacCounter
 
 # Child of a block that holds the attention (zoo layout: `attn` with q/k/v/o projections).

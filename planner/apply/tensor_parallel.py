@@ -51,7 +51,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from planner.apply.styles import GroupedLinearParallel, SharedKeyValueParallel
-from planner.errors import PlannerError, PlannerErrorKind
+from planner.errors import unsupported
 from planner.tp_strategies import Placement, TensorLayout
 from planner.zoo.moe import GroupedLinear
 
@@ -64,10 +64,6 @@ SEQUENCE_DIM = 1
 
 R, Q, F = TensorLayout.REPLICATE, TensorLayout.SHARD_SEQUENCE, TensorLayout.SHARD_FEATURE
 _DTENSOR_PLACEMENT = {R: Replicate(), Q: Shard(SEQUENCE_DIM), F: Shard(-1)}
-
-
-def unsupported(message: str) -> PlannerError:
-    return PlannerError(PlannerErrorKind.UNSUPPORTED_MODEL, message)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
-from planner.errors import invalid
+from planner.errors import invalid, unsupported
 from planner.result import Plan
 from planner.graph import OpKind
 from planner.layering import Grouping
@@ -115,17 +115,27 @@ def _check_units(plan: Plan, units: tuple[str, ...], blocks: tuple[str, ...]) ->
 
 
 def _check_params(plan: Plan, model: nn.Module, units: tuple[str, ...]) -> None:
+    outside = _outside(model, units)
+    if outside and plan.config.pp > 1:
+        raise unsupported(f"model: parameter {outside[0][0]!r} sits outside its units ({', '.join(units[:2])}, ...), on a module "
+                          f"pipeline stages do not hold; move it into a unit (e.g. the embedding) or plan with --pp 1")
     if not plan.layer_params:
         return
     per_unit = _unit_params(model, units)
     per_layer = dict(zip(plan.layer_names, plan.layer_params))
     for stage in plan.stages:
         expected = sum(per_layer[name] for name in stage.layer_names)
-        actual = sum(per_unit[fqn] for fqn in stage.fqns)
+        # one stage holds the whole model, its own parameters too
+        actual = sum(per_unit[fqn] for fqn in stage.fqns) + sum(p.numel() for _, p in outside) * (plan.config.pp == 1)
         if expected != actual:
             raise invalid(f"model: pipeline stage {stage.index} ({stage.layer_names[0]}..{stage.layer_names[-1]}) has "
                           f"{actual:,} parameters, the plan for {plan.model} expects {expected:,}; the shapes differ: "
                           f"apply the plan to the model it was made for, or re-plan")
+
+
+def _outside(model: nn.Module, units: tuple[str, ...]) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of those no unit holds (registered on the model itself or on a module beside the units)."""
+    return [(name, param) for name, param in model.named_parameters() if owner_unit(name, units) is None]
 
 
 def owner_unit(fqn: str, units: tuple[str, ...]) -> str | None:

@@ -54,7 +54,7 @@ def cost_figure(rows: list[dict]) -> Figure:
             axes.bar(xs, [cells[d] for d in devices if d in cells], width, color=colours[size], label=f"{size} devices")
         axes.set_xticks(range(len(devices)), devices, rotation=30, ha="right")
         axes.set_ylabel("USD per million tokens")
-        axes.yaxis.set_major_formatter(StrMethodFormatter("${x:,.2f}"))
+        axes.yaxis.set_major_formatter(StrMethodFormatter("${x:,.4g}"))  # cents would round $0.009 to $0.01
         axes.set_title(_panel_title(key), fontsize=10)
         axes.grid(axis="y", alpha=0.3)
         axes.set_axisbelow(True)

@@ -90,7 +90,7 @@ def _sections(rows: list[dict]) -> list[Section]:
               for row in rows if row["status"] != PointStatus.OK]
     return [
         ("Best plan per workload", ("model", "seq len", "global batch", "fastest cluster", "its config", "tokens/s", "MFU",
-                                    "cheapest cluster", "USD / M tokens"), best),
+                                    "cheapest priced cluster", "USD / M tokens"), best),
         ("Points without a plan", ("model", "cluster", "global batch", "seq len", "status", "reason"), failed),
         ("All points", ALL_POINT_COLUMNS, [_point_cells(row) for row in rows]),
     ]

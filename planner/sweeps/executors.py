@@ -12,6 +12,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import multiprocessing
+import os
 import re
 import signal
 import threading
@@ -171,6 +172,15 @@ def _init_worker(tables: Tables) -> None:
     # parent decides how to stop (it lets the running points finish).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Ends this worker once its parent is gone (killed outright, so it could not stop the pool):
+    the worker ignores the stop signals, and would otherwise outlive it holding its output open."""
+    while os.getppid() == parent:
+        time.sleep(POLL_S)
+    os._exit(1)
 
 
 def _plan_in_worker(point: SweepPoint) -> dict:

@@ -179,7 +179,7 @@ def _parse(path: Path, fmt: ResultsFormat, data: bytes) -> tuple[list[dict], boo
     except UnicodeDecodeError as error:
         raise invalid(f"{path}: not a text file (byte {error.start} is not UTF-8); give a sweep's .csv or .jsonl results") from None
     if fmt == ResultsFormat.JSONL:
-        rows = [_typed_json(path, number, line) for number, line in enumerate(lines, 1) if line.strip()]
+        rows = [_checked(path, number, _typed_json(path, number, line)) for number, line in enumerate(lines, 1) if line.strip()]
         return [{**dict.fromkeys(ADDED_COLUMNS), **row} for row in rows], all(len(row) == len(COLUMNS) for row in rows)
     if not lines:
         return [], True
@@ -193,8 +193,27 @@ def _parse(path: Path, fmt: ResultsFormat, data: bytes) -> tuple[list[dict], boo
             raise invalid(f"{path}:{number}: {len(values)} values for {len(header)} columns; the file is damaged, fix or remove that line")
         row = dict.fromkeys(ADDED_COLUMNS)
         row.update({column: _typed(path, number, column, text) for column, text in zip(header, values)})
-        rows.append({column: row[column] for column in COLUMNS})
+        rows.append(_checked(path, number, {column: row[column] for column in COLUMNS}))
     return rows, header == COLUMNS
+
+
+# What a row of each status must carry: the point and its hardware, and for a plan the figures a
+# report reads.
+_POINT_COLUMNS = ("model", "cluster", "global_batch", "seq_len", "settings", "device", "devices")
+_PLAN_COLUMNS = ("config", "step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes")
+
+
+def _checked(path: Path, number: int, row: dict) -> dict:
+    """`row`, once it has a known status and the values that status needs."""
+    if row.get("status") not in set(PointStatus):
+        raise invalid(f"{path}:{number}: status={row.get('status')!r}: expected one of {', '.join(PointStatus)}; "
+                      f"the file is damaged, fix or remove that line")
+    needed = _POINT_COLUMNS + (_PLAN_COLUMNS if row["status"] == PointStatus.OK else ())
+    missing = next((column for column in needed if row.get(column) is None), None)
+    if missing:
+        raise invalid(f"{path}:{number}: {missing} is empty in a row of status {row['status']}; "
+                      f"the file is damaged, fix or remove that line")
+    return row
 
 
 def _typed(path: Path, number: int, column: str, text: str):

@@ -165,20 +165,23 @@ def _executor_kind(executor: ExecutorKind | str) -> ExecutorKind:
 
 
 def _unfinished(spec: SweepSpec, results: ResultsFile) -> list[SweepPoint]:
-    """The sweep's points without a row yet; rows planned with other settings, or from files changed since, are an error."""
+    """The sweep's points without a row yet. Rows planned with other settings (any row: a report
+    compares a file's rows as planned alike), or this sweep's rows priced from files changed since,
+    are an error."""
     wanted = frozenset(spec.points)
     finished = set()
     for row in results.rows:
         point = row_point(row)
-        if point in wanted and row["settings"] != spec.settings:
+        if row["settings"] != spec.settings:
             raise invalid(f"{results.path}: {point.model} on {point.cluster} was planned with {row['settings']!r}, this sweep uses "
                           f"{spec.settings!r}; write to a new --out file or use the same settings")
         if point in wanted and row["fingerprint"] is not None:  # a cluster, device or spec file edited since: stale rows
             now = point_fingerprint(point, spec.clusters[point.cluster])
             if row["fingerprint"] != now:
-                raise invalid(f"{results.path}: {point.model} on {point.cluster} was planned from other files (fingerprint "
-                              f"{row['fingerprint']}, now {now}: its cluster, device or model spec file changed since); "
-                              f"write to a new --out file, or restore the files")
+                raise invalid(f"{results.path}: {point.model} on {point.cluster} was planned from other hardware or model "
+                              f"data (fingerprint {row['fingerprint']}, now {now}: its cluster, device, op-table or model spec "
+                              f"file changed since, or the built-in profile it names); write to a new --out file, or restore "
+                              f"the files")
         finished.add(point)
     return [point for point in spec.points if point not in finished]
 
