@@ -211,10 +211,11 @@ def _evaluated_config(args):
 
 
 def _with_apply_note(plan, model: str):
-    """`plan` with a note when `Plan.apply` would refuse it for `model` (checked for tensor, pipeline
-    and context parallelism, which depend on the model's module structure; importing the apply
-    costs a second otherwise spared)."""
-    if plan.config.tp == 1 and plan.config.pp == 1 and plan.config.cp == 1:
+    """`plan` with a note when `Plan.apply` would refuse it for `model` (checked for tensor, pipeline,
+    context and expert parallelism and selective recompute, which depend on the model's module
+    structure; importing the apply costs a second otherwise spared)."""
+    config = plan.config
+    if config.tp == config.pp == config.cp == config.ep == 1 and not plan.memory_plan.get("recompute", {}).get("selective"):
         return plan
     from planner.apply import apply_note
 

@@ -22,6 +22,7 @@ import re
 import time
 from collections import Counter
 
+from costmodel import memory as memory_model
 from costmodel.hardware import Cluster
 from planner.bounds import (WorkBound, mean_capacity_bytes, memory_floor_bytes, pipeline_bound_s, tail_bound_s, work_bound,
                             work_bound_key)
@@ -32,6 +33,7 @@ from planner.graph import ModelGraph, Recompute
 from planner.memory_plan import memory_plan
 from planner.result import Alternative, Plan
 from planner.space import Rejection, check_config, configs_for, enumerate_degrees, why_no_configs
+from planner.state_cost import state_options
 from planner.training_code import TrainingCode
 
 # Constraint keys `plan` accepts besides the fixed choices; anything else is a typo.
@@ -224,12 +226,11 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     candidates_total, evaluated, screened, closest_miss = tally.total, tally.evaluated, tally.screened, tally.closest_miss
 
     if not ranked:
-        raise _nothing_fits(graph, cluster, global_batch, closest_miss, evaluated + screened,
+        raise _nothing_fits(evaluator, global_batch, closest_miss, evaluated + screened,
                             rejected[len(space.rejected):] or rejected, tally.host_miss, constraints)
 
+    ranked, plan_memory = _refine_front(evaluator, ranked, global_batch, headroom, fixed="recompute" in constraints)
     best_s, best_config, best_estimate = ranked[0]
-    plan_memory, best_estimate = memory_plan(evaluator, best_config, best_estimate, global_batch, headroom,
-                                             recompute_fixed="recompute" in constraints)
     for r in rejected:
         key = _reason_key(r.reason)
         reasons[key] += 1
@@ -267,18 +268,43 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     )
 
 
+def _refine_front(evaluator: Evaluator, ranked: list, global_batch: int, headroom: float, fixed: bool) -> tuple[list, dict]:
+    """The ranked candidates after the per-layer memory plan (`memory_plan`), and the leader's plan.
+
+    The leader is refined; so is each runner-up that could then overtake it: one whose step time
+    with no recompute at all, which no per-layer choice beats, is below the best refined so far.
+    """
+    memories = {}
+    refined = list(ranked)
+    best_s = math.inf
+    for index, (step_s, config, estimate) in enumerate(ranked):
+        if index and (fixed or config.recompute == Recompute.NONE or evaluator.estimate(
+                config, global_batch, recompute_per_layer=(Recompute.NONE,) * len(evaluator.graph.layers),
+                headroom=headroom).step_time_s >= best_s):
+            continue
+        memories[index], estimate = memory_plan(evaluator, config, estimate, global_batch, headroom, recompute_fixed=fixed)
+        refined[index] = (estimate.step_time_s, config, estimate)
+        best_s = min(best_s, estimate.step_time_s)
+    order = sorted(range(len(refined)), key=lambda index: refined[index][0])
+    return [refined[index] for index in order], memories[order[0]]
+
+
 def _batch_reason(global_batch: int) -> str:
     return f"global_batch={global_batch} is not a multiple of dp"
 
 
-def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closest_miss, evaluated: int,
+def _nothing_fits(evaluator: Evaluator, global_batch: int, closest_miss, evaluated: int,
                   rejected: list[Rejection], host_miss=None, constraints: dict | None = None) -> PlannerError:
     """INSUFFICIENT_MEMORY with what would fit: more devices, and of a smaller micro-batch, ZeRO-3 with full
     recompute, optimizer offload and no fixed hybrid-sharding replicas whichever the closest miss
     does not use already. When offloading the optimizer made a configuration fit the devices but
     not the host's memory (`host_miss`), that leads: more host memory, or more devices to shard the
     states over (unless ZeRO is fixed at 0). INVALID_INPUT with the commonest reasons when no
-    configuration was valid at all (`rejected`). `constraints`: the user's fixed choices."""
+    configuration was valid at all (`rejected`). `constraints`: the user's fixed choices.
+
+    The devices named are at least what the model states need, sharded whole (ZeRO-3, offloaded
+    where allowed), and at least the closest miss's peak scaled to the capacity."""
+    graph, cluster = evaluator.graph, evaluator.cluster
     constraints = constraints or {}
     replicas = (f" or without the fixed --dp-replicate {constraints['dp_replicate']} (its replicas each hold the states)"
                 if constraints.get("dp_replicate", 1) > 1 else "")
@@ -306,7 +332,10 @@ def _nothing_fits(graph: ModelGraph, cluster: Cluster, global_batch: int, closes
             fix = f"global_batch={batch} (a multiple of dp={dp}) would split, or relax the fixed choices"
         return invalid(f"no configuration of {graph.name} on {cluster.num_devices} devices is valid: {reasons}; fix: {fix}")
     need, config, at_least = closest_miss
-    remedies = [f"about {math.ceil(cluster.num_devices * need / capacity)}+ devices"]
+    sharded = dataclasses.replace(config, zero=3, offload_optimizer=constraints.get("allow_offload", True))
+    states = sum(memory_model.model_state_bytes(graph.params, 3, 1, **state_options(sharded, evaluator.precision)))
+    remedies = [f"at least {max(math.ceil(states / capacity), math.ceil(cluster.num_devices * need / capacity))} devices "
+                f"(the model states alone take {states / 2**30:,.0f} GiB)"]
     if config.micro_batch > 1:
         remedies.append("a smaller micro-batch")
     # ZeRO needs data-parallel ranks to shard over: none when the fixed tp and pp take every device.

@@ -460,24 +460,30 @@ def test_zero3_under_zero_bubble_fails_before_process_group(spec_dir, monkeypatc
     assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize("factory, pp, message", [
-    ("root_residual_lm", 2, r"its forward does more around layers\.0 \(a residual"),
-    ("root_parameter_lm", 2, r"parameter 'positions' sits outside its units"),
-])
-def test_pipelining_refuses_a_model_its_stages_cannot_reproduce(monkeypatch, factory, pp, message):
+@pytest.mark.parametrize("factory, constraints, message", [
     # Pipeline stages run the model's units in order, each on the previous one's output: a residual
-    # in the root's forward, or a parameter the root holds itself, would be lost (another model
-    # trained, silently). The planner's note says so and Plan.apply refuses before any process-group
-    # work; without pipelining the whole model runs as written.
+    # in the root's forward, or a parameter the root holds itself, would be lost.
+    ("root_residual_lm", {"pp": 2}, r"its forward does more around layers\.0 \(a residual"),
+    ("root_parameter_lm", {"pp": 2}, r"parameter 'positions' sits outside its units"),
+    # Expert parallelism splits the zoo's GroupedLinear experts; a ModuleList of them would stay whole.
+    ("list_experts_lm", {"dp": 2, "ep": 2, "zero": 0}, r"ep=2: Plan.apply splits experts held as the zoo's GroupedLinear"),
+    # Selective recompute wraps each block's `attn`, which torch's encoder layers call `self_attn`.
+    ("encoder_lm", {"dp": 2, "recompute": "selective"}, r"layer encoder.layers.0 has no 'attn' child"),
+])
+def test_plan_apply_refuses_what_it_would_run_wrongly(monkeypatch, factory, constraints, message):
+    # Each would train another model or hold other memory than planned, silently: the planner's
+    # note says so and Plan.apply refuses before any process-group work; without that choice the
+    # model runs as written.
     model = f"tests.fixtures.custom_models:{factory}"
-    pipelined = planner.plan(model, "cpu:1x2", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32", pp=pp, tp=1)
-    assert re.search(message, apply_note(pipelined, model))  # what `paraplan plan` notes
+    planned = planner.plan(model, "cpu:1x2", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32", tp=1, **constraints)
+    assert re.search(message, apply_note(planned, model))  # what `paraplan plan` notes
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(PlannerError, match=message):
-        pipelined.apply(resolve_model(model).build(seq_len=SEQ_LEN), loss_fn=_logits_loss)
+        planned.apply(resolve_model(model).build(seq_len=SEQ_LEN), loss_fn=_logits_loss)
     assert not dist.is_initialized()
-    whole = planner.plan(model, "cpu:1x2", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32", pp=1, dp=2)
-    check_applicable(whole, resolve_model(model).build(seq_len=SEQ_LEN))
+    plain = planner.plan(model, "cpu:1x2", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32", pp=1, dp=2, ep=1,
+                         recompute="none")
+    check_applicable(plain, resolve_model(model).build(seq_len=SEQ_LEN))
 
 
 def test_recompute_exactly_the_planned_layers(trained):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 from itertools import combinations
 
 import numpy as np
@@ -309,6 +311,11 @@ def test_nothing_fits_says_what_would():
     assert "z3 full" in message
     assert "devices" in message and "smaller micro-batch" in message and "optimizer offload" in message
     assert "zero=3" not in message
+    # However many devices: the model states alone, fully sharded, take 2 + 2 + 12 = 16 B per
+    # parameter (FSDP2's fp32 master is the only fp32 copy), so no fewer than 16 B x params / 40 GB.
+    capacity = load_cluster("a100-40g:1x1").groups[0].node.device.mem_bytes
+    least = int(re.search(r"at least (\d+) devices", message).group(1))
+    assert least >= math.ceil(16 * graph.params / capacity) > 2
 
 
 def test_nothing_fits_suggests_only_what_the_closest_miss_lacks():
@@ -449,6 +456,18 @@ def test_offloads_the_optimizer_only_when_nothing_fits_on_the_device():
     with pytest.raises(PlannerError) as error:
         planner.plan("gpt3-2.7b", "a10g:1x1", global_batch=8, seq_len=1024, allow_offload=False)
     assert error.value.kind == PlannerErrorKind.INSUFFICIENT_MEMORY
+
+
+def test_fixing_choices_never_beats_the_free_search():
+    # The free search ranks candidates under their uniform recompute policy, then refines per layer:
+    # a runner-up (here ep 4 with ZeRO-3, full recompute) can overtake the leader once refined, so
+    # runners-up that could are refined too. Fixing its degrees must not find a faster plan.
+    workload = dict(global_batch=8, seq_len=4096)
+    free = planner.plan("deepseek-moe-16b", "h100-sxm:1x4", **workload)
+    fixed = planner.plan("deepseek-moe-16b", "h100-sxm:1x4", **workload, ep=4, zero=3)
+    assert free.estimate.step_time_s <= fixed.estimate.step_time_s * (1 + REL_TOL)
+    assert [a.step_time_s for a in free.alternatives] == sorted(a.step_time_s for a in free.alternatives)
+    assert all(a.step_time_s >= free.estimate.step_time_s for a in free.alternatives)
 
 
 def test_one_device_tries_zero3_which_keeps_no_working_copy(tmp_path):

@@ -50,7 +50,7 @@ from planner.apply.context_parallel import apply_context_parallel, token_positio
 from planner.apply.data_parallel import apply_data_parallel, data_parallel_mesh, mixed_precision_policy
 from planner.apply.expert_parallel import apply_expert_parallel, check_expert_mesh, expert_mesh
 from planner.apply.pipeline import StageModule, build_schedule, check_runs_in_order, check_schedule, chunk_units
-from planner.apply.recompute import apply_recompute
+from planner.apply.recompute import apply_recompute, check_recompute
 from planner.apply.tensor_parallel import TensorParallelPlan, retie, shared_parameters, tensor_parallel_plan
 from planner.apply.tied import TiedCopy, sum_tied_gradients, tie_across_stages
 from planner.apply.validate import ModelMatch, check_world_size, match_model, world_size
@@ -59,6 +59,7 @@ from planner.graph import Recompute
 from planner.result import Plan
 from planner.training_code import TrainingCode
 from planner.zoo.layers import Attention
+from planner.zoo.moe import GroupedLinear
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 
@@ -228,6 +229,7 @@ def check_applicable(plan: Plan, model: nn.Module) -> tuple[ModelMatch, TensorPa
     check_schedule(plan)
     check_expert_mesh(plan.config)
     match = match_model(plan, model)
+    check_recompute(model, plan.memory_plan)
     config = plan.config
     nested = next((unit for unit in match.units if "." in unit.rpartition(".")[0]), None)
     if config.pp > 1 and nested is not None:
@@ -236,6 +238,9 @@ def check_applicable(plan: Plan, model: nn.Module) -> tuple[ModelMatch, TensorPa
     if config.pp > 1:
         loss_module = getattr(model, "loss", None)
         check_runs_in_order(model, tuple(unit for unit in match.units if model.get_submodule(unit) is not loss_module))
+    if config.ep > 1 and not any(isinstance(module, GroupedLinear) for module in model.modules()):
+        raise unsupported(f"ep={config.ep}: Plan.apply splits experts held as the zoo's GroupedLinear, and this model has "
+                          f"none (every rank would keep every expert); plan with --ep 1 to apply it")
     if config.cp > 1 and not any(isinstance(module, Attention) for module in model.modules()):
         raise unsupported(f"cp={config.cp}: Plan.apply splits sequences through the zoo's Attention modules, and this "
                           f"model has none (its attention would see only this rank's tokens); plan with --cp 1 to apply it")

@@ -84,13 +84,25 @@ def apply_recompute(root: nn.Module, memory_plan: dict, units: tuple[str, ...]) 
             elif policy == Recompute.SELECTIVE_OP:
                 _replace(root, name, checkpoint_wrapper(root.get_submodule(name), context_fn=_op_sac_contexts))
             else:
-                fqn = f"{name}.{ATTENTION_CHILD}"
-                try:
-                    attention = root.get_submodule(fqn)
-                except AttributeError:
-                    raise unsupported(f"recompute: layer {name} has no {ATTENTION_CHILD!r} child for selective "
-                                      f"recompute; re-plan with --recompute full or none") from None
+                fqn = _attention_of(root, name)
                 context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
-                _replace(root, fqn, checkpoint_wrapper(attention, context_fn=context_fn))
+                _replace(root, fqn, checkpoint_wrapper(root.get_submodule(fqn), context_fn=context_fn))
             applied[name] = policy
     return applied
+
+
+def check_recompute(model: nn.Module, memory_plan: dict) -> None:
+    """Raises PlannerError (UNSUPPORTED_MODEL) when a layer the memory plan recomputes selectively has
+    no attention child to recompute."""
+    for name in memory_plan.get("recompute", {}).get(str(Recompute.SELECTIVE), []):
+        _attention_of(model, name)
+
+
+def _attention_of(root: nn.Module, layer: str) -> str:
+    fqn = f"{layer}.{ATTENTION_CHILD}"
+    try:
+        root.get_submodule(fqn)
+    except AttributeError:
+        raise unsupported(f"recompute: layer {layer} has no {ATTENTION_CHILD!r} child for selective "
+                          f"recompute; re-plan with --recompute full or none") from None
+    return fqn
