@@ -83,11 +83,11 @@ def check_runs_in_order(model: nn.Module, units: tuple[str, ...]) -> None:
         raise unsupported(f"pipeline stages run the model's units in order, and torch.fx cannot trace its forward to check "
                           f"that it does no more ({type(error).__name__}); plan with --pp 1 to apply it") from None
     calls = [node for node in graph.nodes if node.op == "call_module" and node.target in units]
-    inputs = [node for node in graph.nodes if node.op == "placeholder"]
-    previous = inputs[0] if inputs else None
+    first = next((node for node in graph.nodes if node.op == "placeholder"), None)
+    previous = first
     for expected, node in zip(units, calls + [None] * len(units)):
         if node is None or node.target != expected or node.args != (previous,) or node.kwargs or (
-                previous is not inputs[0] and len(previous.users) != 1):
+                previous is not first and len(previous.users) != 1):
             raise unsupported(f"pipeline stages run the model's units in order, each on the previous one's output alone, and "
                               f"its forward does more around {expected} (a residual, a scale or another argument); move "
                               f"that into the units or plan with --pp 1 to apply it")
