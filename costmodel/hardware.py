@@ -147,6 +147,10 @@ class NodeSpec:
     def _hash(self) -> int:
         return hash((self.device, self.devices_per_node, self.intra_link, self.nic, self.host_mem_bytes))
 
+    def __getstate__(self) -> dict:
+        # A string's hash differs between processes: a pickled node computes its own again.
+        return {name: value for name, value in self.__dict__.items() if name != "_hash"}
+
 
 @dataclass(frozen=True)
 class NodeGroup:

@@ -24,6 +24,7 @@ from collections import Counter
 
 from costmodel import memory as memory_model
 from costmodel.hardware import Cluster
+from costmodel.offload import host_state_bytes
 from planner.bounds import (WorkBound, mean_capacity_bytes, memory_floor_bytes, pipeline_bound_s, tail_bound_s, work_bound,
                             work_bound_key)
 from planner.config import ParallelConfig, Schedule
@@ -289,6 +290,21 @@ def _refine_front(evaluator: Evaluator, ranked: list, global_batch: int, headroo
     return [refined[index] for index in order], memories[order[0]]
 
 
+def _devices_for_states(evaluator: Evaluator, config: ParallelConfig, offload: bool) -> int:
+    """The fewest devices whose memory holds the model states sharded over all of them (ZeRO-3), and
+    with `offload` whose hosts hold the offloaded states too (where the host memory is known)."""
+    graph, cluster = evaluator.graph, evaluator.cluster
+    frozen = sum(layer.frozen_params for layer in graph.layers)
+    sharded = dataclasses.replace(config, zero=3, offload_optimizer=offload)
+    states = sum(memory_model.model_state_bytes(graph.params, 3, 1, frozen_params=frozen,
+                                                **state_options(sharded, evaluator.precision)))
+    devices = math.ceil(states / min(g.node.device.mem_bytes for g in cluster.groups))
+    host = min(g.node.host_mem_bytes_per_device for g in cluster.groups)
+    if offload and host:
+        devices = max(devices, math.ceil(host_state_bytes(graph.params - frozen, frozen) / host))
+    return devices
+
+
 def _batch_reason(global_batch: int) -> str:
     return f"global_batch={global_batch} is not a multiple of dp"
 
@@ -332,10 +348,9 @@ def _nothing_fits(evaluator: Evaluator, global_batch: int, closest_miss, evaluat
             fix = f"global_batch={batch} (a multiple of dp={dp}) would split, or relax the fixed choices"
         return invalid(f"no configuration of {graph.name} on {cluster.num_devices} devices is valid: {reasons}; fix: {fix}")
     need, config, at_least = closest_miss
-    sharded = dataclasses.replace(config, zero=3, offload_optimizer=constraints.get("allow_offload", True))
-    states = sum(memory_model.model_state_bytes(graph.params, 3, 1, **state_options(sharded, evaluator.precision)))
-    remedies = [f"at least {max(math.ceil(states / capacity), math.ceil(cluster.num_devices * need / capacity))} devices "
-                f"(the model states alone take {states / 2**30:,.0f} GiB)"]
+    least = min(_devices_for_states(evaluator, config, offload) for offload in {False, constraints.get("allow_offload", True)})
+    remedies = [f"at least {max(least, math.ceil(cluster.num_devices * need / capacity))} devices (the model states "
+                f"alone, fully sharded, need {least})"]
     if config.micro_batch > 1:
         remedies.append("a smaller micro-batch")
     # ZeRO needs data-parallel ranks to shard over: none when the fixed tp and pp take every device.

@@ -465,6 +465,11 @@ def test_zero3_under_zero_bubble_fails_before_process_group(spec_dir, monkeypatc
     # in the root's forward, or a parameter the root holds itself, would be lost.
     ("root_residual_lm", {"pp": 2}, r"its forward does more around layers\.0 \(a residual"),
     ("root_parameter_lm", {"pp": 2}, r"parameter 'positions' sits outside its units"),
+    # The last stage computes the loss from the head's output: a cap on the logits would be lost.
+    ("capped_logits_lm", {"pp": 2}, r"the model's forward does more after it \(call_function truediv\)"),
+    # torch's zero-bubble backward gives a stage whose input takes no gradient no weight gradients.
+    ("frozen_first_block_gpt_factory", {"pp": 2, "schedule": "zb"}, r"schedule=zb: the first pipeline stage \(embed..layers.0\) "
+                                                                    r"is frozen whole"),
     # Expert parallelism splits the zoo's GroupedLinear experts; a ModuleList of them would stay whole.
     ("list_experts_lm", {"dp": 2, "ep": 2, "zero": 0}, r"ep=2: Plan.apply splits experts held as the zoo's GroupedLinear"),
     # Selective recompute wraps each block's `attn`, which torch's encoder layers call `self_attn`.
@@ -476,6 +481,7 @@ def test_plan_apply_refuses_what_it_would_run_wrongly(monkeypatch, factory, cons
     # model runs as written.
     model = f"tests.fixtures.custom_models:{factory}"
     planned = planner.plan(model, "cpu:1x2", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32", tp=1, **constraints)
+    assert planned.config.pp == constraints.get("pp", 1)
     assert re.search(message, apply_note(planned, model))  # what `paraplan plan` notes
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(PlannerError, match=message):

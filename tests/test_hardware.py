@@ -1,6 +1,9 @@
 """Hardware profiles: every shipped file loads, shorthands parse, bad input fails with one-line errors."""
 from __future__ import annotations
 
+import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -168,6 +171,18 @@ def test_shorthand_device_count(spec, nodes, per_node):
 def test_shorthand_accepts_a_device_file(tmp_path):
     path = _device_with(tmp_path)
     assert load_cluster(f"{path}:3x2").num_devices == 6
+
+
+def test_a_node_sent_to_another_process_hashes_as_one_built_there():
+    # The planner's price caches are keyed by node; a sweep sends its clusters to worker processes
+    # by pickle, where strings hash differently: the node's hash is computed there again.
+    code = ("import pickle, sys; from costmodel.profile_loader import load_cluster; "
+            "node = pickle.loads(sys.stdin.buffer.read()); print(hash(node) == hash(load_cluster('h100-sxm:1x8').groups[0].node))")
+    node = load_cluster("h100-sxm:1x8").groups[0].node
+    hash(node)
+    result = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(node), capture_output=True, check=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.stdout.decode().strip() == "True"
 
 
 def test_heterogeneous_cluster_ranks_fill_groups_in_order():

@@ -54,6 +54,7 @@ from planner.apply.recompute import apply_recompute, check_recompute
 from planner.apply.tensor_parallel import TensorParallelPlan, retie, shared_parameters, tensor_parallel_plan
 from planner.apply.tied import TiedCopy, sum_tied_gradients, tie_across_stages
 from planner.apply.validate import ModelMatch, check_world_size, match_model, world_size
+from planner.config import Schedule
 from planner.errors import PlannerError, invalid, unsupported
 from planner.graph import Recompute
 from planner.result import Plan
@@ -207,6 +208,12 @@ def _frozen_kept(module: nn.Module) -> Iterator[None]:
             param.requires_grad_(False)
 
 
+def _is_loss(model: nn.Module, unit: str) -> bool:
+    """Whether a unit is the model's loss, which pipeline stages leave to the schedule's `loss_fn`."""
+    module = model.get_submodule(unit)
+    return module is getattr(model, "loss", None) or isinstance(module, nn.modules.loss._Loss)
+
+
 def _init_process_group(device: torch.device) -> None:
     """The default process group: torchrun's (env://), or a one-rank group when run without a launcher."""
     if dist.is_initialized():
@@ -236,8 +243,13 @@ def check_applicable(plan: Plan, model: nn.Module) -> tuple[ModelMatch, TensorPa
         raise unsupported(f"pipeline stages: block {nested} sits in a nested module, which Plan.apply does not cut "
                           f"into stages; plan with --pp 1 to apply it")
     if config.pp > 1:
-        loss_module = getattr(model, "loss", None)
-        check_runs_in_order(model, tuple(unit for unit in match.units if model.get_submodule(unit) is not loss_module))
+        check_runs_in_order(model, tuple(unit for unit in match.units if not _is_loss(model, unit)))
+        first_chunk = chunk_units(plan, match.units, 0)[0][1]
+        if config.schedule == Schedule.ZERO_BUBBLE and not any(
+                p.requires_grad for unit in first_chunk for p in model.get_submodule(unit).parameters()):
+            raise unsupported(f"schedule=zb: the first pipeline stage ({first_chunk[0]}..{first_chunk[-1]}) is frozen whole, so "
+                              f"the next stage's input takes no gradient and torch's split backward gives its weights none; "
+                              f"plan with --schedule 1f1b, or with a trainable layer in the first stage")
     if config.ep > 1 and not any(isinstance(module, GroupedLinear) for module in model.modules()):
         raise unsupported(f"ep={config.ep}: Plan.apply splits experts held as the zoo's GroupedLinear, and this model has "
                           f"none (every rank would keep every expert); plan with --ep 1 to apply it")
@@ -335,7 +347,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
     if config.pp > 1:
         chunks = []
         for index, units in chunk_units(plan, match.units, mesh["pp"].get_local_rank()):
-            units = tuple(u for u in units if model.get_submodule(u) is not loss_module)
+            units = tuple(u for u in units if not _is_loss(model, u))
             chunks.append((index, StageModule(model, units), units))
     else:
         chunks = [(0, model, match.units)]

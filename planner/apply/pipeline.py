@@ -75,8 +75,10 @@ class _UnitTracer(torch.fx.Tracer):
 def check_runs_in_order(model: nn.Module, units: tuple[str, ...]) -> None:
     """Raises PlannerError unless `model`'s forward passes its input to the first of `units` and each
     unit's output to the next alone, as the stage modules run them (`StageModule`): a residual add,
-    a scale or an extra argument between units would be lost, training another model. What follows
-    the last unit is the loss, which the schedule's `loss_fn` computes."""
+    a scale or an extra argument between units would be lost, training another model. After the
+    last unit only reshapes, casts and a loss module may follow: the schedule's `loss_fn` computes
+    the loss from the last unit's output, so anything else there (a logit cap, a z-loss, shifted
+    targets, a head written as a function of the embedding's weight) would be lost too."""
     try:
         graph = _UnitTracer(units).trace(model)
     except Exception as error:  # noqa: BLE001 - any tracing failure: the forward cannot be checked
@@ -92,6 +94,34 @@ def check_runs_in_order(model: nn.Module, units: tuple[str, ...]) -> None:
                               f"its forward does more around {expected} (a residual, a scale or another argument); move "
                               f"that into the units or plan with --pp 1 to apply it")
         previous = node
+    tail = _descendants(previous)
+    extra = next((node for node in tail if not _reshapes_or_loss(model, node)), None)
+    if extra is not None:
+        raise unsupported(f"pipeline stages compute the loss from {units[-1]}'s output, and the model's forward does more "
+                          f"after it ({extra.op} {getattr(extra.target, '__name__', extra.target)}); move that into "
+                          f"{units[-1]} or plan with --pp 1 to apply it")
+
+
+# What may follow the last unit: reshapes and casts of its output, then the loss module.
+_TAIL_METHODS = frozenset({"flatten", "view", "reshape", "float", "to", "contiguous", "type"})
+
+
+def _descendants(node: torch.fx.Node) -> list[torch.fx.Node]:
+    found, todo = {}, list(node.users)
+    while todo:
+        user = todo.pop()
+        if user not in found:
+            found[user] = None
+            todo.extend(user.users)
+    return list(found)
+
+
+def _reshapes_or_loss(model: nn.Module, node: torch.fx.Node) -> bool:
+    if node.op == "output" or (node.op == "call_method" and node.target in _TAIL_METHODS):
+        return True
+    if node.op == "call_function" and node.target is torch.flatten:
+        return True
+    return node.op == "call_module" and isinstance(model.get_submodule(node.target), nn.modules.loss._Loss)
 
 
 def chunk_units(plan: Plan, units: tuple[str, ...], pp_rank: int) -> list[tuple[int, tuple[str, ...]]]:
