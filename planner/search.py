@@ -195,6 +195,11 @@ class _Pass:
                 if len(self.examples.setdefault("memory", [])) < EXPLAIN_EXAMPLES_PER_REASON:
                     self.examples["memory"].append({"what": config.short(), "reason": f"out of memory: needs {at_least}{need / 2**30:.1f} GiB per device"})
                 continue
+            if config.schedule == Schedule.ZERO_BUBBLE and config.pp > 1 and _first_chunk_frozen(graph, estimate):
+                self.rejected.append(Rejection(config.short(), "schedule=zb with a first stage frozen whole: torch's split "
+                                                                "backward gives the next stages' weights no gradient; use "
+                                                                "another schedule"))
+                continue
             bisect.insort(ranked, (estimate.step_time_s, config, estimate), key=lambda item: item[0])
         return ranked
 
@@ -288,6 +293,12 @@ def _refine_front(evaluator: Evaluator, ranked: list, global_batch: int, headroo
         best_s = min(best_s, estimate.step_time_s)
     order = sorted(range(len(refined)), key=lambda index: refined[index][0])
     return [refined[index] for index in order], memories[order[0]]
+
+
+def _first_chunk_frozen(graph: ModelGraph, estimate) -> bool:
+    """Whether the pipeline's first chunk has no parameter that takes a gradient."""
+    first, last = estimate.stages[0].chunks[0]
+    return all(layer.params == layer.frozen_params for layer in graph.layers[first:last + 1])
 
 
 def _devices_for_states(evaluator: Evaluator, config: ParallelConfig, offload: bool) -> int:

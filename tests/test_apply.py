@@ -467,9 +467,6 @@ def test_zero3_under_zero_bubble_fails_before_process_group(spec_dir, monkeypatc
     ("root_parameter_lm", {"pp": 2}, r"parameter 'positions' sits outside its units"),
     # The last stage computes the loss from the head's output: a cap on the logits would be lost.
     ("capped_logits_lm", {"pp": 2}, r"the model's forward does more after it \(call_function truediv\)"),
-    # torch's zero-bubble backward gives a stage whose input takes no gradient no weight gradients.
-    ("frozen_first_block_gpt_factory", {"pp": 2, "schedule": "zb"}, r"schedule=zb: the first pipeline stage \(embed..layers.0\) "
-                                                                    r"is frozen whole"),
     # Expert parallelism splits the zoo's GroupedLinear experts; a ModuleList of them would stay whole.
     ("list_experts_lm", {"dp": 2, "ep": 2, "zero": 0}, r"ep=2: Plan.apply splits experts held as the zoo's GroupedLinear"),
     # Selective recompute wraps each block's `attn`, which torch's encoder layers call `self_attn`.
@@ -490,6 +487,24 @@ def test_plan_apply_refuses_what_it_would_run_wrongly(monkeypatch, factory, cons
     plain = planner.plan(model, "cpu:1x2", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32", pp=1, dp=2, ep=1,
                          recompute="none")
     check_applicable(plain, resolve_model(model).build(seq_len=SEQ_LEN))
+
+
+def test_zero_bubble_with_a_frozen_first_stage_is_neither_planned_nor_applied(monkeypatch):
+    # torch's zero-bubble backward gives a stage whose input takes no gradient (everything before it
+    # frozen) no weight gradients: the later stages would never train. The search leaves it out;
+    # a plan that has it anyway (edited, or made for the unfrozen model) is refused before any
+    # process-group work.
+    model = "tests.fixtures.custom_models:frozen_first_block_gpt_factory"
+    workload = dict(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32", pp=2, tp=1)
+    with pytest.raises(PlannerError, match="schedule=zb with a first stage frozen whole"):
+        planner.plan(model, "cpu:1x2", **workload, schedule="zb", recompute="none")
+    plan = planner.plan(model, "cpu:1x2", **workload, schedule="1f1b")
+    assert [fqns[:2] for fqns in (stage.fqns for stage in plan.stages)][0] == ("embed", "layers.0")
+    plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, schedule="zb"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(PlannerError, match=r"schedule=zb: the first pipeline stage \(embed..layers.0\) is frozen whole"):
+        plan.apply(resolve_model(model).build(seq_len=SEQ_LEN))
+    assert not dist.is_initialized()
 
 
 def test_recompute_exactly_the_planned_layers(trained):
