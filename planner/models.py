@@ -101,6 +101,7 @@ def _spec_source(spec: ModelSpec, example_inputs: Any) -> ModelSource:
     if example_inputs is not None:
         raise invalid(f"example_inputs: model `{spec.name}` is a built-in or spec model whose "
                       f"inputs are known; fix: pass no example inputs")
+
     def build(seq_len: int | None = None) -> nn.Module:
         try:
             return build_model(spec, seq_len)

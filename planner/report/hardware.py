@@ -115,7 +115,8 @@ def _render_device(device: DeviceSpec) -> RenderableType:
              source.get("mem_bw_efficiency", ""))
     _row(table, "matmul efficiency", _curve_brief(device.matmul_efficiency), source.get("matmul_efficiency", ""))
     if device.flash2_attention_ratio != (1.0, 1.0):
-        _row(table, "FlashAttention-2 rate", "{:.2f} forward, {:.2f} backward of the flash kernels' rate".format(*device.flash2_attention_ratio),
+        fwd, bwd = device.flash2_attention_ratio
+        _row(table, "FlashAttention-2 rate", f"{fwd:.2f} forward, {bwd:.2f} backward of the flash kernels' rate",
              source.get("flash2_attention_ratio", ""))
     _row(table, "devices per node", str(device.devices_per_node), source.get("node", ""))
     _row(table, "intra-node link", _link_detail(device.intra_link), device.intra_link.source)
