@@ -100,10 +100,13 @@ class LayerCost:
         return self.fwd_s + self.bwd_s + self.recompute_s + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s
 
     def windows_s(self, beside_cp: bool) -> tuple[float, float]:
-        """(forward, backward with recompute) compute seconds that other traffic can hide in; `beside_cp`:
-        it shares the links of the context-parallel exchange, so only what that leaves."""
-        hidden_fwd_s, hidden_bwd_s = self.cp_hidden_s if beside_cp else (0.0, 0.0)
-        return max(0.0, self.fwd_s - hidden_fwd_s), max(0.0, self.bwd_s + self.recompute_s - hidden_bwd_s)
+        """(forward, backward with recompute) seconds that other traffic can hide in. `beside_cp`: it
+        shares the links of the context-parallel exchange, so only the compute that leaves; else the
+        compute and the exchange's exposed time too (the other links move while compute waits)."""
+        if beside_cp:
+            hidden_fwd_s, hidden_bwd_s = self.cp_hidden_s
+            return max(0.0, self.fwd_s - hidden_fwd_s), max(0.0, self.bwd_s + self.recompute_s - hidden_bwd_s)
+        return self.fwd_s + self.cp_fwd_comm_s, self.bwd_s + self.recompute_s + self.cp_comm_s - self.cp_fwd_comm_s
 
 
 @dataclass(frozen=True)

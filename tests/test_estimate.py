@@ -169,6 +169,17 @@ def test_a_context_parallel_exchange_and_zero3_traffic_share_the_nic():
     assert evaluate(graph, cluster, config, global_batch=1).step_time_s >= busy_s
 
 
+def test_a_longer_sequence_never_steps_faster_when_zero3_traffic_waits_on_the_nic():
+    # cp 8 inside each node, ZeRO-3 sharded over 32 GPUs on 4 nodes: the gathers bind the step on the
+    # NICs. Where the cp exchange is not hidden behind attention, compute waits on NVLink while the
+    # NICs keep moving: the gathers hide behind that wait too, so 4x the tokens cannot step faster
+    # (the exposed exchange, longer at short sequences, was added on top of the NIC time).
+    config = ParallelConfig(dp=4, cp=8, zero=3, micro_batch=1, num_microbatches=8)
+    steps = [evaluate(trace("llama3-8b", seq_len=seq_len), "h100-sxm:4x8", config, global_batch=32).step_time_s
+             for seq_len in (1024, 4096)]
+    assert steps[0] <= steps[1]
+
+
 @pytest.mark.parametrize("tp,recompute,extra_kv_fraction", [
     (1, Recompute.NONE, 1 / 2), (2, Recompute.NONE, 1 / 4), (1, Recompute.SELECTIVE, 1.0),
     (1, Recompute.SELECTIVE_OP, 0.0), (1, Recompute.FULL, 0.0)])
