@@ -11,6 +11,9 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+# Parameters under a submodule of this name are expert weights (`Layer.expert_params`).
+EXPERTS_MODULE = "experts"
+
 
 class Recompute(StrEnum):
     """Activation recompute policy of a layer.

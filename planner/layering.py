@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from planner.graph import Layer, LayerKind, Op
+from planner.graph import EXPERTS_MODULE, Layer, LayerKind, Op
 from planner.measure import PieceCost
 
 # A block stack holds most of a transformer's weights outside its vocabulary tables (embeddings and
@@ -32,8 +32,6 @@ from planner.measure import PieceCost
 # blocks); a minor repeated container (two identical conv blocks of a CNN stage, the experts of one
 # MoE layer) is not the pipeline-cut axis.
 BLOCK_CONTAINER_MIN_PARAM_SHARE = 0.5
-# Parameters under a submodule of this name are expert weights (`Layer.expert_params`).
-EXPERTS_MODULE = "experts"
 
 
 @dataclasses.dataclass(frozen=True)

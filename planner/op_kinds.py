@@ -7,8 +7,10 @@ Shared by both capture paths: graph nodes are named by the function or method th
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # the pricing path never imports torch (a cached graph is priced without it)
+    from torch import nn
 
 from planner.graph import OpKind
 

@@ -14,9 +14,8 @@ import math
 
 from costmodel.comm import Collective, collective_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
-from planner.graph import Layer, ModelGraph, Op
+from planner.graph import EXPERTS_MODULE, Layer, ModelGraph, Op
 from planner.layer_cost import TpPlan, op_time_s
-from planner.layering import EXPERTS_MODULE
 from planner.mesh import axis_group
 from planner.sharding import Layout, solve_layout
 from planner.tp_strategies import Placement, weight_split_dim

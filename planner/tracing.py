@@ -38,9 +38,9 @@ from torch.utils import _pytree as pytree
 
 from planner import eager_run, measure
 from planner.errors import PlannerError, PlannerErrorKind, check_positive_int, invalid
-from planner.graph import Layer, LayerKind, ModelDims, ModelGraph, OpKind
+from planner.graph import EXPERTS_MODULE, Layer, LayerKind, ModelDims, ModelGraph, OpKind
 from planner.graph_layers import graph_layers
-from planner.layering import EXPERTS_MODULE, Grouping, tied_modules
+from planner.layering import Grouping, tied_modules
 from planner.models import NO_SEQUENCE_SEQ_LEN, resolve_model
 from planner.module_layers import module_layers
 from planner.source import ModelSource

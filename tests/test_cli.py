@@ -481,6 +481,17 @@ def test_a_factory_module_in_the_current_directory_imports(capsys, monkeypatch, 
     assert json.loads(out)["params"] == 8 * 8 + 8 + 8 * 2 + 2
 
 
+def test_evaluate_of_a_cached_graph_never_imports_torch(tmp_path):
+    # Importing torch takes a second or two; a graph from the on-disk cache is priced without it.
+    env = {**os.environ, "PARAPLAN_CACHE_DIR": str(tmp_path)}
+    argv = ["evaluate", "--model", "gpt3-125m", "--cluster", "a100-80g:1x8", "--global-batch", "8", "--seq-len", "128",
+            "--tp", "2", "--pp", "2", "--json"]
+    code = f"import sys, cli; code = cli.main({argv!r}); print(code, 'torch' in sys.modules, file=sys.stderr)"
+    for expected in ("0 True", "0 False"):  # traced (torch), then cached
+        run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert run.stderr.strip().splitlines()[-1] == expected, run.stderr
+
+
 def test_a_shorthand_of_a_billion_devices_is_refused_not_searched_forever(capsys):
     code, _, err = run(["plan", *MODEL_ARGS, "--cluster", "h100-sxm:125000000x8", "--global-batch", "32"], capsys)
     assert code == 2 and "on 1000000000 devices is valid" in err
