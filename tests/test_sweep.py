@@ -242,6 +242,18 @@ def test_a_row_missing_what_its_status_needs_is_damage_named_by_line(tmp_path, c
         read_results(path)
 
 
+def test_a_second_sweep_on_a_results_file_being_written_is_refused(tmp_path):
+    # Two sweeps appending to one file would both plan every point (and a rewrite by one would cut
+    # the other off): while one holds the file, another is refused in one line; after it, it opens.
+    path = tmp_path / "results.csv"
+    with ResultsFile.open(path):
+        with pytest.raises(PlannerError, match=r"results.csv: another sweep is writing it now; wait for it to end or write to "
+                                               r"another --out$"):
+            sweep(GRID, path, workers=1)
+    with ResultsFile.open(path) as results:
+        assert results.rows == []
+
+
 @pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
 def test_a_file_from_before_the_added_columns_reads_and_resumes_with_them(tmp_path, suffix, reference):
     # A results file written before `dp_replicate`, `host_bytes`, `fingerprint` and `notes` existed: its rows

@@ -15,6 +15,11 @@ import os
 from enum import StrEnum
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): a second sweep on one results file is not refused
+    fcntl = None
+
 from planner.errors import invalid
 from planner.sweeps.spec import POINT_KEYS, SweepPoint
 
@@ -93,17 +98,24 @@ class ResultsFile:
     Use `ResultsFile.open(path)`, as a context manager.
     """
 
-    def __init__(self, path: Path, rows: list[dict], fd: int):
+    def __init__(self, path: Path, rows: list[dict], fd: int, lock: int | None = None):
         self.path = path
         self.format = results_format(path)
         self.rows = rows
         self._fd = fd
+        self._lock = lock
 
     @classmethod
     def open(cls, path: str | Path) -> "ResultsFile":
-        """Open (or create) `path` for appending, after reading its rows and cutting off a partial last line."""
+        """Open (or create) `path` for appending, after reading its rows and cutting off a partial last line.
+
+        Raises:
+            PlannerError: another process has the file open (two sweeps would both plan every point).
+        """
         path = Path(path)
         fmt = results_format(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = _locked(path)
         rows: list[dict] = []
         current = True
         if path.exists():
@@ -112,9 +124,8 @@ class ResultsFile:
             rows, current = _parse(path, fmt, whole)
             if len(whole) != len(data):
                 os.truncate(path, len(whole))
-        path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        results = cls(path, rows, fd)
+        results = cls(path, rows, fd, lock)
         if not current:
             results.rewrite(rows)
         elif fmt == ResultsFormat.CSV and os.fstat(fd).st_size == 0:
@@ -138,6 +149,8 @@ class ResultsFile:
 
     def close(self) -> None:
         os.close(self._fd)
+        if self._lock is not None:
+            os.close(self._lock)  # releases the lock; the empty lock file stays (removing it would race)
 
     def __enter__(self) -> "ResultsFile":
         return self
@@ -148,6 +161,19 @@ class ResultsFile:
     def _write(self, line: str) -> None:
         os.write(self._fd, line.encode())
         os.fsync(self._fd)
+
+
+def _locked(path: Path) -> int | None:
+    """A descriptor holding an exclusive lock for writing `path` (None where the platform has no flock)."""
+    if fcntl is None:
+        return None
+    lock = os.open(path.with_name(f".{path.name}.lock"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock)
+        raise invalid(f"{path}: another sweep is writing it now; wait for it to end or write to another --out") from None
+    return lock
 
 
 def encode_row(row: dict, fmt: ResultsFormat) -> str:
