@@ -291,7 +291,7 @@ def _refine_front(evaluator: Evaluator, ranked: list, global_batch: int, headroo
         memories[index], estimate = memory_plan(evaluator, config, estimate, global_batch, headroom, recompute_fixed=fixed)
         refined[index] = (estimate.step_time_s, config, estimate)
         best_s = min(best_s, estimate.step_time_s)
-    order = sorted(range(len(refined)), key=lambda index: refined[index][0])
+    order = sorted(range(len(refined)), key=lambda index: (refined[index][0], index not in memories))  # ties: a refined one leads
     return [refined[index] for index in order], memories[order[0]]
 
 
