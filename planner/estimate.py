@@ -13,9 +13,9 @@ compute, recompute, exposed tensor/context/expert-parallel communication, expose
   (unless the training code fetches them blocking, `state_cost.Zero3Fetch`);
 - TP/SP collectives are exposed (they sit between dependent matmuls), unless the training code
   pipelines them with the GEMMs (`tp_overlap`, `layer_comm.overlapped_tp_comm_s`);
-- the CP ring overlaps with attention (`layer_cost`), and keeps its links busy: DP and FSDP traffic
-  over the same links (`mesh.cp_shares_shard_links`) hides only in the compute it leaves; EP
-  all-to-all is exposed;
+- the CP ring overlaps with attention and keeps its links busy: DP and FSDP traffic over the same
+  links hides only in the compute it leaves, over other links in the ring's exposed time too
+  (`mesh.cp_shares_shard_links`, `LayerCost.windows_s`); EP all-to-all is exposed;
 - pipeline p2p sits on the critical path of the schedule (`costmodel.pipeline`);
 - the sum of a tied weight's gradients between the first and last stages is exposed after the
   schedule (counted with the data-parallel traffic, `state_cost.tied_gradient_sum_s`).
