@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import os
 import re
-import socket
 import tempfile
 from pathlib import Path
 
@@ -189,10 +188,12 @@ def _train(plan: Plan, spec_path: str) -> dict:
             "fsdp_ranges": counter.fsdp, "recv_bytes": sum(b.numel() * b.element_size() for b in recv_buffers)}
 
 
-def _worker(rank: int, world: int, port: int, cases: list[tuple[str, str, str]], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+def _worker(rank: int, world: int, cases: list[tuple[str, str, str]], out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    # A file store needs no port: a free port picked here could be taken (by another test's gloo
+    # connections) before rank 0 listens on it. Plan.apply keeps a group that is already up.
+    dist.init_process_group("gloo", store=dist.FileStore(str(Path(out_dir) / "store"), world), rank=rank, world_size=world)
     results = {}
     for name, plan_json, spec_path in cases:
         try:
@@ -204,17 +205,11 @@ def _worker(rank: int, world: int, port: int, cases: list[tuple[str, str, str]],
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(world: int, cases: list[tuple[str, Plan, Path]]) -> dict[str, dict]:
     """Spawns `world` ranks running every case; per case the mean loss per step and every parameter."""
     with tempfile.TemporaryDirectory() as out_dir:
         jobs = [(name, plan.to_json(), str(spec)) for name, plan, spec in cases]
-        mp.spawn(_worker, args=(world, _free_port(), jobs, out_dir), nprocs=world)
+        mp.spawn(_worker, args=(world, jobs, out_dir), nprocs=world)
         per_rank = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(world)]
     merged = {}
     for name, _, _ in cases:

@@ -5,12 +5,12 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
@@ -334,17 +334,17 @@ def test_quick_profile_changes_predictions(tmp_path, spec):
     assert measured.step_time_s != pytest.approx(placeholder.step_time_s, rel=1e-3)
 
 
-def _profile_rank(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+def _profile_rank(rank: int, world: int, store_path: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    # A file store needs no port, which another test's gloo connections could take first.
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     run_profile(out, quick=True, show_progress=False)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def test_profile_under_two_ranks_measures_the_link(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_profile_rank, args=(2, port, str(tmp_path / "pair.yaml")), nprocs=2)
+    mp.spawn(_profile_rank, args=(2, str(tmp_path / "store"), str(tmp_path / "pair.yaml")), nprocs=2)
     device = yaml.safe_load((tmp_path / "pair-device.yaml").read_text())
     assert device["node"]["devices_per_node"] == 2
     assert "fit of all-reduce" in device["node"]["intra_link"]["sources"]["bw_bytes_per_s"]
