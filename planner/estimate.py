@@ -55,14 +55,11 @@ UNBOUNDED_BYTES = 1e30
 # Memory cap of a chunk with no room left (positive, as StageProblem requires): no layer fits under it.
 NO_ROOM_BYTES = 1.0
 
-# FSDP keeps the unsharded parameters of the layer it computes and of the one it prefetches
-# (FSDP2 default forward prefetch of one layer).
-ZERO3_GATHERED_LAYERS = 2
 
 # Columns of the per-layer table one device type yields for one configuration (one micro-batch).
 COLUMNS = ("fwd_s", "bwd_s", "compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "cp_hidden_fwd_s",
            "cp_hidden_bwd_s", "fsdp_exposed_s", "dense_params", "expert_params", "frozen_params", "buffer_bytes", "static_bytes", "grad_bytes",
-           "act_bytes", "temp_bytes", "out_bytes")
+           "act_bytes", "temp_bytes", "work_bytes", "out_bytes")
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
 
@@ -176,9 +173,8 @@ class Evaluator:
 
     def time_table(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, policies: tuple[Recompute, ...]) -> np.ndarray:
         """`layer_table` for reading only its time, parameter-count and output-size columns, which depend on
-        dp and the ZeRO stage only through ZeRO-3's parameter gathers, and on pp only through the stage
-        copies of tied weights: configs that differ only there share one table (its memory columns are
-        those of the first such config)."""
+        dp and the ZeRO stage only through ZeRO-3's parameter gathers, and on pp only through the stage copies
+        of tied weights: configs differing only there share one table (memory columns of the first)."""
         key = (node, config.tp, config.cp, config.ep, config.micro_batch,
                config.sequence_parallel, policies, (config.dp, config.dp_replicate) if config.zero == 3 else None, config.pp > 1)
         table = self._time_cache.get(key)
@@ -225,7 +221,7 @@ class Evaluator:
         exposed = exposed_fwd_s + exposed_bwd_s
         return (fwd, cost.total_s + exposed - fwd, cost.fwd_s + cost.bwd_s, cost.recompute_s, cost.tp_comm_s, cost.cp_comm_s,
                 cost.ep_comm_s, *cost.cp_hidden_s, exposed, dense, expert, frozen, layer.buffer_bytes, static, grads,
-                cost.act_bytes, cost.temp_bytes, layer.out_bytes * config.micro_batch / self.graph.micro_batch)
+                cost.act_bytes, cost.temp_bytes, cost.work_bytes, layer.out_bytes * config.micro_batch / self.graph.micro_batch)
 
     def stage_problem(self, config: ParallelConfig, policy_sets: list[tuple[Recompute, ...]], headroom: float = 0.0) -> StageProblem:
         """The stage-split instance of `config`: one column per candidate per-layer policy set."""
@@ -236,7 +232,7 @@ class Evaluator:
         gathered_bytes = 0.0  # ZeRO-3's gathered layers (`_stage_costs`); pipelined, the static bytes hold all
         if config.zero == 3 and config.pp == 1:
             largest = float((refs[0][:, COL["dense_params"]] + refs[0][:, COL["expert_params"]]).max())
-            gathered_bytes = ZERO3_GATHERED_LAYERS * largest * self.precision.weight_bytes
+            gathered_bytes = self.code.zero3_fetch.gathered_layers * largest * self.precision.weight_bytes
         speeds, caps, in_flight = [], [], []
         for chunk in range(chunks):
             stage = chunk % config.pp
@@ -319,6 +315,7 @@ class Evaluator:
             layer_ids = stage_layers[stage]
             rows = tables[node][layer_ids]
             total = rows.sum(axis=0).tolist()  # Python floats: the Estimate must serialise (JSON, YAML)
+            total[COL["work_bytes"]] = float(rows[:, COL["work_bytes"]].max())  # one layer recomputes at a time
             sums.append(total)
             in_flight = pipeline.in_flight_microbatches(str(config.schedule), config.pp, stage, m, config.vpp) if config.pp > 1 else 1.0
             recv_bytes = recv_buffer_bytes(self.code.pp_buffers, boundaries, tables[node][:, COL["out_bytes"]], stage,
@@ -391,8 +388,8 @@ class Evaluator:
         breakdown = memory_model.stage_memory(
             params=dense + expert, expert_params=expert, activation_bytes_per_microbatch=total[COL["act_bytes"]],
             in_flight=in_flight, zero=config.zero, dense_shard_group=config.shard_ranks, expert_shard_group=expert_group,
-            gathered_params=ZERO3_GATHERED_LAYERS * largest_params if config.zero == 3 else 0.0,
-            temp_bytes=total[COL["temp_bytes"]], grads_at_peak=config.num_microbatches > 1, chunks=config.vpp, comm_buffer_bytes=recv_bytes,
+            gathered_params=self.code.zero3_fetch.gathered_layers * largest_params if config.zero == 3 else 0.0,
+            temp_bytes=max(total[COL["temp_bytes"]], total[COL["work_bytes"]]), grads_at_peak=config.num_microbatches > 1, chunks=config.vpp, comm_buffer_bytes=recv_bytes,
             frozen_params=frozen, buffer_bytes=total[COL["buffer_bytes"]], **state_options(config, self.precision),
         )
         owned = (dense - frozen) / dense_shard + expert / expert_shard

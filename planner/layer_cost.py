@@ -7,7 +7,7 @@ the ring exchange of keys and values, overlapped with the attention kernels.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from costmodel.comm import Collective, CommGroup, collective_time_s
@@ -22,13 +22,11 @@ from planner.op_kinds import VIEW_TARGETS
 from planner.parallel_overhead import blocking_collective_kind, sync_wait_s, tp_host_s
 
 class AttentionKernel(StrEnum):
-    """How the attention core runs: fused flash attention (scores never leave on-chip memory) with the
-    device's own flash kernels (FlashAttention-2 on Ampere; cuDNN or FlashAttention-3 on Hopper, as
-    Transformer Engine and PyTorch's SDPA from torch 2.11 run there), or with FlashAttention-2's (the
-    flash-attn 2 package; PyTorch's SDPA on Hopper up to torch 2.10) at the device's
-    `flash2_attention_ratio` of the first; or unfused (QK^T and AV as batched GEMMs with
-    the a*s*s score tensor written to device memory and passed through scale/mask/softmax/dropout
-    kernels, as in Megatron-LM before FlashAttention)."""
+    """How the attention core runs: fused (scores stay on chip) with the device's own flash kernels
+    (FlashAttention-2 on Ampere; cuDNN or FlashAttention-3 on Hopper) or FlashAttention-2's, at the
+    device's `flash2_attention_ratio` of those; or unfused (QK^T and AV as batched GEMMs with the
+    a*s*s scores in device memory through scale/mask/softmax/dropout kernels: Megatron-LM before
+    FlashAttention). README's `--attention` says which training code runs which."""
 
     FLASH = "flash"
     FLASH2 = "flash2"
@@ -66,10 +64,10 @@ class TpPlan:
     Attributes:
         tp: the tensor-parallel degree.
         split_ops: names of ops whose FLOPs and bytes are divided by tp.
-        collectives: (collective, bytes, producer op) per forward at the traced micro-batch: the
-            producer's output is converted; backward runs the conjugate collectives of the same sizes.
-        whole_params: parameters outside the experts that every tp rank holds whole: modules the
-            layout replicates (norms; an embedding whose vocabulary tp does not divide).
+        collectives: (collective, bytes, producer op converted) per forward at the traced micro-batch;
+            backward runs the conjugate collectives of the same sizes.
+        whole_params: parameters outside the experts every tp rank holds whole (replicated norms, an
+            embedding whose vocabulary tp does not divide).
     """
 
     tp: int
@@ -90,6 +88,7 @@ class LayerCost:
     ep_comm_s: float
     act_bytes: float
     temp_bytes: float = 0.0
+    work_bytes: float = 0.0  # `_recompute_work_bytes`: a stage's peak holds its largest, not their sum
     cp_fwd_comm_s: float = 0.0  # the forward's part of cp_comm_s
     # (forward, backward with recompute) seconds of the context-parallel exchange hidden behind the
     # layer's compute: its links are busy then, for whatever else would hide there (`planner.estimate`)
@@ -100,9 +99,8 @@ class LayerCost:
         return self.fwd_s + self.bwd_s + self.recompute_s + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s
 
     def windows_s(self, beside_cp: bool) -> tuple[float, float]:
-        """(forward, backward with recompute) seconds that other traffic can hide in. `beside_cp`: it
-        shares the links of the context-parallel exchange, so only the compute that leaves; else the
-        compute and the exchange's exposed time too (the other links move while compute waits)."""
+        """(forward, backward with recompute) seconds other traffic can hide in: beside the cp exchange
+        on its links, the compute it leaves; else the compute and the exchange's exposed time too."""
         if beside_cp:
             hidden_fwd_s, hidden_bwd_s = self.cp_hidden_s
             return max(0.0, self.fwd_s - hidden_fwd_s), max(0.0, self.bwd_s + self.recompute_s - hidden_bwd_s)
@@ -138,13 +136,11 @@ class LayerContext:
 
 def score_elements(op: Op) -> float:
     """Elements of the attention score tensor (b * heads * s * s) of an attention op."""
-    batch, heads, seq = op.out_shape[0], op.out_shape[1], op.out_shape[2]
-    return float(batch * heads * seq * seq)
+    return float(op.out_shape[0] * op.out_shape[1] * op.out_shape[2] ** 2)
 
 
 def input_bytes_of(layer: Layer) -> dict[str, float]:
-    """Bytes each op of `layer` reads: its producers' outputs (inputs from outside the layer count
-    as the size of the op's own output)."""
+    """Bytes each op of `layer` reads: its producers' outputs (an input from outside: its own output's size)."""
     produced = {op.name: op.out_bytes for op in layer.ops}
     return {op.name: float(sum(produced.get(name, op.out_bytes) for name in op.inputs)) for op in layer.ops}
 
@@ -250,6 +246,14 @@ def _activation_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:
         return (saved + by_heads) / tp
     unsplit = UNSPLIT_ACTIVATION_FRACTION_WITHOUT_SP
     return saved * (unsplit + (1 - unsplit) / tp) + by_heads / tp
+
+
+def _recompute_work_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:
+    """Bytes a recomputed layer holds again in its backward beyond what its policy keeps: what no
+    recompute keeps (an unfused attention's scores included) less that."""
+    if ctx.recompute == Recompute.NONE or not layer.bwd_work_fraction:
+        return 0.0
+    return max(0.0, _activation_bytes(layer, replace(ctx, recompute=Recompute.NONE), tp) - _activation_bytes(layer, ctx, tp))
 
 
 def _loss_temp_bytes(layer: Layer, plan: TpPlan, ctx: LayerContext) -> float:
@@ -392,4 +396,5 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         cp_hidden_s=(hidden_fwd_s, hidden_bwd_s),
         act_bytes=_activation_bytes(layer, ctx, plan.tp),
         temp_bytes=_loss_temp_bytes(layer, plan, ctx),
+        work_bytes=_recompute_work_bytes(layer, ctx, plan.tp),
     )

@@ -65,6 +65,12 @@ class Zero3Fetch(StrEnum):
     PREFETCH = "prefetch"
     BLOCKING = "blocking"
 
+    @property
+    def gathered_layers(self) -> int:
+        """Layers whose whole parameters are gathered at once: the one computing and, when
+        prefetching, the next (FSDP2's default forward prefetch of one layer)."""
+        return 2 if self is Zero3Fetch.PREFETCH else 1
+
 
 class DpSync(StrEnum):
     """How the training code synchronises data-parallel model states below ZeRO-3.
@@ -155,7 +161,7 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
     trainable (dense, expert) parameters of its first layer that has such, whose gradients are the
     backward's last, reduced after it. Without them (0s) the result is a floor (`planner.bounds`).
     """
-    blocking = sync is DpSync.BLOCKING
+    blocking = sync is DpSync.BLOCKING and config.zero < 3
     if blocking or not node.device.comm_overlaps_compute:
         fwd_s = bwd_s = 0.0  # nothing hides the traffic
     replica_s = replica_all_reduce_s(dense - frozen + expert, groups, node, oversubscription)

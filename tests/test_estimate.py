@@ -21,7 +21,7 @@ from costmodel.profile_loader import load_cluster
 from planner.api import evaluate
 from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError
-from planner.estimate import COL, ZERO3_GATHERED_LAYERS, Evaluator
+from planner.estimate import COL, Evaluator
 from planner.mesh import axis_group, mesh_groups, stage_devices
 from planner.graph import LayerKind, OpKind, Recompute
 from planner.layer_comm import overlapped_tp_comm_s
@@ -149,6 +149,27 @@ def test_context_parallel_keeps_a_cp_th_of_the_unfused_scores(gpt350m, cp_comm):
         assert kept[1] - kept[0] == pytest.approx(5 * b * a * s * s / cp, rel=1e-9)
 
 
+def test_a_recomputed_block_holds_what_no_recompute_keeps_during_its_backward(spec_dir):
+    # Full recompute keeps each block's input; a block's backward runs its forward again and holds,
+    # one block at a time, everything no recompute would have kept: under unfused attention that
+    # includes the 5 bytes per score of Korthikanti et al.'s 5as/h term, b x a x s x s scores. A
+    # 256-token vocabulary keeps the loss's logits temporaries (2 x 1024 x 256 x 4 B per copy) below
+    # that working set, so the stage's temporaries are the working set.
+    b, s, a = 2, 1024, 4
+    path = spec_dir / "long-gpt.yaml"
+    path.write_text(f"arch: gpt\nlayers: 2\nhidden: 256\nheads: {a}\nvocab: 256\nmax_seq_len: {s}\n")
+    graph = trace(str(path), seq_len=s)
+    config = ParallelConfig(dp=1, micro_batch=b, num_microbatches=1, recompute=Recompute.FULL)
+    temps = {}
+    for kernel in ("flash", "unfused"):
+        evaluator = Evaluator(graph, load_cluster("a100-80g:1x1"), code=TrainingCode.of(attention=kernel))
+        working = (_block_act_bytes(evaluator, dataclasses.replace(config, recompute=Recompute.NONE), Recompute.NONE)
+                   - _block_act_bytes(evaluator, config, Recompute.FULL))
+        temps[kernel] = evaluator.estimate(config, b).memory[0]["temp_bytes"]
+        assert temps[kernel] == pytest.approx(working, rel=1e-9)
+    assert temps["unfused"] - temps["flash"] == pytest.approx(5 * b * a * s * s, rel=1e-9)
+
+
 def test_a_context_parallel_exchange_and_zero3_traffic_share_the_nic():
     # One GPU per node: the cp ring (keys and values gathered in the forward, again with their
     # gradients in the backward: 3 all-gathers of 2 x the attention output per layer) and ZeRO-3's
@@ -271,11 +292,22 @@ def test_zero_divides_model_states_by_the_data_parallel_group(gpt350m, zero):
     norms = (2 * len(gpt350m.blocks) + 1) * 2 * gpt350m.dims.hidden
     per_device = (gpt350m.params - norms) / tp + norms
     largest = max(layer.params for layer in gpt350m.layers) / tp
-    weights = 2 * ZERO3_GATHERED_LAYERS * largest if zero == 3 else 2 * per_device
+    weights = 2 * 2 * largest if zero == 3 else 2 * per_device  # bf16, current + prefetched layer
     row = estimate.memory[0]
     assert row["weights_bytes"] == pytest.approx(weights)
     assert row["grads_bytes"] == pytest.approx(4 * per_device / (dp if zero >= 2 else 1))
     assert row["optimizer_bytes"] == pytest.approx(12 * per_device / (dp if zero >= 1 else 1))
+
+
+def test_blocking_zero3_fetch_holds_one_gathered_layer(gpt350m):
+    # FSDP holds the layer it computes and the one it prefetches; a fetch that blocks compute
+    # (DeepSpeed ZeRO-3 of spring 2021) has no next layer in flight: one gathered layer fewer.
+    config = ParallelConfig(dp=8, num_microbatches=2, zero=3)
+    weights = {fetch: Evaluator(gpt350m, load_cluster("a100-80g:1x8"), code=TrainingCode.of(zero3_fetch=fetch))
+               .estimate(config, 16).memory[0]["weights_bytes"] for fetch in ("prefetch", "blocking")}
+    largest = max(layer.params for layer in gpt350m.layers)
+    assert weights["prefetch"] == pytest.approx(2 * 2 * largest)
+    assert weights["blocking"] == pytest.approx(2 * largest)
 
 
 def test_pipeline_stages_each_hold_a_copy_of_a_tied_weight(spec_dir):
@@ -349,7 +381,7 @@ def test_fp32_training_states(spec_dir, dp, zero):
     row = Evaluator(fp32, cluster, "fp32").estimate(config, 2 * dp).memory[0]
     shard = dp if zero == 3 else 1
     largest = max(layer.params for layer in fp32.layers)
-    weights = 4 * ZERO3_GATHERED_LAYERS * largest if zero == 3 else 4 * fp32.params
+    weights = 4 * 2 * largest if zero == 3 else 4 * fp32.params  # fp32, current + prefetched layer
     assert row["weights_bytes"] == pytest.approx(weights)
     assert row["grads_bytes"] == pytest.approx(4 * fp32.params / shard)
     assert row["optimizer_bytes"] == pytest.approx((8 if dp == 1 else 12) * fp32.params / shard)
@@ -770,6 +802,16 @@ def test_blocking_dp_sync_exposes_an_all_reduce_and_the_gather(gpt350m):
     copies_s = 10 * gpt350m.params / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
     assert exposed["blocking"] == pytest.approx(all_reduce_s + gather_s + copies_s, rel=1e-6)
     assert exposed["overlapped"] < exposed["blocking"] - all_reduce_s
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_blocking_dp_sync_leaves_zero3_alone(gpt350m, replicas):
+    # The blocking synchronisation is DeepSpeed's pipeline engine below ZeRO-3; ZeRO-3 (with or
+    # without hybrid sharding's replicas) gathers and reduces as it always does.
+    config = ParallelConfig(dp=16, zero=3, dp_replicate=replicas, micro_batch=1, num_microbatches=1)
+    steps = {sync: Evaluator(gpt350m, load_cluster("a100-80g:2x8"), code=TrainingCode.of(dp_sync=sync)).estimate(config, 16).step_time_s
+             for sync in ("overlapped", "blocking")}
+    assert steps["blocking"] == steps["overlapped"]
 
 
 def test_the_first_layers_reduction_and_gather_stay_exposed_however_long_the_compute(gpt350m):
