@@ -204,3 +204,11 @@ class ModelGraph:
         """Recompute policies measured on every layer (op-level checkpointing needs an fx/export trace);
         computed once per graph (every configuration check asks)."""
         return tuple(policy for policy in Recompute if all(policy in layer.saved_bytes for layer in self.layers))
+
+    @functools.cached_property
+    def stream_tokens(self) -> int:
+        """Tokens per sequence in the stream between blocks, which sequence parallelism splits: the
+        first block's first (batch, tokens, features) output (a ViT's patches and class token, where
+        `seq_len` counts one token per image); `seq_len` without such an op."""
+        shapes = (op.out_shape for layer in self.layers if layer.kind == LayerKind.BLOCK for op in layer.ops)
+        return next((shape[1] for shape in shapes if len(shape) == 3), self.seq_len)

@@ -20,13 +20,13 @@ import time
 import numpy as np
 
 from costmodel.memory import ALLOCATOR_FRAGMENTATION_FRACTION
-from planner.config import ParallelConfig, Schedule
+from planner.config import ParallelConfig
 from planner.errors import PlannerError
 from planner.estimate import Evaluator
 from planner.graph import LayerKind, Recompute
 from planner.milp import SolveStatus
 from planner.result import Estimate
-from planner.space import ZERO_BUBBLE_RECOMPUTE
+from planner.space import per_layer_recompute
 from planner.stage_ilp import split_ilp
 from planner.stage_problem import make_split
 
@@ -49,9 +49,7 @@ def refine_recompute(evaluator: Evaluator, config: ParallelConfig, estimate: Est
         return estimate, {"method": "uniform", "status": "fixed by the constraints"}
     if config.recompute == Recompute.NONE:
         return estimate, {"method": "uniform", "status": "not needed"}
-    order = evaluator.graph.recompute_policies
-    if config.schedule == Schedule.ZERO_BUBBLE and config.pp > 1:
-        order = tuple(p for p in order if p in ZERO_BUBBLE_RECOMPUTE)
+    order = per_layer_recompute(evaluator.graph, config)
     problem = evaluator.stage_problem(config, [_uniform(evaluator, p) for p in order], headroom)
     # From the ILP's own capacities, then from capacities calibrated on the uniform policy, which the
     # estimate has priced already.

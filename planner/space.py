@@ -113,6 +113,10 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) ->
         if tp > 1 and not has_ops:
             space.rejected.append(Rejection(f"tp={tp}", "the model was traced at module level; tensor parallelism needs its op graph"))
             continue
+        if graph.stream_tokens % tp:
+            space.rejected.append(Rejection(f"tp={tp}", f"sequence parallelism would split each sequence's {graph.stream_tokens} tokens "
+                                                       f"{tp} ways, which must divide them"))
+            continue
         tp_options.append(tp)
     tp_options = _fixed(constraints, "tp", tp_options, space, "tensor parallelism",
                         f" ({per_node} devices per node, {dims.heads} attention heads)" if dims.heads else "")
@@ -128,7 +132,7 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) ->
     layers = len(graph.layers)
     for tp in tp_options:
         for cp in cp_options:
-            if devices % (tp * cp):
+            if devices % (tp * cp) or graph.stream_tokens % (tp * cp):
                 continue
             fitting = [p for p in divisors(devices // (tp * cp)) if p <= layers]
             pp_all = [p for p in fitting if _stages_on_one_device_type(cluster, p, space)]
@@ -298,6 +302,16 @@ def why_no_configs(degrees: tuple[int, int, int, int, int], graph: ModelGraph, g
 ZERO_BUBBLE_RECOMPUTE = (Recompute.NONE, Recompute.FULL)
 
 
+def per_layer_recompute(graph: ModelGraph, config: ParallelConfig) -> tuple[Recompute, ...]:
+    """The recompute policies a layer of `config` may take: those `check_config` allows it uniformly."""
+    policies = graph.recompute_policies
+    if config.ep > 1:
+        policies = tuple(p for p in policies if p != Recompute.SELECTIVE_OP)
+    if config.schedule == Schedule.ZERO_BUBBLE and config.pp > 1:
+        policies = tuple(p for p in policies if p in ZERO_BUBBLE_RECOMPUTE)
+    return policies
+
+
 def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, global_batch: int,
                  cp_comm: CpComm = CpComm.ALL_GATHER) -> None:
     """Raises PlannerError(INVALID_INPUT) naming why `config` cannot exist for this model, cluster and
@@ -336,6 +350,9 @@ def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, gl
     if config.cp > 1 and graph.seq_len % (2 * config.cp):
         raise invalid(f"cp={config.cp}: the load-balanced split cuts the sequence into 2*cp = {2 * config.cp} chunks, "
                       f"which must divide seq_len={graph.seq_len}; pick another cp or a seq_len multiple of {2 * config.cp}")
+    if config.tp > 1 and config.sequence_parallel and graph.stream_tokens % config.seq_split:
+        raise invalid(f"tp={config.tp}: sequence parallelism splits each sequence's {graph.stream_tokens} tokens "
+                      f"{config.seq_split} ways (tp x cp), which must divide them; pick a tp that does")
     chunks = config.pp * config.vpp
     if chunks > len(graph.layers):
         raise invalid(f"pp*vpp={chunks}: more pipeline chunks than the model's {len(graph.layers)} layers")

@@ -388,6 +388,15 @@ def test_zero_bubble_schedule_takes_no_selective_checkpointing(recompute):
                          global_batch=64)
 
 
+def test_per_layer_recompute_takes_only_what_the_configuration_allows():
+    # Op-level checkpointing with expert parallelism is refused as a uniform policy (check_config);
+    # the memory plan's per-layer choice may not pick it either. deepseek-moe-16b on 8 A100-40G at
+    # 4K tokens: the plan (ep 8) recomputed 11 blocks op-level, a plan that cannot run, priced 2% fast.
+    plan = planner.plan(planner.trace("deepseek-moe-16b", seq_len=4096), "a100-40g:1x8", global_batch=32, ep=8)
+    assert "per_layer" in plan.memory_plan["recompute_solver"]
+    assert Recompute.SELECTIVE_OP not in plan.memory_plan["recompute"]
+
+
 def test_zero_bubble_schedule_takes_no_zero3():
     # torch's zero-bubble weight pass would find FSDP2's resharded weights (planner.config
     # .check_zero_bubble_sharding): with ZeRO-3 fixed the search lists zb among the rejections and

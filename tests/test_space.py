@@ -48,7 +48,8 @@ def expected_degrees(dims: ModelDims, num_layers: int, seq_len: int, devices: in
         dp = devices // (tp * cp * pp)
         tp_ok = tp <= per_node and dims.heads % tp == 0 and (tp == 1 or dims.kv_heads % tp == 0 or tp % dims.kv_heads == 0)
         cp_ok = (cp == 1 or seq_len % (2 * cp) == 0) and cp <= CP_MAX and (cp == 1 or seq_len >= CP_MIN_SEQ_LEN)
-        if not (tp_ok and cp_ok and pp <= num_layers):
+        split_ok = seq_len % (tp * cp) == 0  # each rank's sequence-parallel share is whole tokens
+        if not (tp_ok and cp_ok and split_ok and pp <= num_layers):
             continue
         eps = [e for e in divisors(dp) if dims.experts % e == 0] if dims.experts else [1]  # groups inside dp
         out |= {(dp, tp, pp, cp, ep) for ep in eps}
@@ -62,7 +63,7 @@ def expected_degrees(dims: ModelDims, num_layers: int, seq_len: int, devices: in
     kv_ratio=st.sampled_from([1, 2, 4, 8]),
     blocks=st.integers(1, 24),
     experts=st.sampled_from([0, 4, 6, 8, 64]),
-    seq_len=st.sampled_from([512, 2048, 8192, 12288, 32768]),
+    seq_len=st.sampled_from([197, 512, 2048, 8192, 12288, 32768]),
 )
 def test_degrees_are_exactly_the_valid_tuples(nodes, per_node, heads, kv_ratio, blocks, experts, seq_len):
     kv_heads = heads // kv_ratio if heads % kv_ratio == 0 else heads
@@ -108,6 +109,15 @@ def test_grouped_query_heads_allow_tp_that_divides_or_is_a_multiple_of_kv_heads(
     odd = enumerate_degrees(fake_graph(ModelDims(hidden=3072, heads=24, kv_heads=3, layers=4)), devices, {})
     assert {tp for _, tp, *_ in odd.degrees} == {1}
     assert any(r.what == "tp=2" and "3 key/value heads" in r.reason for r in odd.rejected)
+
+
+def test_tp_must_divide_the_tokens_sequence_parallelism_splits():
+    # ViT-L/16 at 224 px: 196 patches and the class token, 197 tokens, which no tp > 1 divides;
+    # sequence parallelism would leave ranks uneven shares of the stream.
+    dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=24)
+    space = enumerate_degrees(fake_graph(dims, seq_len=197), load_cluster("a100-80g:1x8"), {})
+    assert {tp for _, tp, *_ in space.degrees} == {1}
+    assert any(r.what == "tp=2" and "197 tokens 2 ways" in r.reason for r in space.rejected)
 
 
 def test_module_level_trace_allows_only_tp1():

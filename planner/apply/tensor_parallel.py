@@ -270,11 +270,9 @@ def _head_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: T
     """The output head reads the stream; a colwise head keeps its logits vocabulary-split for a
     vocab-parallel loss when allowed, every other head hands full logits to the loss."""
     placement = _placement(layouts, fqn)
-    if not isinstance(module, nn.Linear):
-        if placement != Placement.REPLICATE:
-            raise unsupported(f"layout {fqn}: placement '{placement}' on a {type(module).__name__} cannot be applied")
-        return {}
-    if placement == Placement.REPLICATE:
+    if not isinstance(module, nn.Linear) and placement != Placement.REPLICATE:
+        raise unsupported(f"layout {fqn}: placement '{placement}' on a {type(module).__name__} cannot be applied")
+    if placement == Placement.REPLICATE:  # it reads the whole stream (a ViT's class-token pooling)
         style = _convert(stream, R, None, None)
         return {fqn: style} if style is not None else {}
     if placement == Placement.COLWISE and vocab_parallel_loss:
@@ -316,7 +314,8 @@ def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[st
     stream = stream_layout(layouts, block_fqns, model)
     styles: dict[str, ParallelStyle] = {}
     embedded = False
-    for unit in units:
+    first_block = min((units.index(block) for block in block_fqns), default=len(units))
+    for position, unit in enumerate(units):
         module = model.get_submodule(unit)
         if unit in block_fqns:
             for name, child in module.named_children():
@@ -334,6 +333,13 @@ def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[st
         elif not embedded and (isinstance(module, nn.Embedding) or any(isinstance(c, nn.Embedding) for c in module.children())):
             styles.update(_embedding_styles(unit, module, layouts, stream))
             embedded = True
+        elif position < first_block and any(True for _ in module.parameters()):
+            # A replicated input module (a ViT's patch embedding): its whole output becomes the stream.
+            if _placement(layouts, unit) != Placement.REPLICATE:
+                raise unsupported(f"layout {unit}: placement '{_placement(layouts, unit)}' on a {type(module).__name__} "
+                                  f"before the blocks cannot be applied")
+            style = _convert(None, None, R, stream)
+            styles.update({unit: style} if style is not None else {})
         elif any(True for _ in module.parameters()):
             styles.update(_head_styles(unit, module, layouts, stream, vocab_parallel_loss))
     loss_parallel = any(isinstance(style, ColwiseParallel) and not style.use_local_output for style in styles.values())

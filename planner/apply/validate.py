@@ -72,12 +72,12 @@ def model_units(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     def expand(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             fqn = f"{prefix}{name}"
-            if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or fqn == container:
+            if container.startswith(f"{fqn}."):  # nanoGPT's `transformer` ModuleDict around its blocks `h`
+                expand(f"{fqn}.", child)
+            elif isinstance(child, (nn.ModuleList, nn.ModuleDict)) or fqn == container:
                 members = [f"{fqn}.{key}" for key, _ in child.named_children()]
                 units.extend(members)
                 blocks.extend(members)
-            elif container.startswith(f"{fqn}."):
-                expand(f"{fqn}.", child)
             else:
                 units.append(fqn)
 
