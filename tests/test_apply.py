@@ -62,7 +62,10 @@ COUNTED_FSDP_RANGES = ("FSDP::all_gather", "FSDP::pre_forward")
 LOGITS_MODEL = "tests.fixtures.custom_models:sequential_lm"
 # Another, whose blocks sit in an nn.TransformerEncoder (captured by torch.export).
 ENCODER_MODEL = "tests.fixtures.custom_models:encoder_lm"
-LOGITS_MODELS = (LOGITS_MODEL, ENCODER_MODEL)
+# Attention written with head counts in attributes (multi-head; multi-query: one key/value head).
+USER_HEADS_MODEL = "tests.fixtures.custom_models:user_heads_lm"
+USER_MQA_MODEL = "tests.fixtures.custom_models:user_mqa_lm"
+LOGITS_MODELS = (LOGITS_MODEL, ENCODER_MODEL, USER_HEADS_MODEL, USER_MQA_MODEL)
 
 # Small enough for a CPU step in milliseconds. The planner's layouts shard every weight
 # (Megatron-SP: sequence-parallel norms, colwise q/k/v/fc1, rowwise o/fc2); at hidden 96 the layout
@@ -327,6 +330,8 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("logits_model_pp", _plan(LOGITS_MODEL, "cpu:1x2", pp=2, tp=1, dp=1, schedule="1f1b", micro_batch=2),
          LOGITS_MODEL),
         ("encoder_model_dp_zero3", _plan(ENCODER_MODEL, "cpu:1x2", dp=2, tp=1, pp=1, zero=3, micro_batch=2), ENCODER_MODEL),
+        ("user_heads_tp", _plan(USER_HEADS_MODEL, "cpu:1x2", tp=2, pp=1), USER_HEADS_MODEL),
+        ("user_mqa_tp", _plan(USER_MQA_MODEL, "cpu:1x2", tp=2, pp=1), USER_MQA_MODEL),
         ("dp_zero1_offload_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=1, micro_batch=2,
                                               offload_optimizer=True), gpt),
         ("llama_tp", _plan(llama, "cpu:1x2", tp=2, pp=1), llama),
@@ -434,6 +439,14 @@ def test_model_returning_logits_trains_with_a_loss_fn(trained, case):
     # loss_fn, with and without pipelining, and trains as one process does.
     plan = trained[case][0]
     assert [layer for stage in plan.estimate.stages for layer in stage.layer_names] == ["embed", "1", "2", "head"]
+    _check(trained[case])
+
+
+@pytest.mark.parametrize("case", ["user_heads_tp", "user_mqa_tp"])
+def test_attention_keeping_its_head_counts_trains_under_tensor_parallelism(trained, case):
+    # `q.view(b, s, self.n_heads, -1)` on a rank's half of the heads regrouped them into 4 heads of
+    # half the width (another model, trained silently); Plan.apply sets the counts to the rank's
+    # heads. With one key/value head (`n_kv_heads`, its width in `hd`) every rank keeps it whole.
     _check(trained[case])
 
 

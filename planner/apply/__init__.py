@@ -51,7 +51,7 @@ from planner.apply.data_parallel import apply_data_parallel, data_parallel_mesh,
 from planner.apply.expert_parallel import apply_expert_parallel, check_expert_mesh, expert_mesh
 from planner.apply.pipeline import StageModule, build_schedule, check_runs_in_order, check_schedule, chunk_units
 from planner.apply.recompute import apply_recompute, check_recompute
-from planner.apply.tensor_parallel import TensorParallelPlan, retie, shared_parameters, tensor_parallel_plan
+from planner.apply.tensor_parallel import TensorParallelPlan, localize_head_counts, retie, shared_parameters, tensor_parallel_plan
 from planner.apply.tied import TiedCopy, sum_tied_gradients, tie_across_stages
 from planner.apply.validate import ModelMatch, check_world_size, match_model, world_size
 from planner.config import Schedule
@@ -351,6 +351,8 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
             chunks.append((index, StageModule(model, units), units))
     else:
         chunks = [(0, model, match.units)]
+    if tp_plan is not None:
+        localize_head_counts(model, match.layouts, config.tp)
     recomputed: dict[str, Recompute] = {}
     for _, module, units in chunks:
         with _frozen_kept(module):
