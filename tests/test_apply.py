@@ -794,6 +794,22 @@ def test_a_batch_the_plan_cannot_take_fails_in_one_line(spec_dir, batch, message
     assert error.value.message.startswith(message) and "\n" not in error.value.message
 
 
+@pytest.mark.parametrize(("output", "loss_fn", "message"), [
+    (lambda t: (t.float(), t.float().mean()), None, "forward_backward: the model returned a tuple, not a scalar loss"),
+    (lambda t: t.float(), None, "forward_backward: the model returned a tensor of shape (8, 32), not a scalar loss"),
+    (lambda t: t.float(), lambda out, t: {"loss": out.mean()}, "forward_backward: the loss_fn returned a dict, not a scalar loss"),
+])
+def test_a_step_without_a_scalar_loss_fails_in_one_line(spec_dir, output, loss_fn, message):
+    # A model returning (logits, loss) or a dict is the common case; the step names what came back.
+    model = torch.nn.Module()
+    model.forward = output
+    plan = _plan(spec_dir / "gpt.yaml", "cpu:1x2", dp=2, tp=1, pp=1)
+    applied = AppliedPlan(plan=plan, mesh=None, modules=(model,), stages=(), schedule=None, loss_fn=loss_fn, recomputed={})
+    with pytest.raises(PlannerError) as error:
+        applied.forward_backward(torch.zeros(GLOBAL_BATCH, SEQ_LEN, dtype=torch.long))
+    assert error.value.message.startswith(message) and "\n" not in error.value.message
+
+
 def test_wrong_world_size_fails_before_process_group(spec_dir, monkeypatch):
     plan = _plan(spec_dir / "gpt.yaml", "cpu:1x2", tp=2, pp=1)
     monkeypatch.setenv("WORLD_SIZE", "4")

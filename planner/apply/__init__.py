@@ -173,9 +173,10 @@ class AppliedPlan:
                 if self.loss_fn is not None and isinstance(out, torch.Tensor) and not out.dim():
                     raise invalid("loss_fn: the model already returns its loss (a scalar); apply the plan without loss_fn")
                 loss = self.loss_fn(out, chunk) if self.loss_fn is not None else out
-                if loss.dim():
-                    raise invalid(f"forward_backward: the model returned a tensor of shape {tuple(loss.shape)}, not a "
-                                  f"loss; pass loss_fn=(logits, targets) -> loss to Plan.apply")
+                if not isinstance(loss, torch.Tensor) or loss.dim():
+                    what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
+                    raise invalid(f"forward_backward: the {'loss_fn' if self.loss_fn is not None else 'model'} returned {what}, "
+                                  f"not a scalar loss; pass loss_fn=(outputs, tokens) -> loss to Plan.apply")
                 loss = loss / len(chunks)
                 loss.backward()
             total += (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
