@@ -63,6 +63,7 @@ NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
 # Attributes attention code keeps its head counts in (nanoGPT, torchtitan, Hugging Face).
 QUERY_HEAD_ATTRS = ("heads", "n_head", "n_heads", "num_heads", "num_attention_heads")
 KEY_VALUE_HEAD_ATTRS = ("kv_heads", "n_kv_head", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
+REPEAT_ATTRS = ("n_rep", "num_key_value_groups")  # query heads per key/value head (torchtitan, Hugging Face)
 # Tensor dimension holding the sequence in (batch, seq, hidden) activations.
 SEQUENCE_DIM = 1
 
@@ -179,7 +180,7 @@ def _head_dim(module: nn.Module, inputs: list[str]) -> int | None:
 
 
 def _head_count(module: nn.Module, names: tuple[str, ...]) -> int | None:
-    """The first of the head-count attributes `names` the module has (the zoo's `heads` or `kv_heads` included)."""
+    """The first of the head-count attributes `names` the module has."""
     return next((count for name in names if isinstance(count := getattr(module, name, None), int)), None)
 
 
@@ -363,20 +364,20 @@ def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[st
 
 
 def localize_head_counts(model: nn.Module, layouts: dict[str, str], tp: int) -> None:
-    """Sets the head counts an attention module of the user's keeps (`QUERY_HEAD_ATTRS`,
-    `KEY_VALUE_HEAD_ATTRS`) to those each rank computes, as Megatron's per-partition counts are: code
-    that views its projections with them (`q.view(b, s, self.n_heads, -1)`) would otherwise regroup
-    a rank's heads into tp times as many narrower ones and train another model, silently. A rank
-    keeps one of fewer key/value heads than tp (`SharedKeyValueParallel`). The zoo's attention infers
-    its local heads from the projected tensors."""
+    """Sets the head counts a user's attention module keeps (`QUERY_HEAD_ATTRS`, `KEY_VALUE_HEAD_ATTRS`,
+    `REPEAT_ATTRS`) to each rank's, as Megatron's per-partition counts: `q.view(b, s, self.n_heads, -1)`
+    would otherwise regroup a rank's heads into tp times as many narrower ones, silently. A rank keeps
+    one of fewer key/value heads than tp (`SharedKeyValueParallel`). The zoo's attention infers its
+    local heads from the tensors."""
     for fqn, module in model.named_modules():
         if _placement(layouts, fqn) != Placement.HEADS or isinstance(module, Attention):
             continue
-        for names, fewer in ((QUERY_HEAD_ATTRS, None), (KEY_VALUE_HEAD_ATTRS, 1)):
-            for name in names:
-                count = getattr(module, name, None)
-                if isinstance(count, int) and not isinstance(count, bool) and count > 0:
-                    setattr(module, name, count // tp if count % tp == 0 else (fewer or count))
+        heads, kv_heads = _head_count(module, QUERY_HEAD_ATTRS), _head_count(module, KEY_VALUE_HEAD_ATTRS)
+        local = {QUERY_HEAD_ATTRS: heads and heads // tp, KEY_VALUE_HEAD_ATTRS: kv_heads and max(1, kv_heads // tp)}
+        local[REPEAT_ATTRS] = heads and kv_heads and local[QUERY_HEAD_ATTRS] // local[KEY_VALUE_HEAD_ATTRS]
+        for names, count in local.items():
+            for name in (name for name in names if count and type(getattr(module, name, None)) is int):
+                setattr(module, name, count)
 
 
 def shared_parameters(module: nn.Module) -> list[list[tuple[str, str]]]:
