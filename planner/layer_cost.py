@@ -248,12 +248,11 @@ def _activation_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:
     return saved * (unsplit + (1 - unsplit) / tp) + by_heads / tp
 
 
-def _recompute_work_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:
-    """Bytes a recomputed layer holds again in its backward beyond what its policy keeps: what no
-    recompute keeps (an unfused attention's scores included) less that."""
+def _recompute_work_bytes(layer: Layer, ctx: LayerContext, tp: int, kept_bytes: float) -> float:
+    """Bytes a recomputed layer holds again in its backward: what no recompute keeps (unfused scores included) less `kept_bytes`."""
     if ctx.recompute == Recompute.NONE or not layer.bwd_work_fraction:
         return 0.0
-    return max(0.0, _activation_bytes(layer, replace(ctx, recompute=Recompute.NONE), tp) - _activation_bytes(layer, ctx, tp))
+    return max(0.0, _activation_bytes(layer, replace(ctx, recompute=Recompute.NONE), tp) - kept_bytes)
 
 
 def _loss_temp_bytes(layer: Layer, plan: TpPlan, ctx: LayerContext) -> float:
@@ -385,6 +384,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         Recompute.SELECTIVE_OP: (_time_s(op_sac_rerun, ctx) if op_sac_rerun else 0.0) + cp_fwd_s
                                 + sum(t for t, rerun in zip(collective_s, op_sac_reruns_collectives(layer, plan)) if rerun),
     }[ctx.recompute] if layer.bwd_work_fraction else 0.0
+    act_bytes = _activation_bytes(layer, ctx, plan.tp)
     return LayerCost(
         fwd_s=fwd_s,
         bwd_s=bwd_s,
@@ -394,7 +394,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         ep_comm_s=ep_comm_s,
         cp_fwd_comm_s=cp_fwd_comm_s,
         cp_hidden_s=(hidden_fwd_s, hidden_bwd_s),
-        act_bytes=_activation_bytes(layer, ctx, plan.tp),
+        act_bytes=act_bytes,
         temp_bytes=_loss_temp_bytes(layer, plan, ctx),
-        work_bytes=_recompute_work_bytes(layer, ctx, plan.tp),
+        work_bytes=_recompute_work_bytes(layer, ctx, plan.tp, act_bytes),
     )
