@@ -123,9 +123,9 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool, from_pla
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _add_config_args(parser: argparse.ArgumentParser, required: bool) -> None:
-    parser.add_argument("--tp", type=_positive("tp"), required=required)
-    parser.add_argument("--pp", type=_positive("pp"), required=required)
+def _add_config_args(parser: argparse.ArgumentParser, recompute_default: str) -> None:
+    parser.add_argument("--tp", type=_positive("tp"))
+    parser.add_argument("--pp", type=_positive("pp"))
     parser.add_argument("--dp", type=_positive("dp"))
     parser.add_argument("--cp", type=_positive("cp"))
     parser.add_argument("--ep", type=_positive("ep"))
@@ -133,7 +133,7 @@ def _add_config_args(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("--micro-batch", type=_positive("micro-batch"))
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     parser.add_argument("--recompute", choices=["none", "selective", "full", "selective_op"],
-                        help="selective_op: torchtitan's op-level selective checkpointing (default: search every policy the trace measured)")
+                        help=f"selective_op: torchtitan's op-level selective checkpointing (default: {recompute_default})")
     parser.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"])
     parser.add_argument("--offload-optimizer", action="store_const", const=True,
                         help="keep Adam states in host memory and update on the CPU (ZeRO-Offload)")
@@ -155,12 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="training dtype the model is traced in (activation bytes follow it)")
     evaluate = sub.add_parser("evaluate", help="predict one parallel configuration")
     _add_model_args(evaluate, needs_batch=True, from_plan=True)
-    _add_config_args(evaluate, required=False)
+    _add_config_args(evaluate, recompute_default="none")
     evaluate.add_argument("--plan", metavar="FILE", help="price a saved plan (.json/.yaml from `plan --out`) as planned: its degrees, "
                                                       "stage split, per-layer recompute and training code; instead of --tp/--pp/...")
     plan = sub.add_parser("plan", help="search the best plan")
     _add_model_args(plan, needs_batch=True)
-    _add_config_args(plan, required=False)
+    _add_config_args(plan, recompute_default="search every policy the trace measured")
     plan.add_argument("--out", help="write the plan to .json or .yaml")
     plan.add_argument("--explain", action="store_true", help="also list rejected options and why")
     plan.add_argument("--no-offload", dest="allow_offload", action="store_false",

@@ -123,6 +123,17 @@ def test_evaluate_json_contract(capsys):
     assert isinstance(data["fits"], bool) and 0 < data["mfu"] < 1
 
 
+def test_evaluate_help_states_the_recompute_it_prices_when_none_is_given(capsys):
+    code, out, _ = run(["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--json"], capsys)
+    assert code == 0 and json.loads(out)["config"]["recompute"] == "none"
+    helps = {}
+    for command in ("evaluate", "plan"):
+        code, out, _ = run([command, "--help"], capsys)
+        helps[command] = " ".join(out.split())
+    assert "(default: none)" in helps["evaluate"] and "search every policy" not in helps["evaluate"]
+    assert "(default: search every policy the trace measured)" in helps["plan"]
+
+
 def test_evaluate_says_what_would_fit_and_how_to_shrink_a_bubble(capsys):
     # llama3-70b on 8 devices without ZeRO: ~70e9 x 18 B / 8 ranks of model states, far over 80 GB.
     # All 8 are pipeline stages (dp = 1), so ZeRO would have no data-parallel ranks to shard over.
