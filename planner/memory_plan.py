@@ -37,7 +37,7 @@ MEMORY_ILP_REL_GAP = 1e-3
 MEMORY_ILP_ROUNDS = 4
 
 
-def _uniform(evaluator: Evaluator, policy: Recompute) -> tuple[Recompute, ...]:
+def uniform_recompute(evaluator: Evaluator, policy: Recompute) -> tuple[Recompute, ...]:
     return tuple(policy if layer.kind == LayerKind.BLOCK else Recompute.NONE for layer in evaluator.graph.layers)
 
 
@@ -50,10 +50,10 @@ def refine_recompute(evaluator: Evaluator, config: ParallelConfig, estimate: Est
     if config.recompute == Recompute.NONE:
         return estimate, {"method": "uniform", "status": "not needed"}
     order = per_layer_recompute(evaluator.graph, config)
-    problem = evaluator.stage_problem(config, [_uniform(evaluator, p) for p in order], headroom)
+    problem = evaluator.stage_problem(config, [uniform_recompute(evaluator, p) for p in order], headroom)
     # From the ILP's own capacities, then from capacities calibrated on the uniform policy, which the
     # estimate has priced already.
-    uniform = make_split(problem, _boundaries(estimate), np.full(problem.num_layers, order.index(config.recompute)),
+    uniform = make_split(problem, chunk_boundaries(estimate), np.full(problem.num_layers, order.index(config.recompute)),
                          "uniform", SolveStatus.FEASIBLE, float("nan"), 0.0)
     starts = (problem.mem_cap_bytes, _corrected_caps(problem.mem_cap_bytes, uniform.stage_mem_bytes, estimate, headroom, config))
     best, best_info, info = estimate, None, {"method": "uniform", "status": "ilp infeasible"}
@@ -82,7 +82,7 @@ def refine_recompute(evaluator: Evaluator, config: ParallelConfig, estimate: Est
     return best, best_info or info
 
 
-def _boundaries(estimate: Estimate) -> np.ndarray:
+def chunk_boundaries(estimate: Estimate) -> np.ndarray:
     """The pp*vpp+1 layer cut points of the estimate's pipeline chunks, in chunk order."""
     runs = sorted(run for stage in estimate.stages for run in (stage.chunks or ((stage.first_layer, stage.last_layer),)))
     return np.array([first for first, _ in runs] + [runs[-1][1] + 1])
@@ -107,7 +107,7 @@ def memory_plan(evaluator: Evaluator, config: ParallelConfig, estimate: Estimate
     """The memory plan (recompute per layer, ZeRO stage, offload, headroom per stage) and the
     refined estimate; a `recompute_fixed` policy stays uniform."""
     estimate, solver = refine_recompute(evaluator, config, estimate, global_batch, headroom, recompute_fixed)
-    per_layer = solver.get("per_layer") or [str(p) for p in _uniform(evaluator, config.recompute)]
+    per_layer = solver.get("per_layer") or [str(p) for p in uniform_recompute(evaluator, config.recompute)]
     recompute = {str(p): [evaluator.graph.layers[i].name for i, q in enumerate(per_layer) if q == str(p)] for p in Recompute}
     stages = [
         {"stage": row["stage"], "total_bytes": row["total_bytes"], "capacity_bytes": row["capacity_bytes"],

@@ -209,6 +209,10 @@ class Alternative:
     tokens_per_s: float
     peak_memory_bytes: float
     note: str = ""
+    # Where the memory plan chose per layer: each layer's recompute policy, and the layer cut points of
+    # the pipeline chunks it split them at (the config's uniform policy and split otherwise).
+    recompute_per_layer: tuple[str, ...] = ()
+    chunk_boundaries: tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
         return {
@@ -217,6 +221,8 @@ class Alternative:
             "tokens_per_s": self.tokens_per_s,
             "peak_memory_bytes": self.peak_memory_bytes,
             "note": self.note,
+            "recompute_per_layer": list(self.recompute_per_layer),
+            "chunk_boundaries": list(self.chunk_boundaries),
         }
 
 
@@ -315,7 +321,8 @@ class Plan:
             memory_plan=data.get("memory_plan", {}),
             search=data.get("search", {}),
             alternatives=tuple(
-                Alternative(ParallelConfig.from_dict(a["config"]), a["step_time_s"], a["tokens_per_s"], a["peak_memory_bytes"], a.get("note", ""))
+                Alternative(ParallelConfig.from_dict(a["config"]), a["step_time_s"], a["tokens_per_s"], a["peak_memory_bytes"],
+                            a.get("note", ""), tuple(a.get("recompute_per_layer", ())), tuple(a.get("chunk_boundaries", ())))
                 for a in data.get("alternatives", [])
             ),
             rejected=tuple(data.get("rejected", [])),

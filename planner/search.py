@@ -18,23 +18,20 @@ import bisect
 import dataclasses
 import heapq
 import math
-import re
 import time
 from collections import Counter
 
-from costmodel import memory as memory_model
 from costmodel.hardware import Cluster
-from costmodel.offload import host_state_bytes
 from planner.bounds import (WorkBound, mean_capacity_bytes, memory_floor_bytes, pipeline_bound_s, tail_bound_s, work_bound,
                             work_bound_key)
 from planner.config import ParallelConfig, Schedule
-from planner.errors import PlannerError, PlannerErrorKind, check_positive_int, invalid
+from planner.errors import PlannerError, check_positive_int, invalid
 from planner.estimate import Evaluator
 from planner.graph import ModelGraph, Recompute
-from planner.memory_plan import memory_plan
+from planner.memory_plan import chunk_boundaries, memory_plan, uniform_recompute
+from planner.no_fit import batch_reason, closest_miss, nothing_fits
 from planner.result import Alternative, Plan
 from planner.space import Rejection, check_config, configs_for, enumerate_degrees, why_no_configs
-from planner.state_cost import state_options
 from planner.training_code import TrainingCode
 
 # Constraint keys `plan` accepts besides the fixed choices; anything else is a typo.
@@ -93,7 +90,8 @@ class _Pass:
     def __init__(self, reasons: Counter, examples: dict, rejected: list):
         self.reasons, self.examples, self.rejected = reasons, examples, rejected
         self.total = self.evaluated = self.screened = 0
-        self.closest_miss = None
+        self.closest_miss = None  # (peak bytes, config): the priced configuration closest to fitting
+        self.screened_misses: list[tuple[float, ParallelConfig]] = []  # (memory floor, config)
         self.host_miss = None  # (host bytes, host share, config): the offload plan closest to its host memory
         self.work_bounds: dict[tuple, WorkBound] = {}
         self.tail_bounds: dict[tuple, float] = {}
@@ -105,7 +103,7 @@ class _Pass:
         per_node = min(group.node.devices_per_node for group in evaluator.cluster.groups)
         for degrees in space.degrees:
             if global_batch % degrees[0]:
-                self.rejected.append(Rejection(f"dp={degrees[0]}", _batch_reason(global_batch)))
+                self.rejected.append(Rejection(f"dp={degrees[0]}", batch_reason(global_batch)))
                 continue
             produced = 0
             for config in configs_for(degrees, graph, global_batch, constraints, per_node):
@@ -189,8 +187,10 @@ class _Pass:
             if estimate is None or not estimate.fits:
                 need = floor_bytes if estimate is None else estimate.peak_memory_bytes
                 at_least = "at least " if estimate is None else ""
-                if self.closest_miss is None or need < self.closest_miss[0]:
-                    self.closest_miss = (need, config, at_least)
+                if estimate is None:
+                    self.screened_misses.append((floor_bytes, config))
+                elif self.closest_miss is None or need < self.closest_miss[0]:
+                    self.closest_miss = (need, config)
                 self.reasons["memory"] += 1
                 if len(self.examples.setdefault("memory", [])) < EXPLAIN_EXAMPLES_PER_REASON:
                     self.examples["memory"].append({"what": config.short(), "reason": f"out of memory: needs {at_least}{need / 2**30:.1f} GiB per device"})
@@ -229,14 +229,15 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     ranked = tally.run(evaluator, space, graph, global_batch, constraints, headroom, kept, exhaustive)
     if not ranked and constraints.get("allow_offload", True) and "offload_optimizer" not in constraints:
         ranked = tally.run(evaluator, space, graph, global_batch, {**constraints, "offload_optimizer": True}, headroom, kept, exhaustive)
-    candidates_total, evaluated, screened, closest_miss = tally.total, tally.evaluated, tally.screened, tally.closest_miss
+    candidates_total, evaluated, screened = tally.total, tally.evaluated, tally.screened
 
     if not ranked:
-        raise _nothing_fits(evaluator, global_batch, closest_miss, evaluated + screened,
-                            rejected[len(space.rejected):] or rejected, tally.host_miss, constraints)
+        closest = closest_miss(evaluator, tally.closest_miss, tally.screened_misses, global_batch, headroom)
+        raise nothing_fits(evaluator, global_batch, closest, evaluated + screened,
+                           rejected[len(space.rejected):] or rejected, tally.host_miss, constraints, headroom)
 
     ranked, plan_memory = _refine_front(evaluator, ranked, global_batch, headroom, fixed="recompute" in constraints)
-    best_s, best_config, best_estimate = ranked[0]
+    best_config, best_estimate = ranked[0][1:3]
     for r in rejected:
         key = _reason_key(r.reason)
         reasons[key] += 1
@@ -263,11 +264,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
             "status": "optimal",
             "rejected_counts": dict(reasons),
         },
-        alternatives=tuple(
-            Alternative(config, step_s, estimate.tokens_per_s, estimate.peak_memory_bytes,
-                        note=f"{step_s / best_s - 1:+.1%} step time")
-            for step_s, config, estimate in ranked[1:top + 1]
-        ),
+        alternatives=_alternatives(evaluator, ranked, top),
         rejected=tuple(example for group in examples.values() for example in group),
         layer_names=tuple(layer.name for layer in graph.layers),
         training_code=code.options(),
@@ -275,13 +272,15 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
 
 
 def _refine_front(evaluator: Evaluator, ranked: list, global_batch: int, headroom: float, fixed: bool) -> tuple[list, dict]:
-    """The ranked candidates after the per-layer memory plan (`memory_plan`), and the leader's plan.
+    """The ranked candidates after the per-layer memory plan (`memory_plan`), each as (step time,
+    config, estimate, recompute per layer), and the leader's plan.
 
     The leader is refined; so is each runner-up that could then overtake it: one whose step time
     with no recompute at all, which no per-layer choice beats, is below the best refined so far.
     """
     memories = {}
-    refined = list(ranked)
+    refined = [(step_s, config, estimate, tuple(map(str, uniform_recompute(evaluator, config.recompute))))
+               for step_s, config, estimate in ranked]
     best_s = math.inf
     for index, (step_s, config, estimate) in enumerate(ranked):
         if index and (fixed or config.recompute == Recompute.NONE or evaluator.estimate(
@@ -289,89 +288,41 @@ def _refine_front(evaluator: Evaluator, ranked: list, global_batch: int, headroo
                 headroom=headroom).step_time_s >= best_s):
             continue
         memories[index], estimate = memory_plan(evaluator, config, estimate, global_batch, headroom, recompute_fixed=fixed)
-        refined[index] = (estimate.step_time_s, config, estimate)
+        policy_of = {name: policy for policy, names in memories[index]["recompute"].items() for name in names}
+        refined[index] = (estimate.step_time_s, config, estimate, tuple(policy_of[layer.name] for layer in evaluator.graph.layers))
         best_s = min(best_s, estimate.step_time_s)
     order = sorted(range(len(refined)), key=lambda index: (refined[index][0], index not in memories))  # ties: a refined one leads
     return [refined[index] for index in order], memories[order[0]]
+
+
+def _alternatives(evaluator: Evaluator, ranked: list, top: int) -> tuple[Alternative, ...]:
+    """Up to `top` runners-up of `_refine_front`'s ranking, each plan once. Candidates that differ
+    only in the uniform recompute policy the memory plan started from, and were refined to the same
+    per-layer recompute and stage split as one ranked before them, are the same plan. A runner-up
+    whose recompute differs from its config's policy carries it per layer with its stage split, and
+    its note counts it."""
+    def key(config: ParallelConfig, estimate, per_layer: tuple[str, ...]) -> tuple:
+        return dataclasses.replace(config, recompute=Recompute.NONE), per_layer, tuple(chunk_boundaries(estimate))
+
+    best_s = ranked[0][0]
+    seen = {key(*ranked[0][1:])}
+    alternatives = []
+    for step_s, config, estimate, per_layer in ranked[1:]:
+        if len(alternatives) == top or key(config, estimate, per_layer) in seen:
+            continue
+        seen.add(key(config, estimate, per_layer))
+        note, boundaries = f"{step_s / best_s - 1:+.1%} step time", ()
+        if per_layer == tuple(map(str, uniform_recompute(evaluator, config.recompute))):
+            per_layer = ()
+        else:
+            note += "; recompute per layer: " + ", ".join(f"{n} {policy}" for policy, n in Counter(per_layer).most_common())
+            boundaries = tuple(int(b) for b in chunk_boundaries(estimate))
+        alternatives.append(Alternative(config, step_s, estimate.tokens_per_s, estimate.peak_memory_bytes, note, per_layer,
+                                        boundaries))
+    return tuple(alternatives)
 
 
 def _first_chunk_frozen(graph: ModelGraph, estimate) -> bool:
     """Whether the pipeline's first chunk has no parameter that takes a gradient."""
     first, last = estimate.stages[0].chunks[0]
     return all(layer.params == layer.frozen_params for layer in graph.layers[first:last + 1])
-
-
-def _devices_for_states(evaluator: Evaluator, config: ParallelConfig, offload: bool) -> int:
-    """The fewest devices whose memory holds the model states sharded over all of them (ZeRO-3), and
-    with `offload` whose hosts hold the offloaded states too (where the host memory is known)."""
-    graph, cluster = evaluator.graph, evaluator.cluster
-    frozen = sum(layer.frozen_params for layer in graph.layers)
-    sharded = dataclasses.replace(config, zero=3, offload_optimizer=offload)
-    states = sum(memory_model.model_state_bytes(graph.params, 3, 1, frozen_params=frozen,
-                                                **state_options(sharded, evaluator.precision)))
-    devices = math.ceil(states / min(g.node.device.mem_bytes for g in cluster.groups))
-    host = min(g.node.host_mem_bytes_per_device for g in cluster.groups)
-    if offload and host:
-        devices = max(devices, math.ceil(host_state_bytes(graph.params - frozen, frozen) / host))
-    return devices
-
-
-def _batch_reason(global_batch: int) -> str:
-    return f"global_batch={global_batch} is not a multiple of dp"
-
-
-def _nothing_fits(evaluator: Evaluator, global_batch: int, closest_miss, evaluated: int,
-                  rejected: list[Rejection], host_miss=None, constraints: dict | None = None) -> PlannerError:
-    """INSUFFICIENT_MEMORY with what would fit: more devices, and of a smaller micro-batch, ZeRO-3 with full
-    recompute, optimizer offload and no fixed hybrid-sharding replicas whichever the closest miss
-    does not use already. When offloading the optimizer made a configuration fit the devices but
-    not the host's memory (`host_miss`), that leads: more host memory, or more devices to shard the
-    states over (unless ZeRO is fixed at 0). INVALID_INPUT with the commonest reasons when no
-    configuration was valid at all (`rejected`). `constraints`: the user's fixed choices.
-
-    The devices named are at least what the model states need, sharded whole (ZeRO-3, offloaded
-    where allowed), and at least the closest miss's peak scaled to the capacity."""
-    graph, cluster = evaluator.graph, evaluator.cluster
-    constraints = constraints or {}
-    replicas = (f" or without the fixed --dp-replicate {constraints['dp_replicate']} (its replicas each hold the states)"
-                if constraints.get("dp_replicate", 1) > 1 else "")
-    capacity = min(g.node.device.mem_bytes for g in cluster.groups)
-    candidates = f"{evaluated} candidate" + ("" if evaluated == 1 else "s")
-    if host_miss is not None:
-        host_bytes, share, host_config = host_miss
-        more = (f" or about {math.ceil(cluster.num_devices * host_bytes / share)}+ devices (ZeRO shards the states over "
-                f"them)" if constraints.get("zero") != 0 else "")
-        return PlannerError(PlannerErrorKind.INSUFFICIENT_MEMORY, (
-            f"no plan fits after {candidates}: {host_config.short()} fits the devices with its optimizer states "
-            f"offloaded, but they need {host_bytes / 2**30:.1f} GiB of host memory per device of {share / 2**30:.1f} "
-            f"GiB; try nodes with more host memory{more}{replicas}"))
-    if closest_miss is None:
-        distinct = sorted({(r.what, r.reason) for r in rejected},  # a second pass (offload) rejects the same again
-                          key=lambda item: [int(n) for n in re.findall(r"\d+", item[0])], reverse=True)
-        by_reason = Counter(reason for _, reason in distinct)
-        example = {reason: what for what, reason in distinct}  # the smallest degrees of each reason
-        reasons = "; ".join(f"{example[reason]}: {reason}" + (f" (and {count - 1} more)" if count > 1 else "")
-                            for reason, count in by_reason.most_common(3))
-        fix = "relax the fixed choices or change the global batch"
-        splits = [int(what.split("=")[1]) for what, reason in distinct if reason == _batch_reason(global_batch)]
-        if splits and len(splits) == len(distinct):
-            batch, dp = min((math.ceil(global_batch / dp) * dp, dp) for dp in splits)
-            fix = f"global_batch={batch} (a multiple of dp={dp}) would split, or relax the fixed choices"
-        return invalid(f"no configuration of {graph.name} on {cluster.num_devices} devices is valid: {reasons}; fix: {fix}")
-    need, config, at_least = closest_miss
-    least = min(_devices_for_states(evaluator, config, offload) for offload in {False, constraints.get("allow_offload", True)})
-    remedies = [f"at least {max(least, math.ceil(cluster.num_devices * need / capacity))} devices (the model states "
-                f"alone, fully sharded, need {least})"]
-    if config.micro_batch > 1:
-        remedies.append("a smaller micro-batch")
-    # ZeRO needs data-parallel ranks to shard over: none when the fixed tp and pp take every device.
-    shardable = cluster.num_devices // ((constraints.get("tp") or 1) * (constraints.get("pp") or 1)) > 1 and constraints.get("dp") != 1
-    if (config.zero < 3 and shardable) or config.recompute is not Recompute.FULL:
-        remedies.append("allowing zero=3 with recompute=full")
-    if not config.offload_optimizer:
-        remedies.append("allowing optimizer offload")
-    return PlannerError(
-        PlannerErrorKind.INSUFFICIENT_MEMORY,
-        f"no plan fits: the closest ({config.short()}) needs {at_least}{need / 2**30:.1f} GiB per device of {capacity / 2**30:.1f} GiB "
-        f"after {candidates}; try {' or '.join(remedies)}{replicas}",
-    )

@@ -306,16 +306,43 @@ def test_nothing_fits_says_what_would():
         planner.plan(graph, "a100-40g:1x2", global_batch=8, allow_offload=False)
     assert error.value.kind == PlannerErrorKind.INSUFFICIENT_MEMORY
     message = error.value.message
-    # The closest miss already shards everything and recomputes fully, so the remedies left are
-    # more devices, a smaller micro-batch and the offload the caller forbade.
+    # The search tried every micro-batch, ZeRO stage and recompute policy, so the remedies left are
+    # more devices and the offload the caller forbade.
     assert "z3 full" in message
-    assert "devices" in message and "smaller micro-batch" in message and "optimizer offload" in message
-    assert "zero=3" not in message
+    assert "devices" in message and "optimizer offload" in message
+    assert "micro-batch" not in message and "micro_batch" not in message and "zero=3" not in message
     # However many devices: the model states alone, fully sharded, take 2 + 2 + 12 = 16 B per
     # parameter (FSDP2's fp32 master is the only fp32 copy), so no fewer than 16 B x params / 40 GB.
     capacity = load_cluster("a100-40g:1x1").groups[0].node.device.mem_bytes
     least = int(re.search(r"at least (\d+) devices", message).group(1))
     assert least >= math.ceil(16 * graph.params / capacity) > 2
+
+
+def test_nothing_fits_names_the_priced_peak_of_the_closest_miss():
+    # gpt3-1.3b at 2048 tokens on one a10g: every configuration misses, and some are rejected on their
+    # memory floor alone. The closest named is the smallest peak over all of them, priced (a floor is
+    # only a lower bound: one screened at 22.4 GiB peaks at 24.4), and no fixed choice held a lever back.
+    graph = planner.trace("gpt3-1.3b", seq_len=2048)
+    with pytest.raises(PlannerError) as error:
+        planner.plan(graph, "a10g:1x1", global_batch=8, allow_offload=False)
+    message = error.value.message
+    named = re.search(r"the closest \((.+?)\) needs ([\d.]+) GiB", message)
+    peaks = {}
+    for micro_batch in (1, 2, 4, 8):
+        for zero in (0, 3):
+            for recompute in ("none", "selective", "full"):
+                estimate = planner.evaluate(graph, "a10g:1x1", {"tp": 1, "pp": 1, "micro_batch": micro_batch, "zero": zero,
+                                                               "recompute": recompute}, global_batch=8)
+                assert not estimate.fits
+                peaks[estimate.config.short()] = estimate.peak_memory_bytes / 2**30
+    assert float(named.group(2)) == pytest.approx(min(peaks.values()), abs=0.05)
+    assert peaks[named.group(1)] == pytest.approx(float(named.group(2)), abs=0.05)
+    assert "at least 2 devices" in message and "optimizer offload" in message and "micro" not in message
+    # A fixed micro-batch of 2 held that lever back: micro-batch 1 holds less, and the remedy says how much.
+    with pytest.raises(PlannerError) as error:
+        planner.plan(graph, "a10g:1x1", global_batch=8, allow_offload=False, micro_batch=2)
+    single = min(peak for config, peak in peaks.items() if " mb1x8 " in config)
+    assert f"micro_batch=1 ({single:.1f} GiB)" in error.value.message
 
 
 def test_nothing_fits_suggests_only_what_the_closest_miss_lacks():
@@ -425,6 +452,30 @@ def test_expert_parallel_plans_take_no_op_level_checkpointing():
 
 def test_plan_round_trips_through_json(small_plan):
     _, plan = small_plan
+    assert planner.Plan.from_json(plan.to_json()) == plan
+
+
+def test_alternatives_are_distinct_plans_priced_as_they_would_run():
+    # llama3-8b on two 4-L4 nodes: the memory plan refines runners-up per layer. Two of them,
+    # started from selective_op and from full recompute on the same degrees, were refined to one
+    # and the same plan and listed twice. Each plan is listed once, and each alternative's time and
+    # peak come back from its own recompute and split: the config's uniform policy where it carries
+    # none, its per-layer policies and chunk cut points where it does.
+    graph = planner.trace("llama3-8b", seq_len=2048)
+    plan = planner.plan(graph, "l4:2x4", global_batch=16)
+    evaluator = Evaluator(graph, load_cluster("l4:2x4"))
+    runs = [(a.config.short().replace(str(a.config.recompute), ""), a.recompute_per_layer or (a.config.recompute,),
+             a.chunk_boundaries) for a in plan.alternatives]
+    assert len(set(runs)) == len(runs)
+    assert any(a.recompute_per_layer for a in plan.alternatives)
+    for alternative in plan.alternatives:
+        per_layer = alternative.recompute_per_layer
+        estimate = evaluator.estimate(alternative.config, 16, recompute_per_layer=tuple(map(Recompute, per_layer)) or None,
+                                      boundaries=alternative.chunk_boundaries or None)
+        assert (estimate.step_time_s, estimate.peak_memory_bytes) == pytest.approx(
+            (alternative.step_time_s, alternative.peak_memory_bytes), rel=REL_TOL)
+        assert ("recompute per layer" in alternative.note) == bool(per_layer)
+        assert len(per_layer) in (0, len(graph.layers))
     assert planner.Plan.from_json(plan.to_json()) == plan
 
 

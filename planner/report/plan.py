@@ -106,9 +106,12 @@ def alternatives_table(plan: Plan) -> Table:
     table.add_column("config")
     table.add_column("step time", justify="right")
     table.add_column("vs best", justify="right")
+    table.add_column("recompute per layer")
     table.add_column("peak memory", justify="right")
     for alt in plan.alternatives:
-        table.add_row(alt.config.short(), fmt_seconds(alt.step_time_s), alt.note, fmt_bytes(alt.peak_memory_bytes))
+        per_layer = ", ".join(f"{n} {policy}" for policy, n in Counter(alt.recompute_per_layer).most_common())
+        table.add_row(alt.config.short(), fmt_seconds(alt.step_time_s), f"{alt.step_time_s / plan.estimate.step_time_s - 1:+.1%}",
+                      per_layer or f"{alt.config.recompute} (every block)", fmt_bytes(alt.peak_memory_bytes))
     close = [alt for alt in plan.alternatives if alt.step_time_s <= plan.estimate.step_time_s * (1 + PUBLISHED_MAPE)]
     simpler = [alt for alt in close if parallel_axes(alt.config) < parallel_axes(plan.config)]
     if simpler:

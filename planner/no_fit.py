@@ -1,0 +1,141 @@
+"""What would fit when no configuration does: the closest miss and the levers the search could not pull.
+
+When nothing fits, the search has priced or screened every configuration. The closest miss is the
+one with the smallest peak per device. A screened candidate has only its memory floor, which never
+exceeds its peak, so the screened ones whose floor is below the closest priced peak are priced in
+floor order (at most `CLOSEST_MISS_PRICINGS` of them) and the closest named is always priced.
+
+A remedy is named only where it can help: more devices always can, while every micro-batch size,
+ZeRO stage, recompute policy and (unless forbidden) optimizer offload were tried already, so those
+are named only when a fixed choice held them back; a fixed micro-batch only when micro-batch 1 needs
+less.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import Counter
+
+from costmodel import memory as memory_model
+from costmodel.offload import host_state_bytes
+from planner.config import ParallelConfig
+from planner.errors import PlannerError, PlannerErrorKind, invalid
+from planner.estimate import Evaluator
+from planner.graph import Recompute
+from planner.space import Rejection, check_config
+from planner.state_cost import state_options
+
+# Screened candidates priced at most to find the closest miss (each costs one estimate).
+CLOSEST_MISS_PRICINGS = 16
+
+GIB = 2**30
+
+
+def batch_reason(global_batch: int) -> str:
+    return f"global_batch={global_batch} is not a multiple of dp"
+
+
+def closest_miss(evaluator: Evaluator, priced: tuple[float, ParallelConfig] | None,
+                 screened: list[tuple[float, ParallelConfig]], global_batch: int,
+                 headroom: float) -> tuple[float, ParallelConfig] | None:
+    """(peak bytes, config) of the configuration that came closest to fitting (module docstring).
+
+    Args:
+        priced: the priced miss with the smallest peak, if any.
+        screened: (memory floor, config) of the candidates rejected on their floor alone.
+    """
+    best = priced
+    for floor_bytes, config in sorted(screened, key=lambda miss: miss[0])[:CLOSEST_MISS_PRICINGS]:
+        if best is not None and floor_bytes >= best[0]:
+            break
+        peak_bytes = evaluator.estimate(config, global_batch, headroom=headroom).peak_memory_bytes
+        if best is None or peak_bytes < best[0]:
+            best = (peak_bytes, config)
+    return best
+
+
+def devices_for_states(evaluator: Evaluator, config: ParallelConfig, offload: bool) -> int:
+    """The fewest devices whose memory holds the model states sharded over all of them (ZeRO-3), and
+    with `offload` whose hosts hold the offloaded states too (where the host memory is known)."""
+    graph, cluster = evaluator.graph, evaluator.cluster
+    frozen = sum(layer.frozen_params for layer in graph.layers)
+    sharded = dataclasses.replace(config, zero=3, offload_optimizer=offload)
+    states = sum(memory_model.model_state_bytes(graph.params, 3, 1, frozen_params=frozen,
+                                                **state_options(sharded, evaluator.precision)))
+    devices = math.ceil(states / min(g.node.device.mem_bytes for g in cluster.groups))
+    host = min(g.node.host_mem_bytes_per_device for g in cluster.groups)
+    if offload and host:
+        devices = max(devices, math.ceil(host_state_bytes(graph.params - frozen, frozen) / host))
+    return devices
+
+
+def _smaller_micro_batch(evaluator: Evaluator, config: ParallelConfig, need_bytes: float, global_batch: int,
+                         headroom: float) -> str | None:
+    """The remedy of micro-batch 1 for a fixed larger micro-batch, when it holds less (more
+    micro-batches can hold more: ZeRO's gradients then live through the step)."""
+    single = dataclasses.replace(config, micro_batch=1, num_microbatches=config.num_microbatches * config.micro_batch)
+    try:
+        check_config(evaluator.graph, evaluator.cluster, single, global_batch, evaluator.code.cp_comm)
+    except PlannerError:
+        return None
+    peak_bytes = evaluator.estimate(single, global_batch, headroom=headroom).peak_memory_bytes
+    return f"micro_batch=1 ({peak_bytes / GIB:.1f} GiB)" if peak_bytes < need_bytes else None
+
+
+def nothing_fits(evaluator: Evaluator, global_batch: int, closest: tuple[float, ParallelConfig] | None, evaluated: int,
+                 rejected: list[Rejection], host_miss=None, constraints: dict | None = None,
+                 headroom: float = 0.0) -> PlannerError:
+    """INSUFFICIENT_MEMORY naming the `closest` miss and what would fit: more devices, and the levers
+    a fixed choice held back (module docstring). When offloading the optimizer made a configuration
+    fit the devices but not the host's memory (`host_miss`), that leads: more host memory, or more
+    devices to shard the states over (unless ZeRO is fixed at 0). INVALID_INPUT with the commonest
+    reasons when no configuration was valid at all (`rejected`). `constraints`: the user's fixed choices.
+
+    The devices named are at least what the model states need, sharded whole (ZeRO-3, offloaded
+    where allowed), and at least the closest miss's peak scaled to the capacity."""
+    graph, cluster = evaluator.graph, evaluator.cluster
+    constraints = constraints or {}
+    replicas = (f" or without the fixed --dp-replicate {constraints['dp_replicate']} (its replicas each hold the states)"
+                if constraints.get("dp_replicate", 1) > 1 else "")
+    capacity = min(g.node.device.mem_bytes for g in cluster.groups)
+    candidates = f"{evaluated} candidate" + ("" if evaluated == 1 else "s")
+    if host_miss is not None:
+        host_bytes, share, host_config = host_miss
+        more = (f" or about {math.ceil(cluster.num_devices * host_bytes / share)}+ devices (ZeRO shards the states over "
+                f"them)" if constraints.get("zero") != 0 else "")
+        return PlannerError(PlannerErrorKind.INSUFFICIENT_MEMORY, (
+            f"no plan fits after {candidates}: {host_config.short()} fits the devices with its optimizer states "
+            f"offloaded, but they need {host_bytes / GIB:.1f} GiB of host memory per device of {share / GIB:.1f} "
+            f"GiB; try nodes with more host memory{more}{replicas}"))
+    if closest is None:
+        distinct = sorted({(r.what, r.reason) for r in rejected},  # a second pass (offload) rejects the same again
+                          key=lambda item: [int(n) for n in re.findall(r"\d+", item[0])], reverse=True)
+        by_reason = Counter(reason for _, reason in distinct)
+        example = {reason: what for what, reason in distinct}  # the smallest degrees of each reason
+        reasons = "; ".join(f"{example[reason]}: {reason}" + (f" (and {count - 1} more)" if count > 1 else "")
+                            for reason, count in by_reason.most_common(3))
+        fix = "relax the fixed choices or change the global batch"
+        splits = [int(what.split("=")[1]) for what, reason in distinct if reason == batch_reason(global_batch)]
+        if splits and len(splits) == len(distinct):
+            batch, dp = min((math.ceil(global_batch / dp) * dp, dp) for dp in splits)
+            fix = f"global_batch={batch} (a multiple of dp={dp}) would split, or relax the fixed choices"
+        return invalid(f"no configuration of {graph.name} on {cluster.num_devices} devices is valid: {reasons}; fix: {fix}")
+    need, config = closest
+    offload_tried = constraints.get("allow_offload", True) and "offload_optimizer" not in constraints
+    least = min(devices_for_states(evaluator, config, offload) for offload in {False, offload_tried})
+    remedies = [f"at least {max(least, math.ceil(cluster.num_devices * need / capacity))} devices (the model states "
+                f"alone, fully sharded, need {least})"]
+    if constraints.get("micro_batch", 1) > 1:
+        remedies.append(_smaller_micro_batch(evaluator, config, need, global_batch, headroom))
+    # ZeRO needs data-parallel ranks to shard over: none when the fixed tp and pp take every device.
+    shardable = cluster.num_devices // ((constraints.get("tp") or 1) * (constraints.get("pp") or 1)) > 1 and constraints.get("dp") != 1
+    if ("zero" in constraints and config.zero < 3 and shardable) or constraints.get("recompute", Recompute.FULL) != Recompute.FULL:
+        remedies.append("allowing zero=3 with recompute=full")
+    if not offload_tried and not config.offload_optimizer:
+        remedies.append("allowing optimizer offload")
+    return PlannerError(
+        PlannerErrorKind.INSUFFICIENT_MEMORY,
+        f"no plan fits: the closest ({config.short()}) needs {need / GIB:.1f} GiB per device of {capacity / GIB:.1f} GiB "
+        f"after {candidates}; try {' or '.join(r for r in remedies if r)}{replicas}",
+    )
