@@ -18,8 +18,8 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.graph import Recompute
-from planner.measure import (AttentionCoreMarker, GpuKernelSaves, ModuleRunError, grads_kept, policy_bytes,
-                             run_backward, storage_bytes)
+from planner.measure import (AttentionCoreMarker, GpuKernelSaves, ModuleRunError, NoGradOutputError, grads_kept,
+                             policy_bytes, run_backward, storage_bytes, tensor_leaves)
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,8 @@ def run_eager(model: nn.Module, inputs: tuple) -> EagerRun:
 
     Raises:
         ModuleRunError: when the model fails, naming the innermost running module.
+        NoGradOutputError: when a model with trainable parameters returns no tensor that
+            requires grad (no backward to measure).
     """
     names = {m: fqn for fqn, m in model.named_modules()}
     recorder = _CallRecorder(names)
@@ -99,7 +101,8 @@ def run_eager(model: nn.Module, inputs: tuple) -> EagerRun:
             recorder.counter = counter
             out = recorder.guarded(model, inputs)
             fwd = _flops_by_module(counter, model, names)
-        run_backward(out)
+        if not run_backward(out) and any(param.requires_grad for param in model.parameters()):
+            raise NoGradOutputError(type(out).__name__)
         total = _flops_by_module(counter, model, names)
     calls, in_bytes, out_bytes = recorder.calls, recorder.in_bytes, recorder.out_bytes
     saved: list[tuple[torch.Tensor, bool, int]] = []
@@ -195,7 +198,7 @@ class _CallRecorder:
         if next(module.children(), None) is not None:
             return
         flops_before, producers = self._pending
-        tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+        tensors = tensor_leaves(output)
         repeat = self._repeats.get(fqn, 0)
         self._repeats[fqn] = repeat + 1
         self._outputs.append(output)  # keeps the tensors alive so their ids stay unique

@@ -32,6 +32,8 @@ Recompute policies (`planner.graph.Recompute`), from the same forward:
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -83,6 +85,10 @@ class PieceCost:
     bwd_work_fraction: float = 1.0
 
 
+class NoGradOutputError(Exception):
+    """A trainable model returned no tensor that requires grad (the message names what it returned)."""
+
+
 class ModuleRunError(Exception):
     """Running model code failed; `fqn` names the innermost module running ("" for the root) and
     `__cause__` holds the original error."""
@@ -118,20 +124,36 @@ def measure_piece(module: nn.Module, args: tuple, *, data_args: frozenset[int] =
     saved, op_sac_kept = _saved_bytes_by_policy(module, inputs)
     # A checkpointed region keeps its inputs (and op-level checkpointing its kept outputs) only for
     # a backward; none runs through a piece whose outputs need no gradient.
-    grad_out = any(t.requires_grad for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+    grad_out = any(t.requires_grad for t in tensor_leaves(out))
     saved[Recompute.FULL] = in_bytes if grad_out else 0
     saved[Recompute.SELECTIVE_OP] = in_bytes + op_sac_kept if grad_out else 0
     return PieceCost(fwd_flops=float(fwd_flops), bwd_flops=float(bwd_flops), saved_bytes=saved,
                      in_bytes=in_bytes, out_bytes=storage_bytes(out), bwd_work_fraction=fraction)
 
 
+def tensor_leaves(value: object) -> list[torch.Tensor]:
+    """The tensors in a model's or module's output: inside tuples, lists, mappings (Hugging Face's
+    `ModelOutput` is an OrderedDict) and dataclasses, which torch's pytree leaves whole unless
+    registered."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        items = list(value.values())
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, field.name) for field in dataclasses.fields(value)]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        return []
+    return [tensor for item in items for tensor in tensor_leaves(item)]
+
+
 def storage_bytes(tree: object) -> int:
-    """Bytes of the distinct storages behind the tensors in a pytree."""
+    """Bytes of the distinct storages behind the tensors in `tree` (`tensor_leaves`)."""
     sizes = {}
-    for leaf in pytree.tree_leaves(tree):
-        if isinstance(leaf, torch.Tensor):
-            storage = leaf.untyped_storage()
-            sizes[storage._cdata] = storage.nbytes()
+    for leaf in tensor_leaves(tree):
+        storage = leaf.untyped_storage()
+        sizes[storage._cdata] = storage.nbytes()
     return sum(sizes.values())
 
 
@@ -151,13 +173,14 @@ def _count_flops(module: nn.Module, args: tuple) -> tuple[int, int, object]:
     return fwd_flops, total_flops - fwd_flops, out
 
 
-def run_backward(out: object) -> None:
-    """Backward from every output that requires grad. (Not autograd.grad, which the module
-    hooks of FlopCounterMode reject; callers restore the parameters' .grad.)"""
-    outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
-               and t.requires_grad]
+def run_backward(out: object) -> int:
+    """Backward from every output tensor that requires grad (`tensor_leaves`); returns how many
+    there were. (Not autograd.grad, which the module hooks of FlopCounterMode reject; callers
+    restore the parameters' .grad.)"""
+    outputs = [t for t in tensor_leaves(out) if t.requires_grad]
     if outputs:
         torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+    return len(outputs)
 
 
 @contextmanager

@@ -230,6 +230,11 @@ def _capture_and_measure(source: ModelSource, model: nn.Module, inputs: tuple,
             f"model `{source.name}`: cannot trace: {'; '.join(notes)}; the module-level run "
             f"failed in {_module_label(exc.fqn)}: {_reason(exc.__cause__)}; fix: it fails in plain eager "
             f"PyTorch too, so check that module's forward and the example inputs' shapes and dtypes")) from None
+    except measure.NoGradOutputError as exc:
+        raise PlannerError(PlannerErrorKind.UNSUPPORTED_MODEL, _one_line(
+            f"model `{source.name}`: its output ({exc}) holds no tensor that requires grad, so no backward "
+            f"can be measured; fix: return the logits or the loss as a tensor, or a tuple, dict or dataclass "
+            f"of them")) from None
     notes.append("module-level trace: one op per leaf-module call, measured in one eager run "
                  "on CPU tensors")
     return "module", module_layers(run, cpu_model, grouping, notes)

@@ -289,6 +289,25 @@ def test_resnet_traces_with_fx_and_counts_convolutions():
     assert graph.layers[1].bwd_flops == 2 * graph.layers[1].fwd_flops
 
 
+@pytest.mark.parametrize("factory", ["dataclass_output_factory", "model_output_factory"])
+def test_module_level_trace_backpropagates_through_wrapped_outputs(factory):
+    # The same data-dependent net, its loss returned inside a dataclass or a ModelOutput-like
+    # OrderedDict subclass, which torch's pytree leaves whole: its backward was priced at 0 FLOPs.
+    plain = trace(f"{FIXTURES}:dynamic_factory")
+    wrapped = trace(f"{FIXTURES}:{factory}")
+    assert wrapped.trace_method == "module"
+    assert [(layer.fwd_flops, layer.bwd_flops) for layer in wrapped.layers] == [
+        (layer.fwd_flops, layer.bwd_flops) for layer in plain.layers]
+    assert sum(layer.bwd_flops for layer in wrapped.layers) > 0
+
+
+def test_module_level_trace_refuses_an_output_with_nothing_to_backpropagate():
+    with pytest.raises(PlannerError) as error:
+        trace(f"{FIXTURES}:no_grad_output_factory")
+    assert error.value.kind == PlannerErrorKind.UNSUPPORTED_MODEL
+    assert "its output (Tensor) holds no tensor that requires grad" in error.value.message
+
+
 def test_data_dependent_model_falls_back_to_module_level():
     graph = trace(f"{FIXTURES}:dynamic_factory")
     assert graph.trace_method == "module"
