@@ -98,7 +98,7 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
              pp_buffers: str | None = None, cp_comm: str | None = None) -> Estimate:
     """Predict step time, throughput, MFU and per-stage memory of one configuration.
 
-    `config` is the degrees a user gives (`make_config`), a ParallelConfig, or a Plan: a plan is
+    `model` is as for `plan`. `config` is the degrees a user gives (`make_config`), a ParallelConfig, or a Plan: a plan is
     priced as it was planned, with its stage split and per-layer recompute, and its global batch,
     dtype, sequence length and training code unless given here. The training-code choices are as for
     `plan`; a choice left None is the plan's, else `TrainingCode`'s default (dtype: bf16).
@@ -166,7 +166,8 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
     """Search the plan with the highest throughput that fits in memory.
 
     Args:
-        model: zoo name, spec file, "package.module:factory", or a traced ModelGraph.
+        model: zoo name, spec file, "package.module:factory", an nn.Module (starting with an
+            embedding), a pair (nn.Module, example_inputs), or a traced ModelGraph.
         cluster: cluster name, cluster file, "DEVICE:NODESxGPUS", or a Cluster.
         global_batch: sequences per optimizer step.
         seq_len: tokens per sequence (default: the model's).

@@ -65,8 +65,8 @@ def resolve_model(model: str | nn.Module | ModelSpec,
     """Turns a model reference into a ModelSource.
 
     Args:
-        model: a built-in name, a spec file path, "package.module:factory", a ModelSpec or an
-            nn.Module.
+        model: a built-in name, a spec file path, "package.module:factory", a ModelSpec, an
+            nn.Module, or a pair (nn.Module, example_inputs).
         example_inputs: forward inputs for an nn.Module, or for a factory that returns a module
             alone; only their shapes and dtypes are used. Not accepted for built-in and spec
             models, whose inputs are known.
@@ -77,14 +77,18 @@ def resolve_model(model: str | nn.Module | ModelSpec,
     Raises:
         PlannerError: INVALID_INPUT with a one-line message naming the fix.
     """
+    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Module):
+        if example_inputs is not None:
+            raise invalid("model: a (module, example_inputs) pair and example_inputs both given; fix: pass one of them")
+        model, example_inputs = model
     if isinstance(model, nn.Module):
         return _module_source(model, type(model).__name__, example_inputs)
     if isinstance(model, ModelSpec):
         return _spec_source(model, example_inputs)
     if not isinstance(model, str):
         raise invalid(f"model: expected a built-in name, a spec file, 'package.module:factory', "
-                      f"a ModelSpec or an nn.Module, got {type(model).__name__}; fix: pass one "
-                      f"of those")
+                      f"a ModelSpec, an nn.Module or a pair (nn.Module, example_inputs), got "
+                      f"{type(model).__name__}; fix: pass one of those")
     if model.lower().endswith(SPEC_SUFFIXES):
         return _spec_source(load_spec(Path(model)), example_inputs)
     if model in zoo_specs():
@@ -144,8 +148,8 @@ def _inputs_for_module(module: nn.Module, name: str,
     if not isinstance(first_leaf, nn.Embedding):
         first = f"`{first_name}` ({type(first_leaf).__name__})" if first_name else f"the {type(first_leaf).__name__} itself"
         raise invalid(f"model `{name}`: cannot infer example inputs (token ids need an nn.Embedding as the first "
-                      f"{which} module; the first is {first}); fix: pass example_inputs, or return "
-                      f"(module, example_inputs) from the factory")
+                      f"{which} module; the first is {first}); fix: pass the model as (module, example_inputs), "
+                      f"or return that pair from the factory")
     vocab = first_leaf.num_embeddings
     return lambda micro_batch, seq_len, device: (
         torch.randint(0, vocab, (micro_batch, seq_len), device=device),)

@@ -69,14 +69,14 @@ _EXPORT_LOGGERS = ("torch.export", "torch._export", "torch.fx.experimental.symbo
 _TOKEN_ACTIVATION_RANK = 3  # (batch, sequence, hidden)
 
 
-def trace(source: ModelSource | str | nn.Module | ModelSpec, *, seq_len: int | None = None,
+def trace(source: ModelSource | str | nn.Module | ModelSpec | tuple, *, seq_len: int | None = None,
           micro_batch: int = 1, dtype: str = "bf16") -> ModelGraph:
     """Traces and measures a model for one micro-batch; results are cached.
 
     Args:
         source: a ModelSource, or anything `planner.models.resolve_model` accepts (built-in
             name, spec file, "package.module:factory", ModelSpec, nn.Module starting with an
-            embedding).
+            embedding, or a pair (nn.Module, example_inputs)).
         seq_len: tokens per sequence; the source's default when None.
         micro_batch: sequences per forward (inputs the model fixes keep their own batch).
         dtype: training dtype, one of MEASURE_DTYPES.
@@ -94,6 +94,8 @@ def trace(source: ModelSource | str | nn.Module | ModelSpec, *, seq_len: int | N
         if value is not None:
             check_positive_int(field, value)
     resolved = _resolve(source)
+    if isinstance(source, tuple):
+        source = resolved
     if resolved.fixed_by and seq_len not in (None, resolved.default_seq_len):
         if resolved.default_seq_len == NO_SEQUENCE_SEQ_LEN:
             raise invalid(f"seq_len={seq_len}: model `{resolved.name}` has fixed inputs without a token sequence "
@@ -103,7 +105,7 @@ def trace(source: ModelSource | str | nn.Module | ModelSpec, *, seq_len: int | N
     return _trace_cached(source, seq_len or resolved.default_seq_len, resolved.fixed_micro_batch or micro_batch, dtype)
 
 
-def _resolve(source: ModelSource | str | nn.Module | ModelSpec) -> ModelSource:
+def _resolve(source: ModelSource | str | nn.Module | ModelSpec | tuple) -> ModelSource:
     return source if isinstance(source, ModelSource) else resolve_model(source)
 
 

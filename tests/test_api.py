@@ -82,6 +82,25 @@ def test_evaluate_accepts_names_graphs_clusters_and_configs(small_graph):
     assert by_name.memory == by_objects.memory
 
 
+def test_a_module_with_example_inputs_is_planned_and_priced_as_its_factory_is():
+    # DESIGN.md: `model` may be an nn.Module with example inputs. A module whose first layer is no
+    # embedding needs them, and the error's fix says how to pass them: as a (module, inputs) pair.
+    from tests.fixtures.custom_models import resnet_factory
+
+    module, inputs = resnet_factory()
+    with pytest.raises(PlannerError, match=r"fix: pass the model as \(module, example_inputs\)"):
+        planner.plan(module, NODE, global_batch=16)
+    config = {"tp": 1, "pp": 1}
+    by_pair = planner.evaluate((module, inputs), NODE, config, global_batch=16)
+    by_factory = planner.evaluate("tests.fixtures.custom_models:resnet_factory", NODE, config, global_batch=16)
+    assert (by_pair.step_time_s, by_pair.peak_memory_bytes) == (by_factory.step_time_s, by_factory.peak_memory_bytes)
+    assert planner.plan((module, inputs), NODE, global_batch=16).config == planner.plan(
+        "tests.fixtures.custom_models:resnet_factory", NODE, global_batch=16).config
+    assert planner.trace((module, inputs)).params == sum(p.numel() for p in module.parameters())
+    with pytest.raises(PlannerError, match="pass one of them"):
+        planner.models.resolve_model((module, inputs), example_inputs=inputs)
+
+
 def test_evaluate_reports_a_bad_cluster_as_invalid_input(small_graph):
     with pytest.raises(PlannerError) as error:
         planner.evaluate(small_graph, "h100-sxn:1x8", {}, global_batch=8)
