@@ -82,6 +82,34 @@ def positive(origin: Origin, field_name: str, value) -> float:
     return parsed
 
 
+@dataclass(frozen=True)
+class Magnitude:
+    """The range a physical quantity of profile data takes in the project's unit."""
+
+    unit: str
+    low: float
+    high: float
+    example: str
+
+
+# Ranges far wider than any hardware's, meant to catch a value written in another unit (Gb/s for
+# bytes per second, microseconds for seconds, GB for bytes, TFLOP/s for FLOP/s), not to judge hardware.
+LINK_BANDWIDTH = Magnitude("bytes per second", 1e6, 1e14, "5.0e10 for 400 Gb/s")
+LATENCY = Magnitude("seconds", 1e-8, 1e-2, "9.6e-6 for 9.6 us")
+MEMORY = Magnitude("bytes", 1e8, 1e15, "8.0e10 for 80 GB")
+MEMORY_BANDWIDTH = Magnitude("bytes per second", 1e9, 1e14, "3.35e12 for 3.35 TB/s")
+PEAK_FLOPS = Magnitude("FLOP/s", 1e9, 1e17, "9.89e14 for 989 TFLOP/s")
+
+
+def physical(origin: Origin, field_name: str, value, magnitude: Magnitude) -> float:
+    """A positive number inside `magnitude`'s range."""
+    parsed = positive(origin, field_name, value)
+    if not magnitude.low <= parsed <= magnitude.high:
+        raise origin.error(field_name, f"{value!r} is implausible in {magnitude.unit} ({magnitude.low:.0e} to "
+                                       f"{magnitude.high:.0e}); write it in {magnitude.unit}, e.g. {magnitude.example}")
+    return parsed
+
+
 def optional_positive(origin: Origin, field_name: str, data: dict) -> float:
     """A positive number when the key is present, 0.0 (unknown) when it is absent."""
     return positive(origin, field_name, data[field_name]) if field_name in data else 0.0

@@ -204,8 +204,8 @@ def _parse_link(origin: Origin, prefix: str, data: dict, default_name: str | Non
     return LinkTier(
         name=fields.text(origin, f"{prefix}name", data.get("name", default_name or kind.value)),
         kind=kind,
-        bw_bytes_per_s=fields.positive(origin, f"{prefix}bw_bytes_per_s", data["bw_bytes_per_s"]),
-        latency_s=fields.positive(origin, f"{prefix}latency_s", data["latency_s"]),
+        bw_bytes_per_s=fields.physical(origin, f"{prefix}bw_bytes_per_s", data["bw_bytes_per_s"], fields.LINK_BANDWIDTH),
+        latency_s=fields.physical(origin, f"{prefix}latency_s", data["latency_s"], fields.LATENCY),
         efficiency=fields.fraction(origin, f"{prefix}efficiency", data.get("efficiency", 1.0)),
         source="; ".join(f"{key}: {text}" for key, text in sources.items()),
         collective_factors=_collective_factors(origin, f"{prefix}collective_factors",
@@ -238,8 +238,8 @@ def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Pat
     return DeviceSpec(
         name=name,
         peak_flops_per_s=peaks,
-        mem_bytes=fields.positive(origin, "mem_bytes", data["mem_bytes"]),
-        mem_bw_bytes_per_s=fields.positive(origin, "mem_bw_bytes_per_s", data["mem_bw_bytes_per_s"]),
+        mem_bytes=fields.physical(origin, "mem_bytes", data["mem_bytes"], fields.MEMORY),
+        mem_bw_bytes_per_s=fields.physical(origin, "mem_bw_bytes_per_s", data["mem_bw_bytes_per_s"], fields.MEMORY_BANDWIDTH),
         devices_per_node=fields.count(origin, "node.devices_per_node", node["devices_per_node"]),
         intra_link=_load_link(origin, "node.intra_link", node["intra_link"], dirs, base, INTRA_NODE_KINDS),
         nic=_load_link(origin, "nic", data["nic"], dirs, base, INTER_NODE_KINDS),
@@ -333,7 +333,7 @@ def _host_bytes(origin: Origin, field_name: str, data: dict) -> float:
         return 0.0
     if data["host_mem_bytes"] == 0:
         raise origin.error(field_name, "0 bytes; leave the key out where the host memory is unknown")
-    return fields.positive(origin, field_name, data["host_mem_bytes"])
+    return fields.physical(origin, field_name, data["host_mem_bytes"], fields.MEMORY)
 
 
 def usual_host_share(device: DeviceSpec, devices_per_node: int) -> float:
@@ -346,7 +346,7 @@ def _peaks(origin: Origin, value) -> dict[str, float]:
     if not isinstance(value, dict) or not value:
         raise origin.error("peak_flops_per_s", "must map dtypes (fp32, tf32, bf16, fp16, fp8) to dense FLOP/s")
     return {fields.enum_member(origin, "peak_flops_per_s", key, Dtype).value:
-            fields.positive(origin, f"peak_flops_per_s.{key}", v) for key, v in value.items()}
+            fields.physical(origin, f"peak_flops_per_s.{key}", v, fields.PEAK_FLOPS) for key, v in value.items()}
 
 
 def _matmul_curve(origin: Origin, value, peaks: dict[str, float]) -> tuple[tuple[float, float], ...]:

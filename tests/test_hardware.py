@@ -266,6 +266,13 @@ DEVICE_ERRORS = [
     ({"nic__collective_factors": {"allgather": 2.0}}, "nic.collective_factors.allgather", "did you mean 'all_gather'"),
     ({"nic__collective_factors": {"all_gather": 0}}, "nic.collective_factors.all_gather", "positive"),
     ({"nic__collective_factors": [2.0]}, "nic.collective_factors", "mapping of collective to factor"),
+    # Values written in another unit: GB, TB/s, TFLOP/s, Gb/s and microseconds.
+    ({"mem_bytes": 80}, "mem_bytes", "implausible in bytes"),
+    ({"mem_bw_bytes_per_s": 3.35}, "mem_bw_bytes_per_s", "e.g. 3.35e12"),
+    ({"peak_flops_per_s": {"bf16": 989.4}}, "peak_flops_per_s.bf16", "implausible in FLOP/s"),
+    ({"nic__bw_bytes_per_s": 400}, "nic.bw_bytes_per_s", "e.g. 5.0e10 for 400 Gb/s"),
+    ({"node__intra_link__latency_s": 9.6}, "node.intra_link.latency_s", "e.g. 9.6e-6 for 9.6 us"),
+    ({"node__host_mem_bytes": 2048}, "node.host_mem_bytes", "implausible in bytes"),
 ]
 
 
@@ -286,6 +293,8 @@ CLUSTER_ERRORS = [
     ({"groups": [{"device": "h100-sxm", "nodes": 1}], "oversubscription": 0.5}, "oversubscription", "below 1"),
     ({"groups": [{"device": "h100-sxm", "nodes": 1, "nic": "nvlink3-nvswitch"}]}, "groups[0].nic", "kind"),
     ({"clusters": []}, "clusters", "valid keys"),
+    ({"groups": [{"device": "h100-sxm", "nodes": 2, "nic": {"kind": "ib", "bw_bytes_per_s": 400, "latency_s": 5e-6}}]},
+     "groups[0].nic.bw_bytes_per_s", "implausible in bytes per second"),
 ]
 
 
