@@ -41,7 +41,7 @@ from torch import nn
 from planner.errors import invalid
 from planner.source import ModelSource
 from planner.zoo import build_model, example_inputs as zoo_example_inputs, zoo_specs
-from planner.zoo.spec import ModelSpec, load_spec
+from planner.zoo.spec import LEARNED_POSITION_ARCHS, ModelSpec, load_spec
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 _FACTORY_KWARGS = ("seq_len", "micro_batch")
@@ -120,6 +120,7 @@ def _spec_source(spec: ModelSpec, example_inputs: Any) -> ModelSource:
         dims=spec.dims,
         default_seq_len=spec.default_seq_len,
         fixed_by="its image patches plus the class token" if spec.num_patches else "",
+        learned_positions=spec.max_seq_len if spec.arch in LEARNED_POSITION_ARCHS else 0,
     )
 
 

@@ -31,6 +31,8 @@ class ModelSource:
             (a ViT's image size, a factory's own example inputs); "" when the inputs follow it.
         fixed_micro_batch: sequences in the fixed inputs, whatever is asked; 0 when the inputs
             follow the requested micro-batch.
+        learned_positions: rows of the published model's learned position table, which `build`
+            extends for a longer sequence; 0 when it has none (rotary, or unknown).
     """
 
     name: str
@@ -40,3 +42,4 @@ class ModelSource:
     default_seq_len: int = 2048
     fixed_by: str = ""
     fixed_micro_batch: int = 0
+    learned_positions: int = 0

@@ -76,7 +76,11 @@ def _fixed(constraints: dict, key: str, options: list[int], space: Space, label:
     if key in constraints and constraints[key] is not None:
         value = constraints[key]
         if value not in options:
-            space.rejected.append(Rejection(f"{key}={value}", f"not possible{where}; options are {options}"))
+            given = [r.reason for r in space.rejected if r.what == f"{key}={value}"]
+            own = [reason for reason in given if "options are" not in reason]  # a reason of its own, given already
+            reason = f"options are {options}" if own else f"not possible{where}; options are {options}"
+            if reason not in given:
+                space.rejected.append(Rejection(f"{key}={value}", reason))
             return []
         return [value]
     low, high = constraints.get(f"min_{key}", 1), constraints.get(f"max_{key}", max(options or [1]))
@@ -136,9 +140,7 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) ->
                 continue
             fitting = [p for p in divisors(devices // (tp * cp)) if p <= layers]
             pp_all = [p for p in fitting if _stages_on_one_device_type(cluster, p, space)]
-            mixed = ", ".join(str(p) for p in fitting if p not in pp_all)
-            where = (f" with tp={tp} and cp={cp} on {devices} devices ({layers} layers"
-                     + (f"; pp {mixed} would put a stage on two device types" if mixed else "") + ")")
+            where = f" with tp={tp} and cp={cp} on {devices} devices ({layers} layers)"
             for pp in _fixed(constraints, "pp", pp_all, space, "pipeline parallelism", where):
                 dp = devices // (tp * cp * pp)
                 if "dp" in constraints and constraints["dp"] != dp:

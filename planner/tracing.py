@@ -118,6 +118,9 @@ def _trace_cached(key: ModelSource | str | nn.Module | ModelSpec, seq_len: int, 
             model = source.build(seq_len=seq_len)
         inputs = _example_inputs(source, micro_batch, seq_len, _META)
         notes = [f"dtype {dtype} measured as {MEASURE_DTYPES[dtype]}"] if dtype == "fp8" else []
+        if seq_len > source.learned_positions > 0:
+            notes.append(f"{source.name}'s learned position table of {source.learned_positions} positions is extended to "
+                         f"{seq_len} (its weights included): no longer the published model")
         model = _on_meta(model, notes)
         grouping = Grouping.of(model)
         method, layers = _capture_and_measure(source, model, inputs, grouping, seq_len,

@@ -384,7 +384,8 @@ def test_a_fixed_pp_that_would_mix_device_types_says_so():
     graph = planner.trace("gpt3-125m", seq_len=512)
     with pytest.raises(PlannerError) as error:
         planner.plan(graph, "hetero-a100-v100-8n", global_batch=64, pp=1)
-    assert "pp 1 would put a stage on two device types" in error.value.message
+    assert "pp=1: a pipeline stage would span node groups of different device types; pp=1: options are [2, 4, 8]" in (
+        error.value.message)
 
 
 def test_no_data_parallel_degree_splitting_the_batch_suggests_one():

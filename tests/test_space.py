@@ -160,6 +160,16 @@ def test_a_fixed_pipeline_degree_that_cannot_be_says_why():
     assert "pp=2: not possible with tp=8 and cp=1 on 8 devices" in error.value.message
 
 
+def test_a_fixed_tensor_degree_is_refused_for_its_own_reason_only():
+    # 12 heads and 4 key/value heads on 6 devices: tp=3 divides the heads and fits the node, so the
+    # key/value heads alone refuse it; the message must not blame the node or the heads.
+    dims = ModelDims(hidden=768, heads=12, kv_heads=4, layers=12)
+    with pytest.raises(PlannerError) as error:
+        enumerate_degrees(fake_graph(dims), load_cluster("h100-sxm:1x6"), {"tp": 3})
+    assert error.value.message == ("no parallel degrees fit the constraints {'tp': 3}: tp=3: neither divides nor is a "
+                                   "multiple of the 4 key/value heads; tp=3: options are [1, 2]")
+
+
 def test_context_parallelism_only_for_long_sequences():
     dims = ModelDims(hidden=4096, heads=32, kv_heads=8, layers=32)
     cluster = load_cluster("h100-sxm:2x8")

@@ -308,6 +308,17 @@ def test_module_level_trace_refuses_an_output_with_nothing_to_backpropagate():
     assert "its output (Tensor) holds no tensor that requires grad" in error.value.message
 
 
+def test_a_learned_position_table_grown_past_the_published_one_is_noted():
+    # GPT-2 learned 1024 positions; traced at 2048 its table grows by 1024 x 768 parameters, which
+    # the graph says, while rotary models (no table) and GPT-2 within its context say nothing.
+    short, long = trace("gpt2", seq_len=1024), trace("gpt2", seq_len=2048)
+    assert long.params - short.params == 1024 * 768
+    assert [n for n in long.notes if "position table" in n] == [
+        "gpt2's learned position table of 1024 positions is extended to 2048 (its weights included): no longer the "
+        "published model"]
+    assert not [n for graph in (short, trace("llama2-7b", seq_len=8192)) for n in graph.notes if "position table" in n]
+
+
 def test_data_dependent_model_falls_back_to_module_level():
     graph = trace(f"{FIXTURES}:dynamic_factory")
     assert graph.trace_method == "module"

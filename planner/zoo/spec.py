@@ -83,6 +83,8 @@ class Arch(StrEnum):
 
 _LANGUAGE = frozenset({Arch.GPT, Arch.LLAMA, Arch.MOE, Arch.BERT})
 _ROPE = frozenset({Arch.LLAMA, Arch.MOE})
+# Architectures whose positions are a learned table of `max_seq_len` rows.
+LEARNED_POSITION_ARCHS = frozenset({Arch.GPT, Arch.BERT})
 _MOE_KEYS = ("experts", "top_k", "moe_ffn_hidden", "shared_experts", "dense_layers")
 _VIT_KEYS = ("image_size", "patch_size", "classes")
 
