@@ -95,7 +95,7 @@ class Magnitude:
 # Ranges far wider than any hardware's, meant to catch a value written in another unit (Gb/s for
 # bytes per second, microseconds for seconds, GB for bytes, TFLOP/s for FLOP/s), not to judge hardware.
 LINK_BANDWIDTH = Magnitude("bytes per second", 1e6, 1e14, "5.0e10 for 400 Gb/s")
-LATENCY = Magnitude("seconds", 1e-8, 1e-2, "9.6e-6 for 9.6 us")
+LATENCY = Magnitude("seconds", 1e-8, 1.0, "9.6e-6 for 9.6 us")
 MEMORY = Magnitude("bytes", 1e8, 1e15, "8.0e10 for 80 GB")
 MEMORY_BANDWIDTH = Magnitude("bytes per second", 1e9, 1e14, "3.35e12 for 3.35 TB/s")
 PEAK_FLOPS = Magnitude("FLOP/s", 1e9, 1e17, "9.89e14 for 989 TFLOP/s")

@@ -7,8 +7,8 @@ floor order (at most `CLOSEST_MISS_PRICINGS` of them) and the closest named is a
 
 A remedy is named only where it can help: more devices always can, while every micro-batch size,
 ZeRO stage, recompute policy and (unless forbidden) optimizer offload were tried already, so those
-are named only when a fixed choice held them back; a fixed micro-batch only when micro-batch 1 needs
-less.
+are named only when a fixed choice held them back, each with what the closest miss then needs
+(priced), and not where that is no less.
 """
 from __future__ import annotations
 
@@ -70,17 +70,19 @@ def devices_for_states(evaluator: Evaluator, config: ParallelConfig, offload: bo
     return devices
 
 
-def _smaller_micro_batch(evaluator: Evaluator, config: ParallelConfig, need_bytes: float, global_batch: int,
-                         headroom: float) -> str | None:
-    """The remedy of micro-batch 1 for a fixed larger micro-batch, when it holds less (more
-    micro-batches can hold more: ZeRO's gradients then live through the step)."""
-    single = dataclasses.replace(config, micro_batch=1, num_microbatches=config.num_microbatches * config.micro_batch)
+def _lever(evaluator: Evaluator, label: str, variant: ParallelConfig, need_bytes: float, usable_bytes: float,
+           global_batch: int, headroom: float) -> str | None:
+    """The remedy `label` with what the closest miss, changed to `variant`, then needs; None where
+    that holds no less. Unpriced where the variant cannot run (other configurations may)."""
     try:
-        check_config(evaluator.graph, evaluator.cluster, single, global_batch, evaluator.code.cp_comm)
+        check_config(evaluator.graph, evaluator.cluster, variant, global_batch, evaluator.code.cp_comm)
     except PlannerError:
+        return label
+    peak_bytes = evaluator.estimate(variant, global_batch, headroom=headroom).peak_memory_bytes
+    if peak_bytes >= need_bytes:
         return None
-    peak_bytes = evaluator.estimate(single, global_batch, headroom=headroom).peak_memory_bytes
-    return f"micro_batch=1 ({peak_bytes / GIB:.1f} GiB)" if peak_bytes < need_bytes else None
+    verdict = "fits at" if peak_bytes <= usable_bytes else "needs"
+    return f"{label} (the closest then {verdict} {peak_bytes / GIB:.1f} GiB)"
 
 
 def nothing_fits(evaluator: Evaluator, global_batch: int, closest: tuple[float, ParallelConfig] | None, evaluated: int,
@@ -122,20 +124,26 @@ def nothing_fits(evaluator: Evaluator, global_batch: int, closest: tuple[float, 
             fix = f"global_batch={batch} (a multiple of dp={dp}) would split, or relax the fixed choices"
         return invalid(f"no configuration of {graph.name} on {cluster.num_devices} devices is valid: {reasons}; fix: {fix}")
     need, config = closest
+    usable = capacity * (1 - headroom)
     offload_tried = constraints.get("allow_offload", True) and "offload_optimizer" not in constraints
     least = min(devices_for_states(evaluator, config, offload) for offload in {False, offload_tried})
-    remedies = [f"at least {max(least, math.ceil(cluster.num_devices * need / capacity))} devices (the model states "
+    remedies = [f"at least {max(least, math.ceil(cluster.num_devices * need / usable))} devices (the model states "
                 f"alone, fully sharded, need {least})"]
+    levers = []
     if constraints.get("micro_batch", 1) > 1:
-        remedies.append(_smaller_micro_batch(evaluator, config, need, global_batch, headroom))
+        levers.append(("micro_batch=1", dataclasses.replace(
+            config, micro_batch=1, num_microbatches=config.num_microbatches * config.micro_batch)))
     # ZeRO needs data-parallel ranks to shard over: none when the fixed tp and pp take every device.
     shardable = cluster.num_devices // ((constraints.get("tp") or 1) * (constraints.get("pp") or 1)) > 1 and constraints.get("dp") != 1
     if ("zero" in constraints and config.zero < 3 and shardable) or constraints.get("recompute", Recompute.FULL) != Recompute.FULL:
-        remedies.append("allowing zero=3 with recompute=full")
+        levers.append(("allowing zero=3 with recompute=full", dataclasses.replace(
+            config, zero=3 if shardable else config.zero, recompute=Recompute.FULL)))
     if not offload_tried and not config.offload_optimizer:
-        remedies.append("allowing optimizer offload")
+        levers.append(("allowing optimizer offload", dataclasses.replace(config, offload_optimizer=True)))
+    remedies += [_lever(evaluator, label, variant, need, usable, global_batch, headroom) for label, variant in levers]
+    of = f"{capacity / GIB:.1f} GiB" + (f" ({usable / GIB:.1f} GiB under the {headroom:.0%} headroom)" if headroom else "")
     return PlannerError(
         PlannerErrorKind.INSUFFICIENT_MEMORY,
-        f"no plan fits: the closest ({config.short()}) needs {need / GIB:.1f} GiB per device of {capacity / GIB:.1f} GiB "
+        f"no plan fits: the closest ({config.short()}) needs {need / GIB:.1f} GiB per device of {of} "
         f"after {candidates}; try {' or '.join(r for r in remedies if r)}{replicas}",
     )

@@ -25,6 +25,8 @@ from planner.layer_comm import CpComm
 # still win there by splitting activations in place of tp (measured: mixtral-8x22b on 512 H100 at
 # 4K tokens, 42.3 -> 44.1% MFU, its search 2.8 -> 7.7 s), which a fixed --cp prices.
 CP_MIN_SEQ_LEN = 8192
+# The largest context-parallel degree searched or accepted.
+CP_MAX = 32
 
 # Largest micro-batch the search tries (sequences); bigger ones only raise activation memory once
 # GEMMs are saturated.
@@ -70,15 +72,18 @@ def divisors(n: int) -> list[int]:
     return sorted(found)
 
 
-def _fixed(constraints: dict, key: str, options: list[int], space: Space, label: str, where: str = "") -> list[int]:
-    """Apply a user's fixed value (`tp=8`) or bounds (`max_tp=4`, `min_tp=2`) to `options`; `where`
-    says what limits them, for the rejection."""
+def _fixed(constraints: dict, key: str, options: list[int], space: Space, label: str, where: str = "",
+           context: str = "") -> list[int]:
+    """Apply a user's fixed value (`tp=8`) or bounds (`max_tp=4`, `min_tp=2`) to `options`. The
+    rejection of a fixed value names the `options` under `context` (the other degrees they depend
+    on) and, unless the value was rejected for a reason of its own already, `where`: what limits them."""
     if key in constraints and constraints[key] is not None:
         value = constraints[key]
         if value not in options:
             given = [r.reason for r in space.rejected if r.what == f"{key}={value}"]
-            own = [reason for reason in given if "options are" not in reason]  # a reason of its own, given already
-            reason = f"options are {options}" if own else f"not possible{where}; options are {options}"
+            own = [reason for reason in given if "options are" not in reason]
+            reason = (f"options{context} are {options}" if own
+                      else f"not possible{context}{where}; options are {options}")
             if reason not in given:
                 space.rejected.append(Rejection(f"{key}={value}", reason))
             return []
@@ -124,7 +129,7 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) ->
         tp_options.append(tp)
     tp_options = _fixed(constraints, "tp", tp_options, space, "tensor parallelism",
                         f" ({per_node} devices per node, {dims.heads} attention heads)" if dims.heads else "")
-    cp_all = [c for c in divisors(devices) if (c == 1 or graph.seq_len % (2 * c) == 0) and c <= 32]
+    cp_all = [c for c in divisors(devices) if (c == 1 or graph.seq_len % (2 * c) == 0) and c <= CP_MAX]
     cp_options = [c for c in cp_all if c == 1 or graph.seq_len >= CP_MIN_SEQ_LEN]
     if len(cp_options) < len(cp_all) and "cp" not in constraints:
         space.rejected.append(Rejection("cp>1", f"seq_len={graph.seq_len} is below {CP_MIN_SEQ_LEN}; context parallelism is not "
@@ -132,7 +137,8 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) ->
                                                   "splitting activations in place of tp; give --cp to price it"))
     if "cp" in constraints:
         cp_options = cp_all
-    cp_options = _fixed(constraints, "cp", cp_options, space, "context parallelism")
+    cp_options = _fixed(constraints, "cp", cp_options, space, "context parallelism",
+                        f" (cp divides the {devices} devices, 2 x cp the {graph.seq_len} tokens, and cp <= {CP_MAX})")
     layers = len(graph.layers)
     for tp in tp_options:
         for cp in cp_options:
@@ -140,8 +146,8 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) ->
                 continue
             fitting = [p for p in divisors(devices // (tp * cp)) if p <= layers]
             pp_all = [p for p in fitting if _stages_on_one_device_type(cluster, p, space)]
-            where = f" with tp={tp} and cp={cp} on {devices} devices ({layers} layers)"
-            for pp in _fixed(constraints, "pp", pp_all, space, "pipeline parallelism", where):
+            for pp in _fixed(constraints, "pp", pp_all, space, "pipeline parallelism", f" on {devices} devices ({layers} layers)",
+                             f" with tp={tp} and cp={cp}"):
                 dp = devices // (tp * cp * pp)
                 if "dp" in constraints and constraints["dp"] != dp:
                     continue
@@ -187,7 +193,9 @@ def no_degrees_error(space: Space, constraints: dict) -> PlannerError:
     named = {f"{k}={v}" for k, v in fixed.items()}
     about_fixed = ([r for r in space.rejected if r.what in named]
                    or [r for r in space.rejected if r.what.split("=")[0] in fixed] or space.rejected)
-    reasons = "; ".join(list(dict.fromkeys(f"{r.what}: {r.reason}" for r in about_fixed))[-3:])
+    distinct = list(dict.fromkeys(f"{r.what}: {r.reason}" for r in about_fixed))
+    own = [reason for reason in distinct if "options" not in reason]  # each value's own reasons first, then its options
+    reasons = "; ".join((own + [reason for reason in distinct if reason not in own])[:3])
     return invalid(f"no parallel degrees fit the constraints {fixed}: {reasons}")
 
 

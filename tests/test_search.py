@@ -338,11 +338,20 @@ def test_nothing_fits_names_the_priced_peak_of_the_closest_miss():
     assert float(named.group(2)) == pytest.approx(min(peaks.values()), abs=0.05)
     assert peaks[named.group(1)] == pytest.approx(float(named.group(2)), abs=0.05)
     assert "at least 2 devices" in message and "optimizer offload" in message and "micro" not in message
-    # A fixed micro-batch of 2 held that lever back: micro-batch 1 holds less, and the remedy says how much.
+    # A fixed micro-batch of 2 held that lever back: micro-batch 1 holds less, and the remedy says how
+    # much (still over the capacity), as does the offload it names, which fits.
     with pytest.raises(PlannerError) as error:
         planner.plan(graph, "a10g:1x1", global_batch=8, allow_offload=False, micro_batch=2)
+    message = error.value.message
     single = min(peak for config, peak in peaks.items() if " mb1x8 " in config)
-    assert f"micro_batch=1 ({single:.1f} GiB)" in error.value.message
+    assert f"micro_batch=1 (the closest then needs {single:.1f} GiB)" in message
+    offloaded = re.search(r"allowing optimizer offload \(the closest then fits at ([\d.]+) GiB\)", message)
+    assert offloaded and float(offloaded.group(1)) < 22.0
+    # With headroom, the capacity the closest misses is the usable part, and the message says so.
+    with pytest.raises(PlannerError) as error:
+        planner.plan(graph, "a10g:1x1", global_batch=8, allow_offload=False, mem_headroom=0.3)
+    usable_gib = load_cluster("a10g:1x1").groups[0].node.device.mem_bytes * 0.7 / 2**30
+    assert f"of 22.1 GiB ({usable_gib:.1f} GiB under the 30% headroom)" in error.value.message
 
 
 def test_nothing_fits_suggests_only_what_the_closest_miss_lacks():
@@ -384,8 +393,8 @@ def test_a_fixed_pp_that_would_mix_device_types_says_so():
     graph = planner.trace("gpt3-125m", seq_len=512)
     with pytest.raises(PlannerError) as error:
         planner.plan(graph, "hetero-a100-v100-8n", global_batch=64, pp=1)
-    assert "pp=1: a pipeline stage would span node groups of different device types; pp=1: options are [2, 4, 8]" in (
-        error.value.message)
+    assert ("pp=1: a pipeline stage would span node groups of different device types; "
+            "pp=1: options with tp=1 and cp=1 are [2, 4, 8]") in error.value.message
 
 
 def test_no_data_parallel_degree_splitting_the_batch_suggests_one():

@@ -170,6 +170,21 @@ def test_a_fixed_tensor_degree_is_refused_for_its_own_reason_only():
                                    "multiple of the 4 key/value heads; tp=3: options are [1, 2]")
 
 
+def test_a_fixed_degree_names_its_own_reason_before_the_options_of_each_combination():
+    # pp=3 on 8 devices: its own reason (it does not divide them) leads, then what pp can be for
+    # each tp, labelled by that tp: lists for different tp are not contradictions.
+    dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=24)
+    with pytest.raises(PlannerError) as error:
+        enumerate_degrees(fake_graph(dims), load_cluster("a100-80g:1x8"), {"pp": 3})
+    assert error.value.message == ("no parallel degrees fit the constraints {'pp': 3}: pp=3: does not divide the "
+                                   "cluster's 8 devices; pp=3: options with tp=1 and cp=1 are [1, 2, 4, 8]; "
+                                   "pp=3: options with tp=2 and cp=1 are [1, 2, 4]")
+    # A cp the sequence rules out says which rule.
+    with pytest.raises(PlannerError) as error:
+        enumerate_degrees(fake_graph(dims, seq_len=1000), load_cluster("a100-80g:1x8"), {"cp": 8})
+    assert "cp=8: not possible (cp divides the 8 devices, 2 x cp the 1000 tokens, and cp <= 32)" in error.value.message
+
+
 def test_context_parallelism_only_for_long_sequences():
     dims = ModelDims(hidden=4096, heads=32, kv_heads=8, layers=32)
     cluster = load_cluster("h100-sxm:2x8")
