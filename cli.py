@@ -1,6 +1,8 @@
 """paraplan command line: parses arguments, calls the planner API, renders the result.
 
-Errors the user can fix print one line to stderr and exit 2 (bad input) or 3 (no feasible plan).
+Errors the user can fix print one line to stderr and exit 2 (bad input) or 3 (no feasible plan). A
+sweep whose points failed with an unexpected error (kept as `error` rows, planned again by a re-run)
+exits `SWEEP_ERRORS_EXIT`.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import sys
 
 from planner.config import TRAINING_DTYPES
 from planner.errors import PlannerError, invalid
+from planner.output_paths import check_writable_dir, check_writable_file
 
 
 class _Parser(argparse.ArgumentParser):
@@ -177,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Exit status of a sweep that finished with `error` rows (neither bad input nor no feasible plan).
+SWEEP_ERRORS_EXIT = 1
+
 _CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "recompute", "schedule", "offload_optimizer",
                "dp_replicate")
 
@@ -291,6 +297,9 @@ def _run(args) -> int:
         check_plan_chart_paths(args.timeline, args.memory_chart)
         if args.out:
             check_plan_path(args.out)
+        for option, path in (("--out", args.out), ("--timeline", args.timeline), ("--memory-chart", args.memory_chart)):
+            if path:
+                check_writable_file(path, option)
         result = planner.plan(
             args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype or "bf16", **_training_code(args),
             mem_headroom=args.mem_headroom, top=args.top, allow_offload=args.allow_offload, **_constraints(args),
@@ -315,6 +324,7 @@ def _run(args) -> int:
     if args.command == "report":
         from planner.report.sweep_report import write_sweep_report
 
+        check_writable_file(args.out, "--out")
         console.print(f"wrote {write_sweep_report(args.results, args.out)}")
         return 0
     raise AssertionError(args.command)
@@ -329,6 +339,10 @@ def _sweep(args, console) -> int:
 
     keys = (*GRID_LIST_KEYS, "dtype", *CODE_KEYS)  # the flags that override the sweep file's keys
     spec = load_sweep_spec(args.file, {key: getattr(args, key) for key in keys})
+    check_writable_file(args.out, "--out")
+    for option, folder in (("--plan-dir", args.plan_dir), ("--charts", args.charts)):
+        if folder:
+            check_writable_dir(folder, option)
     try:
         summary = sweep(spec, args.out, workers=args.workers, executor=args.executor, address=args.address,
                         plan_dir=args.plan_dir, progress=sys.stderr.isatty())
@@ -336,8 +350,17 @@ def _sweep(args, console) -> int:
         sys.stderr.write(f"paraplan: {stopped}\n")
         return stopped.exit_code
     console.print(render_sweep_summary(summary))
+    earlier = summary.points - summary.planned
+    if args.plan_dir and earlier:
+        console.print(f"--plan-dir: the {earlier} points already in {args.out} were not planned again, so no plans were "
+                      f"saved for them; write to a new --out file to save every plan")
     for path in save_sweep_charts(read_results(args.out), args.charts) if args.charts else ():
         console.print(f"wrote {path}")
+    errors = summary.status_counts.get("error", 0)
+    if errors:
+        sys.stderr.write(f"paraplan: {errors} of {summary.points} points failed with an unexpected error (status error "
+                         f"in {args.out}); re-run the same command to plan them again\n")
+        return SWEEP_ERRORS_EXIT
     return 0
 
 

@@ -425,7 +425,7 @@ BAD_INPUT = [
     pytest.param(["report", str(REPO / "benchmarks" / "results" / "sweep_144.csv"), "--out", "{bad}/cluster.yaml/report.md"],
                  "cluster.yaml", id="an output path under a file"),
     pytest.param(["plan", *RUN_ARGS, "--recompute", "full", "--top", "1", "--timeline", "{bad}/cluster.yaml/t.png"],
-                 "cluster.yaml: File exists", id="a chart path under a file"),
+                 "cluster.yaml is not a directory", id="a chart path under a file"),
     pytest.param(["evaluate", *RUN_ARGS, "--plan", "{bad}/stage.json"], "plan field `stages[0]`", id="a plan with a malformed stage"),
     pytest.param(["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--zero", "3", "--dp-replicate", "3"],
                  "dp_replicate=3: must divide dp=8", id="replicas not dividing dp"),
@@ -512,6 +512,41 @@ def test_evaluate_of_a_cached_graph_never_imports_torch(tmp_path):
 def test_a_shorthand_of_a_billion_devices_is_refused_not_searched_forever(capsys):
     code, _, err = run(["plan", *MODEL_ARGS, "--cluster", "h100-sxm:125000000x8", "--global-batch", "32"], capsys)
     assert code == 2 and "on 1000000000 devices is valid" in err
+
+
+def test_output_paths_are_checked_before_any_work_and_nothing_is_half_written(capsys, tmp_path):
+    # A chart path the file system refuses (/proc takes no new files), a folder that is a file, a
+    # report path that is a directory: exit 2 naming the option, and no other output written.
+    plan_out = tmp_path / "plan.json"
+    code, _, err = run(["plan", *RUN_ARGS, "--out", str(plan_out), "--timeline", "/proc/paraplan-x.png"], capsys)
+    assert code == 2 and err.startswith("paraplan: --timeline /proc/paraplan-x.png: cannot be written")
+    assert not plan_out.exists()
+    (tmp_path / "afile").write_text("")
+    results = tmp_path / "r.csv"
+    sweep_args = ["sweep", "--models", "gpt3-125m", "--devices", "a100-80g", "--cluster-sizes", "8", "--global-batches", "32",
+                  "--seq-lens", "128", "--out", str(results)]
+    for option in ("--plan-dir", "--charts"):
+        code, _, err = run([*sweep_args, option, str(tmp_path / "afile" / "sub")], capsys)
+        assert code == 2 and f"paraplan: {option} {tmp_path / 'afile' / 'sub'}: {tmp_path / 'afile'} is a file" in err
+    assert not results.exists()
+    (tmp_path / "report.md").mkdir()
+    code, _, err = run(["report", str(results), "--out", str(tmp_path / "report.md")], capsys)
+    assert code == 2 and "is a directory; give a file path" in err and list(tmp_path.glob("report*")) == [tmp_path / "report.md"]
+
+
+def test_a_sweep_with_points_that_failed_unexpectedly_exits_1_saying_so(capsys, tmp_path, monkeypatch):
+    import planner.sweeps.runner
+
+    def broken(model, seq_len=None, dtype="bf16"):
+        raise NameError("name 'CP_MAX' is not defined")
+
+    monkeypatch.setattr(planner.sweeps.runner, "model_graph", broken)
+    results = tmp_path / "r.csv"
+    code, _, err = run(["sweep", "--models", "gpt3-125m", "--devices", "a100-80g", "--cluster-sizes", "8", "--global-batches",
+                        "32", "--seq-lens", "128", "--out", str(results), "--workers", "1"], capsys)
+    assert code == cli.SWEEP_ERRORS_EXIT == 1
+    assert err == (f"paraplan: 1 of 1 points failed with an unexpected error (status error in {results}); re-run the same "
+                   f"command to plan them again\n")
 
 
 def test_nothing_fits_exits_3_saying_what_would(capsys):

@@ -405,6 +405,49 @@ def test_a_model_that_fails_to_trace_becomes_rows(tmp_path, monkeypatch):
     assert {r["reason"] for r in rows} == {"capture failed in layers.0: boom"}
 
 
+def test_points_that_failed_unexpectedly_are_planned_again_on_resume(tmp_path, monkeypatch, reference):
+    # An unexpected exception (code edited mid-sweep, say) is no answer about a point: its `error`
+    # rows are planned again by the next run, which ends with the rows an unbroken run writes.
+    import planner.sweeps.runner
+
+    real = planner.sweeps.runner.model_graph
+
+    def broken(model, seq_len=None, dtype="bf16"):
+        raise NameError("name 'CP_MAX' is not defined")
+
+    monkeypatch.setattr(planner.sweeps.runner, "model_graph", broken)
+    out = tmp_path / "r.csv"
+    assert sweep(GRID, out, workers=1).status_counts == {"error": 6}
+    monkeypatch.setattr(planner.sweeps.runner, "model_graph", real)
+    summary = sweep(GRID, out, workers=1)
+    assert summary.planned == 6 and summary.status_counts == {"ok": 6}
+    assert_same_rows(comparable(read_results(out)), comparable(reference))
+
+
+def test_one_stop_request_delivered_twice_stops_the_sweep_once():
+    # `timeout` signals the process and then its group: two SIGTERMs at once are one request, which
+    # the previous handler (here one that raises) must not see; one later than the window is a second.
+    from planner.sweeps.runner import REPEAT_WINDOW_S, _StopOnSignal
+
+    class Forced(Exception):
+        pass
+
+    def force(signum, frame):
+        raise Forced
+
+    previous = signal.signal(signal.SIGTERM, force)
+    try:
+        with _StopOnSignal() as stop:
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGTERM)
+            assert stop.event.is_set() and stop.signum == signal.SIGTERM
+            time.sleep(REPEAT_WINDOW_S)
+            with pytest.raises(Forced):
+                signal.raise_signal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @pytest.mark.parametrize("signum, suffix, workers, rerun, group", [(signal.SIGTERM, ".csv", "2", "command", True),
                                                                    (signal.SIGINT, ".jsonl", "1", "api", False)])
 def test_a_signalled_sweep_resumes_to_the_uninterrupted_rows(tmp_path, reference, signum, suffix, workers, rerun, group):

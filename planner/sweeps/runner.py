@@ -31,10 +31,13 @@ from planner.errors import check_positive_int, invalid
 from planner.report.units import fmt_number_of
 from planner.sweeps.executors import (ExecutorKind, PlanSettings, Tables, base_row, failure, point_fingerprint, run_inline,
                                       run_processes, run_ray)
-from planner.sweeps.results import ResultsFile, results_format, row_point
+from planner.sweeps.results import PointStatus, ResultsFile, results_format, row_point
 from planner.sweeps.spec import SweepPoint, SweepSpec, load_sweep_spec, sweep_spec_from_dict
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# A stop signal this soon after the first is the same request delivered again (`timeout` sends it to
+# the process and to its group), not a second one asking to quit at once.
+REPEAT_WINDOW_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -165,9 +168,10 @@ def _executor_kind(executor: ExecutorKind | str) -> ExecutorKind:
 
 
 def _unfinished(spec: SweepSpec, results: ResultsFile) -> list[SweepPoint]:
-    """The sweep's points without a row yet. Rows planned with other settings (any row: a report
-    compares a file's rows as planned alike), or this sweep's rows priced from files changed since,
-    are an error."""
+    """The sweep's points without a row yet, or whose rows are all `error` (an unexpected exception
+    is no answer about the point: a re-run plans it again). Rows planned with other settings (any
+    row: a report compares a file's rows as planned alike), or this sweep's rows priced from files
+    changed since, are an error."""
     wanted = frozenset(spec.points)
     finished = set()
     for row in results.rows:
@@ -182,7 +186,8 @@ def _unfinished(spec: SweepSpec, results: ResultsFile) -> list[SweepPoint]:
                               f"data (fingerprint {row['fingerprint']}, now {now}: its cluster, device, op-table or model spec "
                               f"file changed since, or the built-in profile it names); write to a new --out file, or restore "
                               f"the files")
-        finished.add(point)
+        if row["status"] != PointStatus.ERROR:
+            finished.add(point)
     return [point for point in spec.points if point not in finished]
 
 
@@ -207,10 +212,13 @@ def _trace(todo: list[SweepPoint], spec: SweepSpec, settings: PlanSettings, resu
 
 
 def _in_sweep_order(spec: SweepSpec, rows: list[dict]) -> list[dict]:
-    """The rows of the sweep's points, in the sweep's point order (first row of a point wins)."""
+    """The rows of the sweep's points, in the sweep's point order (a point's first row wins, but
+    any later row of a point wins over an `error` row of it: the point was planned again)."""
     by_point: dict[SweepPoint, dict] = {}
     for row in rows:
-        by_point.setdefault(row_point(row), row)
+        point = row_point(row)
+        if point not in by_point or by_point[point]["status"] == PointStatus.ERROR:
+            by_point[point] = row
     return [by_point[point] for point in spec.points if point in by_point]
 
 
@@ -233,12 +241,15 @@ def _progress_bar(enabled: bool) -> Progress:
 
 
 class _StopOnSignal:
-    """Sets `event` on the first SIGINT or SIGTERM, then restores the previous handlers, which
-    handle a second one. Installs nothing outside the main thread (signals go there)."""
+    """Sets `event` on the first SIGINT or SIGTERM; a second one, unless it comes within
+    `REPEAT_WINDOW_S` of the first (one request delivered twice: `timeout` signals the process and
+    its group), goes to the previous handlers, restored then. Installs nothing outside the main
+    thread (signals go there)."""
 
     def __init__(self):
         self.event = threading.Event()
         self.signum: int | None = None
+        self._first_s = 0.0
         self._previous: dict = {}
 
     def __enter__(self) -> "_StopOnSignal":
@@ -250,9 +261,18 @@ class _StopOnSignal:
         self._restore()
 
     def _handle(self, signum: int, frame) -> None:
-        self.signum = signum
-        self.event.set()
+        if self.signum is None:
+            self.signum, self._first_s = signum, time.monotonic()
+            self.event.set()
+            return
+        if time.monotonic() - self._first_s < REPEAT_WINDOW_S:
+            return
+        previous = self._previous.get(signum)
         self._restore()
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            signal.raise_signal(signum)
 
     def _restore(self) -> None:
         for signum, handler in self._previous.items():
