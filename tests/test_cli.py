@@ -534,6 +534,16 @@ def test_output_paths_are_checked_before_any_work_and_nothing_is_half_written(ca
     assert code == 2 and "is a directory; give a file path" in err and list(tmp_path.glob("report*")) == [tmp_path / "report.md"]
 
 
+def test_report_on_what_is_not_a_sweeps_results_names_the_file_to_give(capsys, tmp_path):
+    other = tmp_path / "other.csv"
+    other.write_text("name,value\na,1\n")
+    (tmp_path / "folder.csv").mkdir()
+    for results, problem in ((other, f"{other}:1: the header is not this paraplan's sweep columns"),
+                             (tmp_path / "folder.csv", f"results file {tmp_path / 'folder.csv'}: is a directory")):
+        code, _, err = run(["report", str(results), "--out", str(tmp_path / "r.md")], capsys)
+        assert code == 2 and err == f"paraplan: {problem}; give a results file `paraplan sweep` wrote (a sweep: write to a new --out file)\n"
+
+
 def test_a_sweep_with_points_that_failed_unexpectedly_exits_1_saying_so(capsys, tmp_path, monkeypatch):
     import planner.sweeps.runner
 

@@ -149,7 +149,7 @@ def sweep_rows() -> list[dict]:
     """Two devices x two sizes for one workload; one point without a plan."""
     def row(device, devices, tokens_per_s, mfu, usd, status="ok"):
         values = dict.fromkeys(COLUMNS)
-        values.update(model="m", cluster=f"{device}:{devices}", global_batch=64, seq_len=1024, settings="s",
+        values.update(model="m", cluster=f"{device}:{devices}", global_batch=64, seq_len=1024, settings="dtype=bf16 tp=8",
                       device=device, devices=devices, nodes=devices // 8, status=status,
                       cluster_usd_per_hour=None if usd is None else 1.0)
         if status == "ok":
@@ -180,6 +180,17 @@ def test_sweep_charts_draw_each_device_against_cluster_size(tmp_path):
         assert (image(path) < 0.95).any(axis=-1).mean() > 0.02
 
 
+def test_a_workload_without_any_plan_gets_a_panel_saying_so():
+    # A second model whose one point has no plan: its panel has no line and no y scale to read, but
+    # says why; the first model's panel is unchanged.
+    rows = [*sweep_rows(), {**sweep_rows()[-1], "model": "huge"}]
+    for figure in (throughput_figure(rows), mfu_figure(rows)):
+        ours, huge = figure.axes[:2]
+        assert ours.get_lines() and not ours.texts
+        assert not huge.get_lines() and list(huge.get_yticks()) == []
+        assert [text.get_text() for text in huge.texts] == ["no plan on any cluster\n(see the results' reasons)"]
+
+
 @pytest.mark.parametrize("suffix", [".html", ".md"])
 def test_report_bundles_tables_and_charts(tmp_path, suffix, capsys):
     results = tmp_path / "results.csv"
@@ -191,7 +202,7 @@ def test_report_bundles_tables_and_charts(tmp_path, suffix, capsys):
     text = report.read_text()
     assert "no plan fits: try more devices" in text and "3,000" in text and "$0.200" in text
     assert "b has no bf16: priced in fp16" in text  # the row's notes
-    assert "4 points: 3 ok, 1 infeasible." in text
+    assert "4 points: 3 ok, 1 infeasible. Planned with dtype=bf16 tp=8." in text  # the sweep's settings
     if suffix == ".html":
         assert len(re.findall(r"<img alt='[^']+' src='data:image/png;base64,", text)) == 3
     else:

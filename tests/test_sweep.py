@@ -424,6 +424,24 @@ def test_points_that_failed_unexpectedly_are_planned_again_on_resume(tmp_path, m
     assert_same_rows(comparable(read_results(out)), comparable(reference))
 
 
+def test_a_stop_request_after_the_last_point_ends_the_sweep_normally(tmp_path, monkeypatch, reference):
+    # Ctrl-C as the last point's row is written: nothing is left to stop, so the sweep finishes
+    # (its summary, exit 0) instead of asking for a re-run that would plan nothing.
+    import planner.sweeps.runner
+
+    real_rows = planner.sweeps.runner._rows
+
+    def rows_then_signal(*args):
+        yield from real_rows(*args)
+        signal.raise_signal(signal.SIGINT)
+        yield None
+
+    monkeypatch.setattr(planner.sweeps.runner, "_rows", rows_then_signal)
+    summary = sweep(GRID, tmp_path / "r.csv", workers=1)
+    assert summary.planned == 6 and summary.status_counts == {"ok": 6}
+    assert_same_rows(comparable(read_results(tmp_path / "r.csv")), comparable(reference))
+
+
 def test_one_stop_request_delivered_twice_stops_the_sweep_once():
     # `timeout` signals the process and then its group: two SIGTERMs at once are one request, which
     # the previous handler (here one that raises) must not see; one later than the window is a second.

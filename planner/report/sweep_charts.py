@@ -21,6 +21,8 @@ PANEL_HEIGHT_IN = 3.6
 # Colours of the devices, in order of first appearance (matplotlib's tab10, then tab20).
 DEVICE_CMAP = "tab10"
 MARKERS = "osD^vP*Xh<>p"
+# Room above the highest point of a line chart, as a fraction of it.
+Y_HEADROOM = 0.08
 CHART_NAMES = ("throughput", "mfu", "cost")
 
 PanelKey = tuple[str, int, int]  # (model, seq_len, global_batch)
@@ -94,11 +96,16 @@ def _lines(rows: list[dict], column: str, ylabel: str, title: str, formatter) ->
         axes.xaxis.set_minor_locator(NullLocator())
         axes.xaxis.set_major_formatter(EngFormatter(places=0, sep=""))
         axes.yaxis.set_major_formatter(formatter)
-        axes.set_ylim(bottom=0)
+        highest = max((y for line in axes.get_lines() for y in line.get_ydata()), default=0)
+        axes.set_ylim(bottom=0, top=highest * (1 + Y_HEADROOM) if highest else None)  # no marker cut by the frame
         axes.set_xlabel("cluster size (devices)")
         axes.set_ylabel(ylabel)
         axes.set_title(_panel_title(key), fontsize=10)
         axes.grid(alpha=0.3)
+        if not any(_ok(row) for row in panel_rows):
+            axes.set_yticks([])
+            axes.text(0.5, 0.5, "no plan on any cluster\n(see the results' reasons)", transform=axes.transAxes,
+                      ha="center", va="center", fontsize=NOTE_SIZE)
     _hide_unused(grid, len(panels))
     _legend(figure, grid, "device")
     set_titles(figure, title)

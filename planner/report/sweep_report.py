@@ -110,9 +110,12 @@ def _usd(value: float) -> str:
 
 
 def _overview(rows: list[dict]) -> str:
+    """The points per status, and the settings they were planned with (dtype, fixed choices,
+    training code: one sweep's, as a results file holds)."""
     counts = Counter(row["status"] for row in rows)
     by_status = ", ".join(f"{counts[status]} {status}" for status in PointStatus if counts[status])
-    return f"{fmt_number_of(len(rows), 'point')}: {by_status}."
+    settings = "; ".join(dict.fromkeys(row["settings"] for row in rows))
+    return f"{fmt_number_of(len(rows), 'point')}: {by_status}. Planned with {settings}."
 
 
 def _html(title: str, rows: list[dict], charts: list[bytes], sections: list[Section]) -> str:

@@ -76,6 +76,10 @@ def row_point(row: dict) -> SweepPoint:
     return SweepPoint(*(row[key] for key in POINT_KEYS))
 
 
+# The fix for a file that is not a sweep's results, whichever command read it.
+NOT_RESULTS_FIX = "give a results file `paraplan sweep` wrote (a sweep: write to a new --out file)"
+
+
 def read_results(path: str | Path) -> list[dict]:
     """The rows of a results file, typed (int, float, str; None where empty).
 
@@ -86,6 +90,8 @@ def read_results(path: str | Path) -> list[dict]:
         PlannerError: INVALID_INPUT when the file is missing or is not a paraplan results file.
     """
     path = Path(path)
+    if path.is_dir():
+        raise invalid(f"results file {path}: is a directory; {NOT_RESULTS_FIX}")
     if not path.is_file():
         raise invalid(f"results file {path}: not found; check the path")
     rows, _ = _parse(path, results_format(path, "results file"), _whole_lines(path.read_bytes()))
@@ -212,7 +218,7 @@ def _parse(path: Path, fmt: ResultsFormat, data: bytes) -> tuple[list[dict], boo
     reader = csv.reader(lines)
     header = tuple(next(reader))
     if header != COLUMNS[:len(header)] or not set(COLUMNS[len(header):]) <= set(ADDED_COLUMNS):
-        raise invalid(f"{path}:1: the header is not this paraplan's sweep columns; write the sweep to a new --out file")
+        raise invalid(f"{path}:1: the header is not this paraplan's sweep columns; {NOT_RESULTS_FIX}")
     rows = []
     for number, values in enumerate(reader, 2):
         if len(values) != len(header):
@@ -257,5 +263,5 @@ def _typed_json(path: Path, number: int, line: str) -> dict:
     except json.JSONDecodeError as error:
         raise invalid(f"{path}:{number}: not a JSON object ({error.msg}); the file is damaged, fix or remove that line") from None
     if not isinstance(row, dict) or not (set(COLUMNS) - set(ADDED_COLUMNS) <= set(row) <= set(COLUMNS)):
-        raise invalid(f"{path}:{number}: the keys are not this paraplan's sweep columns; write the sweep to a new --out file")
+        raise invalid(f"{path}:{number}: the keys are not this paraplan's sweep columns; {NOT_RESULTS_FIX}")
     return {column: row[column] for column in COLUMNS if column in row}

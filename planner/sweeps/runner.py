@@ -129,7 +129,7 @@ def sweep(spec: SweepSpec | str | Path | dict, out: str | Path, *, workers: int 
                 bar.update(task, description="stopping: finishing the running points")
         planning_s = time.perf_counter() - planning_started
         done = _in_sweep_order(spec, results.rows)
-        if stop.signum is not None:
+        if stop.signum is not None and len(done) < len(spec.points):  # a stop after the last point stops nothing
             raise SweepInterrupted(stop.signum, len(done), len(spec.points), results.path)
         if len(done) == len(spec.points) and results.rows[: len(done)] != done:
             wanted = frozenset(spec.points)
