@@ -16,7 +16,8 @@ compute, recompute, exposed tensor/context/expert-parallel communication, expose
 - the CP ring overlaps with attention and keeps its links busy: DP and FSDP traffic over the same
   links hides only in the compute it leaves, over other links in the ring's exposed time too
   (`mesh.cp_shares_shard_links`, `LayerCost.windows_s`); EP all-to-all is exposed;
-- pipeline p2p sits on the critical path of the schedule (`costmodel.pipeline`);
+- pipeline p2p sits on the critical path of the schedule (`costmodel.pipeline`), at the links of the
+  slower of its two ends;
 - the sum of a tied weight's gradients between the first and last stages is exposed after the
   schedule (counted with the data-parallel traffic, `state_cost.tied_gradient_sum_s`).
 """
@@ -324,12 +325,15 @@ class Evaluator:
             trainable = rows[:, [COL["dense_params"], COL["expert_params"]]] - rows[:, [COL["frozen_params"]]] * [1, 0]
             first_gathered = rows[int(np.argmax(params > 0)), [COL["dense_params"], COL["expert_params"]]]
             last_reduced = trainable[int(np.argmax(trainable.sum(axis=1) > 0))]
-            key = (node, tuple(total), float(rows[-1, COL["out_bytes"]]), float(params.max()), in_flight, recv_bytes,
-                   tuple(first_gathered.tolist()), tuple(last_reduced.tolist()))
+            key = (node, tuple(total), float(params.max()), in_flight, recv_bytes, tuple(first_gathered.tolist()),
+                   tuple(last_reduced.tolist()))
             if key not in priced:
                 priced[key] = self._stage_costs(config, device, node, *key[1:])
-            stage_p2p_s, stage_dp_s, stage_optimizer_s, breakdown, host_bytes = priced[key]
-            p2p_s, exposed_dp_s, optimizer_s = max(p2p_s, stage_p2p_s), max(exposed_dp_s, stage_dp_s), max(optimizer_s, stage_optimizer_s)
+            stage_dp_s, stage_optimizer_s, breakdown, host_bytes = priced[key]
+            exposed_dp_s, optimizer_s = max(exposed_dp_s, stage_dp_s), max(optimizer_s, stage_optimizer_s)
+            # Its transfer to the next stage (the next chunk's device when interleaved) runs at the slower end's links.
+            out_bytes, receiver = float(rows[-1, COL["out_bytes"]]), per_device[(stage + 1) % config.pp][1]
+            p2p_s = max(p2p_s, *(self._p2p_s(config, end, out_bytes) for end in {node, receiver}))
             breakdowns.append((device, node, breakdown, host_bytes))
             first, last = layer_ids[0], layer_ids[-1]
             stage_plans.append(StagePlan(
@@ -347,8 +351,8 @@ class Evaluator:
             pipe_s = pipeline.step_time_s(str(config.schedule), fwd_s, bwd_s, m, config.vpp, p2p_s)
         else:
             pipe_s = m * (fwd_s[0] + bwd_s[0])
-        exposed_dp_s += tied_gradient_sum_s(config, sum(self.graph.stage_copy_params),
-                                            stage_devices(self.cluster, config.pp)[0][1], self.cluster.oversubscription)
+        exposed_dp_s += max(tied_gradient_sum_s(config, sum(self.graph.stage_copy_params), end, self.cluster.oversubscription)
+                            for end in {per_device[0][1], per_device[-1][1]})  # first and last stages, at the slower's links
         step_s = pipe_s + exposed_dp_s + optimizer_s
         slowest = max(sums, key=lambda t: t[COL["fwd_s"]] + t[COL["bwd_s"]])
         busy_s = m * float(slowest[COL["fwd_s"]] + slowest[COL["bwd_s"]])
@@ -368,16 +372,19 @@ class Evaluator:
         return assemble_estimate(graph, self.cluster.num_devices, self.dtype, config, global_batch, step_s, pipe_s, time_breakdown,
                                  stages, headroom)
 
-    def _stage_costs(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, total: tuple, last_out_bytes: float,
-                     largest_params: float, in_flight: float, recv_bytes: float, first_gathered: tuple,
-                     last_reduced: tuple) -> tuple:
-        """(p2p to the next stage, exposed data-parallel traffic, optimizer step, memory, host memory of
-        offloaded states) of one stage from its `layer_table` column sums, its last layer's output,
-        its largest layer, its pipeline receive buffers and its first layers with parameters and with
-        trainable ones (`dp_exposed_s`)."""
+    def _p2p_s(self, config: ParallelConfig, node: NodeSpec, out_bytes: float) -> float:
+        """One pipeline transfer of a micro-batch's `out_bytes` (split over the sequence) at `node`'s links."""
+        if config.pp == 1:
+            return 0.0
+        group = mesh_groups(config, node.devices_per_node).pp
+        return collective_time_s(Collective.P2P, out_bytes / config.seq_split, group, node, self.cluster.oversubscription)
+
+    def _stage_costs(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, total: tuple, largest_params: float,
+                     in_flight: float, recv_bytes: float, first_gathered: tuple, last_reduced: tuple) -> tuple:
+        """(exposed data-parallel traffic, optimizer step, memory, host memory of offloaded states) of
+        one stage from its `layer_table` column sums, its largest layer, its pipeline receive buffers
+        and its first layers with parameters and with trainable ones (`dp_exposed_s`)."""
         groups = mesh_groups(config, node.devices_per_node)
-        p2p_s = (collective_time_s(Collective.P2P, last_out_bytes / config.seq_split, groups.pp, node, self.cluster.oversubscription)
-                 if config.pp > 1 else 0.0)
         dense, expert, frozen = total[COL["dense_params"]], total[COL["expert_params"]], total[COL["frozen_params"]]
         shared = cp_shares_shard_links(groups)  # the windows are what the compute leaves beside a cp exchange on the links
         dp_s = dp_exposed_s(config, self.precision, node, groups, dense, expert, total[COL["fwd_s"]] - shared * total[COL["cp_hidden_fwd_s"]],
@@ -394,4 +401,4 @@ class Evaluator:
         )
         owned = (dense - frozen) / dense_shard + expert / expert_shard
         host_bytes = host_state_bytes(owned, frozen / dense_shard) if config.offload_optimizer else 0.0
-        return p2p_s, dp_s, optimizer_step_s(config, self.precision, device, owned), breakdown, host_bytes
+        return dp_s, optimizer_step_s(config, self.precision, device, owned), breakdown, host_bytes

@@ -42,9 +42,10 @@ def uniform_recompute(evaluator: Evaluator, policy: Recompute) -> tuple[Recomput
 
 
 def refine_recompute(evaluator: Evaluator, config: ParallelConfig, estimate: Estimate, global_batch: int,
-                     headroom: float, fixed: bool = False) -> tuple[Estimate, dict]:
+                     headroom: float, fixed: bool = False,
+                     time_limit_s: float = MEMORY_ILP_TIME_LIMIT_S) -> tuple[Estimate, dict]:
     """Per-layer recompute choices that beat the uniform policy of `config`, when any do and the
-    policy was not `fixed` by the user."""
+    policy was not `fixed` by the user; the ILP's rounds from each start get `time_limit_s`."""
     if fixed:
         return estimate, {"method": "uniform", "status": "fixed by the constraints"}
     if config.recompute == Recompute.NONE:
@@ -58,7 +59,7 @@ def refine_recompute(evaluator: Evaluator, config: ParallelConfig, estimate: Est
     starts = (problem.mem_cap_bytes, _corrected_caps(problem.mem_cap_bytes, uniform.stage_mem_bytes, estimate, headroom, config))
     best, best_info, info = estimate, None, {"method": "uniform", "status": "ilp infeasible"}
     for caps in starts:
-        start_deadline_s = time.perf_counter() + MEMORY_ILP_TIME_LIMIT_S
+        start_deadline_s = time.perf_counter() + time_limit_s
         for _ in range(MEMORY_ILP_ROUNDS):
             left_s = start_deadline_s - time.perf_counter()
             if left_s <= 0:
@@ -103,10 +104,11 @@ def _corrected_caps(caps: np.ndarray, ilp_bytes, estimate: Estimate, headroom: f
 
 
 def memory_plan(evaluator: Evaluator, config: ParallelConfig, estimate: Estimate, global_batch: int,
-                headroom: float, recompute_fixed: bool = False) -> tuple[dict, Estimate]:
+                headroom: float, recompute_fixed: bool = False,
+                time_limit_s: float = MEMORY_ILP_TIME_LIMIT_S) -> tuple[dict, Estimate]:
     """The memory plan (recompute per layer, ZeRO stage, offload, headroom per stage) and the
     refined estimate; a `recompute_fixed` policy stays uniform."""
-    estimate, solver = refine_recompute(evaluator, config, estimate, global_batch, headroom, recompute_fixed)
+    estimate, solver = refine_recompute(evaluator, config, estimate, global_batch, headroom, recompute_fixed, time_limit_s)
     per_layer = solver.get("per_layer") or [str(p) for p in uniform_recompute(evaluator, config.recompute)]
     recompute = {str(p): [evaluator.graph.layers[i].name for i, q in enumerate(per_layer) if q == str(p)] for p in Recompute}
     stages = [

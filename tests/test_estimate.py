@@ -1017,6 +1017,24 @@ def test_a_model_with_every_parameter_frozen_is_refused():
         evaluate("tests.fixtures.custom_models:parameterless_factory", "a100-80g:1x2", {"tp": 1, "pp": 1}, global_batch=8)
 
 
+def test_a_pipeline_transfer_runs_at_the_slower_of_its_two_ends(gpt350m, tmp_path):
+    # Two H100 nodes, one on 400 Gb/s InfiniBand and one on 25 Gb/s Ethernet, pp = 2 across them:
+    # the activations into stage 1 arrive through its Ethernet NIC whichever node holds stage 0, and
+    # the tied embedding's gradients summed between the first and last stages cross it too, so both
+    # orders price as two Ethernet nodes do (each was priced at the first stage's NIC alone).
+    def cluster(first: str, second: str) -> str:
+        path = tmp_path / f"{first}-{second}.yaml"
+        path.write_text("groups:\n" + "".join(f"  - {{device: h100-sxm, nodes: 1, nic: {nic}}}\n" for nic in (first, second)))
+        return str(path)
+
+    config = {"tp": 8, "pp": 2, "zero": 1, "recompute": "full"}
+    step_s = {(first, second): evaluate(gpt350m, cluster(first, second), config, global_batch=64).step_time_s
+              for first, second in (("ib-ndr400", "eth-25g-8gpu"), ("eth-25g-8gpu", "ib-ndr400"),
+                                    ("eth-25g-8gpu", "eth-25g-8gpu"), ("ib-ndr400", "ib-ndr400"))}
+    slow = step_s["eth-25g-8gpu", "eth-25g-8gpu"]
+    assert step_s["ib-ndr400", "eth-25g-8gpu"] == step_s["eth-25g-8gpu", "ib-ndr400"] == slow > step_s["ib-ndr400", "ib-ndr400"]
+
+
 def test_heterogeneous_cluster_v100_stage_is_slower(gpt350m):
     # hetero-a100-v100-8n: 4 A100 nodes then 4 V100 nodes; pp = 2 puts stage 0 on the A100s and
     # stage 1 on the V100s (fp16: V100 has no bf16). A block takes longer on a V100 (125 vs 312

@@ -137,7 +137,9 @@ def rejected_table(plan: Plan) -> Table:
 def render_plan(plan: Plan, explain: bool = False) -> Group:
     search = plan.search
     title = (f"Plan for {plan.model} on {plan.cluster}: global batch {plan.global_batch} x {plan.seq_len} tokens "
-             f"({search.get('candidates_evaluated', 0)} of {search.get('candidates_total', 0)} candidates priced in {search.get('time_s', 0):.2f} s)")
+             f"({search.get('candidates_evaluated', 0)} of {search.get('candidates_total', 0)} candidates priced in {search.get('time_s', 0):.2f} s"
+             + (f"; {search['runner_ups_unrefined']} runner-ups that might beat it were not refined per layer within the "
+                f"time budget" if search.get("runner_ups_unrefined") else "") + ")")
     parts = [summary_table(plan.estimate, title), mesh_table(plan), stage_table(plan), time_table(plan.estimate),
              memory_table(plan.estimate), memory_plan_table(plan)]
     if plan.layouts:
