@@ -43,8 +43,17 @@ def assemble_estimate(graph: ModelGraph, num_devices: int, dtype: str, config: P
         bubble_fraction=time_breakdown["pp_bubble_s"] / pipe_s if pipe_s > 0 else 0.0,
         config=config,
         notes=(graph.notes + graph.recompute_notes(config.recompute) + _substituted_dtype_note(memory, dtype)
-               + _unchecked_host_note(memory) + _partial_round_note(config)),
+               + _unchecked_host_note(memory) + _partial_round_note(config) + _tp_across_nodes_note(config, stages)),
     )
+
+
+def _tp_across_nodes_note(config: ParallelConfig, stages: list[PricedStage]) -> tuple[str, ...]:
+    """A note when a tensor-parallel group spans nodes, which the search offers only for a fixed tp."""
+    per_node = min(node.devices_per_node for _, _, node, *_ in stages)
+    if config.tp <= per_node:
+        return ()
+    return (f"tp={config.tp} spans nodes of {per_node} devices: its collectives are priced over the NICs (plan keeps "
+            f"tp inside a node unless tp is fixed)",)
 
 
 def _partial_round_note(config: ParallelConfig) -> tuple[str, ...]:

@@ -1152,6 +1152,11 @@ def test_fabric_oversubscription_slows_tensor_parallel_groups_that_span_nodes(gp
     tp_s = [Evaluator(gpt350m, load_cluster({"groups": [{"device": "a100-80g", "nodes": 2}], "oversubscription": ratio}))
             .estimate(config, 2 * config.dp).time_breakdown["tp_comm_s"] for ratio in (1, 4)]
     assert (tp_s[1] > 1.05 * tp_s[0]) if spans_nodes else (tp_s[1] == pytest.approx(tp_s[0], rel=1e-12))
+    # The estimate says when tp crosses nodes, which the search offers only for a fixed tp.
+    notes = Evaluator(gpt350m, load_cluster("a100-80g:2x8")).estimate(config, 2 * config.dp).notes
+    crossing = [note for note in notes if "spans nodes" in note]
+    assert crossing == ([f"tp={tp} spans nodes of 8 devices: its collectives are priced over the NICs (plan keeps tp inside "
+                         f"a node unless tp is fixed)"] if spans_nodes else [])
 
 
 def test_hybrid_sharding_shards_the_experts_as_the_dense_states(tiny_moe):
