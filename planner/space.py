@@ -181,8 +181,12 @@ def _ep_options(graph: ModelGraph, dp: int, constraints: dict, space: Space) -> 
     experts = graph.dims.experts
     if not experts:
         return _fixed(constraints, "ep", [1], space, "expert parallelism", ": the model has no experts")
+    fixed = constraints.get("ep")
+    rejection = Rejection(f"ep={fixed}", f"does not divide the {experts} experts")
+    if fixed and experts % fixed and rejection not in space.rejected:
+        space.rejected.append(rejection)
     return _fixed(constraints, "ep", [e for e in divisors(dp) if experts % e == 0], space, "expert parallelism",
-                  f" with dp={dp} ({experts} experts; ep divides both)")
+                  f" ({experts} experts; the search keeps ep inside dp, dividing it and the experts)", f" with dp={dp}")
 
 
 def no_degrees_error(space: Space, constraints: dict) -> PlannerError:

@@ -185,6 +185,19 @@ def test_a_fixed_degree_names_its_own_reason_before_the_options_of_each_combinat
     assert "cp=8: not possible (cp divides the 8 devices, 2 x cp the 1000 tokens, and cp <= 32)" in error.value.message
 
 
+def test_a_fixed_expert_degree_says_once_what_refuses_it():
+    # Mixtral's 8 experts on 32 devices: ep=16 divides no expert count, whatever dp is (said once,
+    # not once per dp); ep=8 with tp=1 pp=1 on 4 devices divides the experts but not dp=4.
+    with pytest.raises(PlannerError) as error:
+        enumerate_degrees(fake_graph(MIXTRAL_8X7B), load_cluster("h100-sxm:4x8"), {"ep": 16})
+    assert error.value.message == ("no parallel degrees fit the constraints {'ep': 16}: ep=16: does not divide the 8 experts; "
+                                   "ep=16: options with dp=32 are [1, 2, 4, 8]; ep=16: options with dp=16 are [1, 2, 4, 8]")
+    with pytest.raises(PlannerError) as error:
+        enumerate_degrees(fake_graph(MIXTRAL_8X7B), load_cluster("h100-sxm:1x4"), {"ep": 8, "tp": 1, "pp": 1})
+    assert error.value.message.endswith("ep=8: not possible with dp=4 (8 experts; the search keeps ep inside dp, dividing it "
+                                        "and the experts); options are [1, 2, 4]")
+
+
 def test_context_parallelism_only_for_long_sequences():
     dims = ModelDims(hidden=4096, heads=32, kv_heads=8, layers=32)
     cluster = load_cluster("h100-sxm:2x8")
