@@ -81,7 +81,7 @@ def _fixed(constraints: dict, key: str, options: list[int], space: Space, label:
         value = constraints[key]
         if value not in options:
             given = [r.reason for r in space.rejected if r.what == f"{key}={value}"]
-            own = [reason for reason in given if "options are" not in reason]
+            own = [reason for reason in given if "options" not in reason]  # its own reason, given already
             reason = (f"options{context} are {options}" if own
                       else f"not possible{context}{where}; options are {options}")
             if reason not in given:
