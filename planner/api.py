@@ -7,14 +7,11 @@ from pathlib import Path
 from costmodel.errors import ProfileError
 from costmodel.hardware import Cluster
 from costmodel.profile_loader import load_cluster
-from planner.config import ParallelConfig, Schedule
+from planner.config import CONFIG_KEYS, ParallelConfig, Schedule
 from planner.errors import check_positive_int, invalid
 from planner.graph import ModelGraph, Recompute
 from planner.result import Estimate, Plan, stored_reference
 
-# Keys `make_config` reads; anything else is a typo, reported rather than ignored.
-CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "recompute", "schedule", "offload_optimizer",
-               "dp_replicate")
 # Degrees `make_config` divides by before ParallelConfig validates them.
 _DIVISOR_KEYS = ("tp", "pp", "cp", "dp", "micro_batch")
 

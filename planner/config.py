@@ -18,6 +18,9 @@ class Schedule(StrEnum):
 # Training dtypes the planner prices: mixed precision in bf16/fp16, fp8 GEMMs over bf16
 # (`costmodel.compute.GEMM_ONLY_DTYPES`), or plain fp32 (e.g. CPU ranks without bf16 GEMMs).
 TRAINING_DTYPES = ("bf16", "fp16", "fp8", "fp32")
+# The choices a user gives for one configuration (`planner.api.make_config`, the command line's flags).
+CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "recompute", "schedule", "offload_optimizer",
+               "dp_replicate")
 
 _VALUES = {kind: frozenset(str(member) for member in kind) for kind in (Recompute, Schedule)}
 

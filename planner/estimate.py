@@ -307,8 +307,8 @@ class Evaluator:
         for chunk in range(config.pp * config.vpp):
             stage_layers[chunk % config.pp].extend(range(boundaries[chunk], boundaries[chunk + 1]))
 
-        sums, stage_plans, breakdowns = [], [], []
-        exposed_dp_s = optimizer_s = p2p_s = 0.0
+        sums, stage_plans, breakdowns, transfers = [], [], [], set()
+        exposed_dp_s = optimizer_s = 0.0
         tables = {node: self.layer_table(config, device, node, policies) for device, node in self.device_types(config.pp)}
         priced: dict = {}  # stages with the same node and layer totals price the same (identical blocks)
         for stage in range(config.pp):
@@ -332,8 +332,7 @@ class Evaluator:
             stage_dp_s, stage_optimizer_s, breakdown, host_bytes = priced[key]
             exposed_dp_s, optimizer_s = max(exposed_dp_s, stage_dp_s), max(optimizer_s, stage_optimizer_s)
             # Its transfer to the next stage (the next chunk's device when interleaved) runs at the slower end's links.
-            out_bytes, receiver = float(rows[-1, COL["out_bytes"]]), per_device[(stage + 1) % config.pp][1]
-            p2p_s = max(p2p_s, *(self._p2p_s(config, end, out_bytes) for end in {node, receiver}))
+            transfers.add((float(rows[-1, COL["out_bytes"]]), node, per_device[(stage + 1) % config.pp][1]))
             breakdowns.append((device, node, breakdown, host_bytes))
             first, last = layer_ids[0], layer_ids[-1]
             stage_plans.append(StagePlan(
@@ -345,6 +344,9 @@ class Evaluator:
                 memory={**breakdown.to_dict(), "capacity_bytes": device.mem_bytes},
             ))
 
+        p2p_s = max(collective_time_s(Collective.P2P, out_bytes / config.seq_split, mesh_groups(config, end.devices_per_node).pp,
+                                      end, self.cluster.oversubscription)
+                    for out_bytes, sender, receiver in transfers for end in (sender, receiver)) if config.pp > 1 else 0.0
         fwd_s = [float(t[COL["fwd_s"]]) for t in sums]
         bwd_s = [float(t[COL["bwd_s"]]) for t in sums]
         if config.pp > 1:
@@ -371,13 +373,6 @@ class Evaluator:
                   for plan, (device, node, breakdown, host_bytes) in zip(stage_plans, breakdowns)]
         return assemble_estimate(graph, self.cluster.num_devices, self.dtype, config, global_batch, step_s, pipe_s, time_breakdown,
                                  stages, headroom)
-
-    def _p2p_s(self, config: ParallelConfig, node: NodeSpec, out_bytes: float) -> float:
-        """One pipeline transfer of a micro-batch's `out_bytes` (split over the sequence) at `node`'s links."""
-        if config.pp == 1:
-            return 0.0
-        group = mesh_groups(config, node.devices_per_node).pp
-        return collective_time_s(Collective.P2P, out_bytes / config.seq_split, group, node, self.cluster.oversubscription)
 
     def _stage_costs(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, total: tuple, largest_params: float,
                      in_flight: float, recv_bytes: float, first_gathered: tuple, last_reduced: tuple) -> tuple:

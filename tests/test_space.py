@@ -39,6 +39,13 @@ def fake_graph(dims: ModelDims, *, seq_len: int = 2048, with_ops: bool = True) -
                       layers=layers + (layer("head", LayerKind.HEAD),), dims=dims)
 
 
+def refusal(dims: ModelDims, cluster: str, constraints: dict, seq_len: int = 2048) -> str:
+    """The message with which `enumerate_degrees` refuses `constraints` on `cluster`."""
+    with pytest.raises(PlannerError) as error:
+        enumerate_degrees(fake_graph(dims, seq_len=seq_len), load_cluster(cluster), constraints)
+    return error.value.message
+
+
 def expected_degrees(dims: ModelDims, num_layers: int, seq_len: int, devices: int, per_node: int) -> set[tuple]:
     """Every (dp, tp, pp, cp, ep) the space rules allow, by brute force over divisor products."""
     out = set()
@@ -144,29 +151,23 @@ def test_dense_models_have_ep1_only_and_fixed_ep_is_rejected():
     dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=24)
     space = enumerate_degrees(fake_graph(dims), load_cluster("a100-80g:1x8"), {})
     assert {ep for *_, ep in space.degrees} == {1}
-    with pytest.raises(PlannerError) as error:
-        enumerate_degrees(fake_graph(dims), load_cluster("a100-80g:1x8"), {"ep": 2})
     # The message names what blocks the fixed degree (once, however many tuples it blocked), not
     # rejections of other degrees.
-    assert error.value.message == ("no parallel degrees fit the constraints {'ep': 2}: ep=2: not possible: "
+    assert refusal(dims, "a100-80g:1x8", {"ep": 2}) == ("no parallel degrees fit the constraints {'ep': 2}: ep=2: not possible: "
                                    "the model has no experts; options are [1]")
 
 
 def test_a_fixed_pipeline_degree_that_cannot_be_says_why():
     # 8 devices with tp=8 leave one device per tensor-parallel group: pp=2 cannot be.
     dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=24)
-    with pytest.raises(PlannerError) as error:
-        enumerate_degrees(fake_graph(dims), load_cluster("a100-80g:1x8"), {"tp": 8, "pp": 2})
-    assert "pp=2: not possible with tp=8 and cp=1 on 8 devices" in error.value.message
+    assert "pp=2: not possible with tp=8 and cp=1 on 8 devices" in refusal(dims, "a100-80g:1x8", {"tp": 8, "pp": 2})
 
 
 def test_a_fixed_tensor_degree_is_refused_for_its_own_reason_only():
     # 12 heads and 4 key/value heads on 6 devices: tp=3 divides the heads and fits the node, so the
     # key/value heads alone refuse it; the message must not blame the node or the heads.
     dims = ModelDims(hidden=768, heads=12, kv_heads=4, layers=12)
-    with pytest.raises(PlannerError) as error:
-        enumerate_degrees(fake_graph(dims), load_cluster("h100-sxm:1x6"), {"tp": 3})
-    assert error.value.message == ("no parallel degrees fit the constraints {'tp': 3}: tp=3: neither divides nor is a "
+    assert refusal(dims, "h100-sxm:1x6", {"tp": 3}) == ("no parallel degrees fit the constraints {'tp': 3}: tp=3: neither divides nor is a "
                                    "multiple of the 4 key/value heads; tp=3: options are [1, 2]")
 
 
@@ -174,27 +175,20 @@ def test_a_fixed_degree_names_its_own_reason_before_the_options_of_each_combinat
     # pp=3 on 8 devices: its own reason (it does not divide them) leads, then what pp can be for
     # each tp, labelled by that tp: lists for different tp are not contradictions.
     dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=24)
-    with pytest.raises(PlannerError) as error:
-        enumerate_degrees(fake_graph(dims), load_cluster("a100-80g:1x8"), {"pp": 3})
-    assert error.value.message == ("no parallel degrees fit the constraints {'pp': 3}: pp=3: does not divide the "
+    assert refusal(dims, "a100-80g:1x8", {"pp": 3}) == ("no parallel degrees fit the constraints {'pp': 3}: pp=3: does not divide the "
                                    "cluster's 8 devices; pp=3: options with tp=1 and cp=1 are [1, 2, 4, 8]; "
                                    "pp=3: options with tp=2 and cp=1 are [1, 2, 4]")
     # A cp the sequence rules out says which rule.
-    with pytest.raises(PlannerError) as error:
-        enumerate_degrees(fake_graph(dims, seq_len=1000), load_cluster("a100-80g:1x8"), {"cp": 8})
-    assert "cp=8: not possible (cp divides the 8 devices, 2 x cp the 1000 tokens, and cp <= 32)" in error.value.message
+    assert "cp=8: not possible (cp divides the 8 devices, 2 x cp the 1000 tokens, and cp <= 32)" in refusal(
+        dims, "a100-80g:1x8", {"cp": 8}, seq_len=1000)
 
 
 def test_a_fixed_expert_degree_says_once_what_refuses_it():
     # Mixtral's 8 experts on 32 devices: ep=16 divides no expert count, whatever dp is (said once,
     # not once per dp); ep=8 with tp=1 pp=1 on 4 devices divides the experts but not dp=4.
-    with pytest.raises(PlannerError) as error:
-        enumerate_degrees(fake_graph(MIXTRAL_8X7B), load_cluster("h100-sxm:4x8"), {"ep": 16})
-    assert error.value.message == ("no parallel degrees fit the constraints {'ep': 16}: ep=16: does not divide the 8 experts; "
+    assert refusal(MIXTRAL_8X7B, "h100-sxm:4x8", {"ep": 16}) == ("no parallel degrees fit the constraints {'ep': 16}: ep=16: does not divide the 8 experts; "
                                    "ep=16: options with dp=32 are [1, 2, 4, 8]; ep=16: options with dp=16 are [1, 2, 4, 8]")
-    with pytest.raises(PlannerError) as error:
-        enumerate_degrees(fake_graph(MIXTRAL_8X7B), load_cluster("h100-sxm:1x4"), {"ep": 8, "tp": 1, "pp": 1})
-    assert error.value.message.endswith("ep=8: not possible with dp=4 (8 experts; the search keeps ep inside dp, dividing it "
+    assert refusal(MIXTRAL_8X7B, "h100-sxm:1x4", {"ep": 8, "tp": 1, "pp": 1}).endswith("ep=8: not possible with dp=4 (8 experts; the search keeps ep inside dp, dividing it "
                                         "and the experts); options are [1, 2, 4]")
 
 

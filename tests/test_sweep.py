@@ -448,7 +448,7 @@ def test_one_stop_request_delivered_twice_stops_the_sweep_once():
     from planner.sweeps.runner import REPEAT_WINDOW_S, _StopOnSignal
 
     class Forced(Exception):
-        pass
+        """Raised by the handler a stop signal falls through to."""
 
     def force(signum, frame):
         raise Forced
