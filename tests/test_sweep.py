@@ -466,6 +466,36 @@ def test_one_stop_request_delivered_twice_stops_the_sweep_once():
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_the_progress_line_fits_80_columns_and_rates_points_since_this_run_started(monkeypatch):
+    # A resumed run's done points are not planned by it; two points ending 10 ms apart are not a
+    # rate of 100 points/s until a second has passed; a long description is cut, not wrapped.
+    import io
+
+    from rich.console import Console
+
+    from planner.sweeps import runner
+
+    now = [0.0]
+    bar = runner._progress_bar(True)
+    bar.get_time = lambda: now[0]
+    bar.live.console = Console(file=io.StringIO(), width=80, force_terminal=True)
+    task_id = bar.add_task("x" * 200, total=110, completed=10, resumed=10)
+    task = bar.tasks[task_id]
+
+    def line() -> str:
+        console = bar.live.console
+        return "".join(segment.text for segment in console.render(bar.make_tasks_table([task]), console.options))
+
+    now[0] = 0.01
+    bar.update(task_id, advance=2)
+    assert "- points/s" in line()
+    now[0] = 20.0
+    bar.update(task_id, advance=8)
+    rendered = line()
+    assert "0.50 points/s, 3:00 left" in rendered, rendered
+    assert rendered.count("\n") == 1 and len(rendered.rstrip("\n")) <= 80 and "…" in rendered
+
+
 @pytest.mark.parametrize("signum, suffix, workers, rerun, group", [(signal.SIGTERM, ".csv", "2", "command", True),
                                                                    (signal.SIGINT, ".jsonl", "1", "api", False)])
 def test_a_signalled_sweep_resumes_to_the_uninterrupted_rows(tmp_path, reference, signum, suffix, workers, rerun, group):

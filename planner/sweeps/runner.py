@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Iterator
 
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
+from rich.table import Column
 from rich.text import Text
 
 from planner.api import model_graph
@@ -38,6 +38,11 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # A stop signal this soon after the first is the same request delivered again (`timeout` sends it to
 # the process and to its group), not a second one asking to quit at once.
 REPEAT_WINDOW_S = 1.0
+# The progress line shows a rate once this much time has passed: before it, a few points planned
+# in milliseconds (rows of a model that failed to trace) read as thousands of points per second.
+RATE_MIN_ELAPSED_S = 1.0
+# Columns of the progress line's bar: the rest goes to the point's description, cut to fit.
+PROGRESS_BAR_WIDTH = 16
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,8 @@ def sweep(spec: SweepSpec | str | Path | dict, out: str | Path, *, workers: int 
     settings = PlanSettings(spec.dtype, spec.code, spec.constraints, spec.settings, None if plan_dir is None else str(plan_dir))
     with ResultsFile.open(out) as results, _StopOnSignal() as stop, _progress_bar(progress) as bar:
         todo = _unfinished(spec, results)
-        task = bar.add_task("tracing", total=len(spec.points), completed=len(spec.points) - len(todo))
+        resumed = len(spec.points) - len(todo)
+        task = bar.add_task("tracing", total=len(spec.points), completed=resumed, resumed=resumed)
         graphs, plannable = _trace(todo, spec, settings, results, stop.event, bar, task)
         planning_started = time.perf_counter()
         for row in _rows(kind, plannable, (graphs, spec.clusters, settings), stop.event, workers, address):
@@ -226,18 +232,25 @@ def _describe(row: dict) -> str:
     return f"{row['model']} on {row['cluster']} gb{row['global_batch']} s{row['seq_len']}: {row['status']}"
 
 
-class _RateColumn(ProgressColumn):
-    """Points per second over rich's recent-speed window."""
+class _PaceColumn(ProgressColumn):
+    """Points per second and the time left, from the average since this run started (the points a
+    resumed run found done are not counted); rich's own speed, over its last few updates, swings
+    by orders of magnitude when several points end together."""
 
     def render(self, task) -> Text:
-        speed = task.speed
-        return Text("- points/s" if speed is None else f"{speed:.2f} points/s", style="progress.data.speed")
+        planned = task.completed - task.fields["resumed"]
+        if not planned or not task.elapsed or task.elapsed < RATE_MIN_ELAPSED_S:
+            return Text("- points/s", style="progress.data.speed")
+        rate = planned / task.elapsed
+        left_s = int((task.total - task.completed) / rate)
+        return Text(f"{rate:.2f} points/s, {left_s // 60}:{left_s % 60:02d} left", style="progress.data.speed")
 
 
 def _progress_bar(enabled: bool) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), _RateColumn(),
-                    TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
-                    console=Console(stderr=True), disable=not enabled)
+    description = Column(ratio=1, no_wrap=True, overflow="ellipsis")
+    return Progress(TextColumn("{task.description}", table_column=description), BarColumn(bar_width=PROGRESS_BAR_WIDTH),
+                    MofNCompleteColumn(), _PaceColumn(), TimeElapsedColumn(), console=Console(stderr=True),
+                    disable=not enabled, expand=True)
 
 
 class _StopOnSignal:
