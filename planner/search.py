@@ -32,7 +32,7 @@ from planner.graph import ModelGraph, Recompute
 from planner.memory_plan import MEMORY_ILP_TIME_LIMIT_S, chunk_boundaries, memory_plan, uniform_recompute
 from planner.no_fit import batch_reason, closest_miss, nothing_fits
 from planner.result import Alternative, Plan
-from planner.space import Rejection, check_config, configs_for, enumerate_degrees, why_no_configs
+from planner.space import Rejection, check_config, configs_for, divisors, enumerate_degrees, max_micro_batch, why_no_configs
 from planner.training_code import TrainingCode
 
 # Constraint keys `plan` accepts besides the fixed choices; anything else is a typo.
@@ -127,6 +127,13 @@ class _Pass:
                 dp, tp, pp, cp, ep = degrees
                 self.rejected.append(Rejection(f"dp={dp} tp={tp} pp={pp} cp={cp} ep={ep}",
                                                why_no_configs(degrees, graph, global_batch, constraints)))
+        cap = max_micro_batch(graph.stream_tokens)
+        above = sorted({b for degrees in space.degrees if global_batch % degrees[0] == 0
+                        for b in divisors(global_batch // degrees[0]) if b > cap})
+        if above and "micro_batch" not in constraints:
+            self.rejected.append(Rejection(f"micro_batch={','.join(map(str, above[:4]))}{',...' if len(above) > 4 else ''}",
+                                           f"above {cap} sequences of {graph.stream_tokens} tokens: GEMMs are saturated by "
+                                           f"then and activation memory only grows (fix --micro-batch to price one)"))
         heapq.heapify(heap)
         self.total += len(heap)
         return heap

@@ -28,9 +28,14 @@ CP_MIN_SEQ_LEN = 8192
 # The largest context-parallel degree searched or accepted.
 CP_MAX = 32
 
-# Largest micro-batch the search tries (sequences); bigger ones only raise activation memory once
-# GEMMs are saturated.
+# Largest micro-batch the search tries: `MAX_MICRO_BATCH` sequences, or more while a micro-batch
+# holds at most `MAX_MICRO_BATCH_TOKENS` tokens of the stream between blocks (short sequences, a
+# ViT's patches). Beyond both, the GEMMs' rows (micro-batch x tokens) are well past where their
+# efficiency saturates (MAMF curves flatten above ~1e11 FLOPs per GEMM, an 8192-wide layer at 2K
+# rows), so bigger micro-batches only raise activation memory. The 16 x 2048 tokens are where the
+# sequence cap alone sat for the usual 2K-token runs.
 MAX_MICRO_BATCH = 16
+MAX_MICRO_BATCH_TOKENS = 16 * 2048
 
 # Virtual pipeline chunks per device the search tries with the interleaved schedule.
 VPP_CHOICES = (2, 3, 4)
@@ -203,8 +208,13 @@ def no_degrees_error(space: Space, constraints: dict) -> PlannerError:
     return invalid(f"no parallel degrees fit the constraints {fixed}: {reasons}")
 
 
-def micro_batches(per_replica_batch: int, constraints: dict) -> list[int]:
-    options = [b for b in divisors(per_replica_batch) if b <= MAX_MICRO_BATCH]
+def max_micro_batch(tokens_per_sequence: int) -> int:
+    """The largest micro-batch the search tries for sequences of `tokens_per_sequence` stream tokens."""
+    return max(MAX_MICRO_BATCH, MAX_MICRO_BATCH_TOKENS // max(1, tokens_per_sequence))
+
+
+def micro_batches(per_replica_batch: int, constraints: dict, tokens_per_sequence: int = 1) -> list[int]:
+    options = [b for b in divisors(per_replica_batch) if b <= max_micro_batch(tokens_per_sequence)]
     if "micro_batch" in constraints:
         return [constraints["micro_batch"]] if per_replica_batch % constraints["micro_batch"] == 0 else []
     return options
@@ -279,7 +289,7 @@ def configs_for(degrees: tuple[int, int, int, int, int], graph: ModelGraph, glob
     if global_batch % dp:
         return
     policies = recompute_options(constraints, graph.recompute_policies)
-    for mb in micro_batches(global_batch // dp, constraints):
+    for mb in micro_batches(global_batch // dp, constraints, graph.stream_tokens):
         m = global_batch // (dp * mb)
         for schedule, vpp in schedules(pp, len(graph.layers), m, constraints):
             for zero in zero_options(constraints, dp * cp, pp):

@@ -460,6 +460,18 @@ def test_expert_parallel_plans_take_no_op_level_checkpointing():
         assert config.ep == 1, config.short()
 
 
+def test_short_sequences_search_micro_batches_past_16_and_say_where_the_search_stops():
+    # At 128 tokens a 16-sequence micro-batch is 2K rows per GEMM; the search goes on to 256
+    # sequences (32K tokens) and names the larger ones it leaves out.
+    graph = planner.trace("gpt3-125m", seq_len=128)
+    plan = planner.plan(graph, "a100-80g:1x8", global_batch=4096, tp=1, pp=1, zero=1, recompute="none")
+    capped = planner.evaluate(graph, "a100-80g:1x8", {"dp": 8, "tp": 1, "pp": 1, "zero": 1, "recompute": "none",
+                                                      "micro_batch": 16}, global_batch=4096)
+    assert plan.config.micro_batch > 16 and plan.estimate.step_time_s < capped.step_time_s
+    assert any(r["what"].startswith("micro_batch=512") and "above 256 sequences of 128 tokens" in r["reason"]
+               for r in plan.rejected)
+
+
 def test_plan_round_trips_through_json(small_plan):
     _, plan = small_plan
     assert planner.Plan.from_json(plan.to_json()) == plan

@@ -266,6 +266,14 @@ def test_configs_cover_the_batch_and_respect_schedule_rules(global_batch):
     assert seen_interleaved == (global_batch >= 2)
 
 
+@pytest.mark.parametrize("seq_len, largest", [(128, 256), (1024, 32), (2048, 16), (8192, 16)])
+def test_micro_batches_go_up_to_16_sequences_or_32k_tokens(seq_len, largest):
+    # 16 x 2048 tokens: at 128 tokens a sequence that is 256 sequences, at 8192 still 16.
+    graph = fake_graph(ModelDims(hidden=1024, heads=16, kv_heads=16, layers=2), seq_len=seq_len)
+    configs = configs_for((1, 1, 1, 1, 1), graph, 1024, {})
+    assert {config.micro_batch for config in configs} == {b for b in divisors(1024) if b <= largest}
+
+
 def test_zero_bubble_is_offered_only_for_micro_batch_counts_torch_runs():
     # ScheduleInterleavedZeroBubble splits m micro-batches into m // pp equal rounds: 16 on 3 stages
     # would be 5 rounds, which 16 is not a multiple of; 15 and 18 are, and 2 (< pp) is one round.
