@@ -17,7 +17,8 @@ Model of one training step of one pipeline (every data-parallel replica runs the
 - Dependencies: F of micro-batch j on virtual stage s needs F of j on s-1; B of j on s needs B of j
   on s+1 (and F of j on s, earlier on the same device); W needs B (earlier, same device). A
   dependency between two devices adds `p2p_s`. Transfers are asynchronous: they delay the consumer
-  and occupy neither device's compute stream.
+  and occupy neither device's compute stream. A device's link to each neighbour carries one
+  transfer at a time per direction, in the order the device produced them.
 - Each device runs its ops in the schedule's fixed order, each as early as its dependencies and the
   previous op on the device allow. The step time is when the last op ends.
 
@@ -53,7 +54,7 @@ def step_time_s(
     bwd_s: Sequence[float],
     num_microbatches: int,
     vpp: int = 1,
-    p2p_s: float = 0.0,
+    p2p_s: float | Sequence[float] = 0.0,
     bwd_weight_fraction: float = 0.5,
 ) -> float:
     """Step time without events, in O(pp) (tens of microseconds), for use inside the search.
@@ -75,9 +76,12 @@ def step_time_s(
     Transfer part: `p2p_s` times the transfers on the critical path of an equal-stage pipeline:
     GPipe `2 (p-1)`; 1F1B `2 (p-1) + 2 floor((m-1)(p-1)/p)` (each run of `p` micro-batches waits
     one extra round trip in the steady state); interleaved `2 (vpp p - 1)`; ZB-H1 `2 (p-1)` (fill
-    and drain only). Exact for equal stages for GPipe and 1F1B at any `p2p_s`, and for interleaved
-    while `p2p_s <= min(f, b) / vpp`; ZB-H1 within 2.5% while `p2p_s` is under a tenth of
-    `min(f, b_in, w)`. Beyond that the transfers outgrow the schedule's slack; use `pipeline_sim.simulate`.
+    and drain only); or, where more, what the links carry one transfer at a time
+    (`transfer_lines`). Exact for equal stages for GPipe, 1F1B and interleaved while
+    `p2p_s <= min(f, b) / vpp`; ZB-H1 within 2.5% while `p2p_s` is under a tenth of
+    `min(f, b_in, w)`. Beyond that the transfers outgrow the schedule's slack and the result is
+    a lower bound (on random equal-stage pipelines at 10 x that `p2p_s`: 1F1B 10%, GPipe 20%,
+    interleaved 32%, ZB-H1 47% under the simulation); use `pipeline_sim.simulate`.
 
     Args:
         schedule: which schedule.
@@ -85,7 +89,10 @@ def step_time_s(
         bwd_s: seconds of one micro-batch backward on each stage, weight gradient included.
         num_microbatches: micro-batches per step (`m`).
         vpp: model chunks per device (interleaved only).
-        p2p_s: seconds from an op's end to the earliest start of its consumer on another device.
+        p2p_s: seconds from an op's end to the earliest start of its consumer on another device;
+            or one per device, for its transfers to and from the next (`hop_times`). The path
+            transfers of `transfer_lines` are then priced at the mean over the boundaries the
+            schedule crosses, the transfers one link carries one after another at the slowest.
         bwd_weight_fraction: share of `bwd_s` that is the weight gradient (zero bubble only).
 
     Returns:
@@ -100,13 +107,63 @@ def step_time_s(
         27.0
     """
     schedule = check_args(schedule, fwd_s, bwd_s, num_microbatches, vpp, p2p_s, bwd_weight_fraction)
+    crossed = hop_times(p2p_s, len(fwd_s))
+    if schedule != PipeSchedule.INTERLEAVED:
+        crossed = crossed[:-1]  # only an interleaved schedule sends from the last device to the first
+    mean_s, slowest_s = (sum(crossed) / len(crossed), max(crossed)) if crossed else (0.0, 0.0)
+    return max(intercept + path * mean_s + queued * slowest_s
+               for intercept, path, queued in transfer_lines(schedule, fwd_s, bwd_s, num_microbatches, vpp, bwd_weight_fraction))
+
+
+def hop_times(p2p_s: float | Sequence[float], pp: int) -> tuple[float, ...]:
+    """One transfer time per device `d`, for its transfers to and from device `d + 1` (the last
+    device's: to and from the first, the wrap of an interleaved schedule), from one time for all
+    or one per device."""
+    if isinstance(p2p_s, (int, float)):
+        return (float(p2p_s),) * pp
+    return tuple(float(hop) for hop in p2p_s)
+
+
+def transfer_lines(
+    schedule: PipeSchedule | str,
+    fwd_s: Sequence[float],
+    bwd_s: Sequence[float],
+    num_microbatches: int,
+    vpp: int = 1,
+    bwd_weight_fraction: float = 0.5,
+) -> tuple[tuple[float, float], ...]:
+    """`step_time_s` as the upper envelope of planes in the transfer times: (seconds without
+    transfers, transfers along a path through the pipeline, transfers queued on one link).
+
+    - The schedule's critical path: its compute part plus its critical transfers (`step_time_s`).
+    - The link: a link carries one transfer at a time in each direction, and device 0 receives
+      `m vpp` gradients over one, from device 1 (a backward chunk per micro-batch and chunk). The
+      first arrives no sooner than a micro-batch's forward through every virtual stage and its
+      backward through the last chunk (`pp vpp - 1 + pp - 1` transfers), the others one transfer
+      apart, and the last one's backward (and, under zero bubble, its weight gradient) ends the
+      step on device 0: `sum(f) + sum(b_in) / vpp + w_0 + (pp vpp + pp - 2 + m vpp - 1) p2p_s`.
+      Under GPipe the gradients set out only after the last stage's `m` forwards, which crossed
+      each link one at a time: `sum(f) + sum(b) + (2 (pp - 1) + 2 (m - 1)) p2p_s`.
+      These take over once a
+      transfer outlasts a micro-batch's compute on a device (slow NICs, large activations), where
+      the first line's count, of fill and drain only for zero bubble and interleaved, falls short.
+    """
+    schedule = check_args(schedule, fwd_s, bwd_s, num_microbatches, vpp, 0.0, bwd_weight_fraction)
     pp, m = len(fwd_s), num_microbatches
     if schedule == PipeSchedule.GPIPE:
         compute = sum(fwd_s) + (m - 1) * max(fwd_s) + sum(bwd_s) + (m - 1) * max(bwd_s)
     else:
         split = bwd_weight_fraction if schedule == PipeSchedule.ZERO_BUBBLE else 0.0
         compute = _compute_bound_s(schedule, fwd_s, bwd_s, m, vpp, split)
-    return compute + critical_transfers(schedule, pp, m, vpp) * p2p_s
+    critical = (compute, float(critical_transfers(schedule, pp, m, vpp)), 0.0)
+    if pp == 1:
+        return (critical,)
+    split = bwd_weight_fraction if schedule == PipeSchedule.ZERO_BUBBLE else 0.0
+    round_trip_s = sum(fwd_s) + (1.0 - split) * sum(bwd_s) / vpp + split * bwd_s[0]
+    lines = (critical, (round_trip_s, float(pp * vpp + pp - 2), float(m * vpp - 1)))
+    if schedule == PipeSchedule.GPIPE:  # the gradients set out once the last stage has every forward
+        lines += ((sum(fwd_s) + sum(bwd_s), float(2 * (pp - 1)), float(2 * (m - 1))),)
+    return lines
 
 
 def in_flight_microbatches(
@@ -256,7 +313,7 @@ def check_args(
     bwd_s: Sequence[float],
     num_microbatches: int,
     vpp: int,
-    p2p_s: float,
+    p2p_s: float | Sequence[float],
     bwd_weight_fraction: float,
 ) -> PipeSchedule:
     """The schedule of a `step_time_s` or `pipeline_sim.simulate` call, its arguments checked (same meanings).
@@ -267,7 +324,10 @@ def check_args(
     schedule = _check_schedule(schedule, vpp)
     if not fwd_s or len(fwd_s) != len(bwd_s):
         raise ValueError(f"fwd_s/bwd_s: need one time per stage each, got {len(fwd_s)} and {len(bwd_s)}")
-    if min(fwd_s) < 0 or min(bwd_s) < 0 or p2p_s < 0:
+    hops = hop_times(p2p_s, len(fwd_s))
+    if len(hops) != len(fwd_s):
+        raise ValueError(f"p2p_s: need one time or one per stage ({len(fwd_s)}), got {len(hops)}")
+    if min(fwd_s) < 0 or min(bwd_s) < 0 or min(hops) < 0:
         raise ValueError("fwd_s/bwd_s/p2p_s: times must be non-negative seconds")
     _check_positive("num_microbatches", num_microbatches)
     if schedule == PipeSchedule.INTERLEAVED and num_microbatches % len(fwd_s):

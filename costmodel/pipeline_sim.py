@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from itertools import repeat
 
-from costmodel.pipeline import PipeSchedule, check_args, warmup_forwards
+from costmodel.pipeline import PipeSchedule, check_args, hop_times, warmup_forwards
 
 
 class EventKind(StrEnum):
@@ -69,7 +69,7 @@ def simulate(
     bwd_s: Sequence[float],
     num_microbatches: int,
     vpp: int = 1,
-    p2p_s: float = 0.0,
+    p2p_s: float | Sequence[float] = 0.0,
     bwd_weight_fraction: float = 0.5,
 ) -> ScheduleResult:
     """Simulates one step of a pipeline schedule event by event, with true dependencies.
@@ -82,7 +82,8 @@ def simulate(
         bwd_s: seconds of one micro-batch backward on each stage, weight gradient included.
         num_microbatches: micro-batches per step (`m`).
         vpp: model chunks per device (interleaved only; 1 otherwise).
-        p2p_s: seconds from an op's end to the earliest start of its consumer on another device.
+        p2p_s: seconds from an op's end to the earliest start of its consumer on another device;
+            or one per device, for its transfers to and from the next (`pipeline.hop_times`).
         bwd_weight_fraction: share of `bwd_s` that is the weight gradient (used by zero bubble only).
 
     Returns:
@@ -101,7 +102,7 @@ def simulate(
     split = bwd_weight_fraction if schedule == PipeSchedule.ZERO_BUBBLE else 0.0
     orders = [_device_order(schedule, pp, d, m, vpp) for d in range(pp)]
     durations = [(fwd_s[d] / vpp, bwd_s[d] * (1.0 - split) / vpp, bwd_s[d] * split) for d in range(pp)]
-    starts, ends = _run(orders, durations, m, vpp, p2p_s)
+    starts, ends = _run(orders, durations, m, vpp, hop_times(p2p_s, pp) if pp > 1 else (0.0,))
     events: list[PipeEvent] = []
     for d in range(pp):
         codes, microbatches, chunks = zip(*orders[d])
@@ -145,23 +146,24 @@ def _device_order(schedule: PipeSchedule, pp: int, device: int, m: int, vpp: int
 
 
 def _run(
-    orders: list[list[_Op]], durations: list[tuple[float, float, float]], m: int, vpp: int, p2p_s: float
+    orders: list[list[_Op]], durations: list[tuple[float, float, float]], m: int, vpp: int, hops_s: tuple[float, ...]
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Times every op: each starts once the previous op on its device and its dependencies end.
 
     A device advances until its next op waits on another device's result and notes which one;
-    producing that result puts the device back on the work stack. Every op is timed once.
+    producing that result puts the device back on the work stack. Every op is timed once. A
+    result bound for another device is stored as its arrival there (`_send`).
     """
     pp = len(orders)
     last_stage = vpp * pp - 1
-    hop_s = p2p_s if pp > 1 else 0.0
-    forward_end: list[float | None] = [None] * ((last_stage + 1) * m)
-    backward_end: list[float | None] = [None] * ((last_stage + 1) * m)
+    forward_ready: list[float | None] = [None] * ((last_stage + 1) * m)
+    backward_ready: list[float | None] = [None] * ((last_stage + 1) * m)
     waits_forward = [-1] * pp
     waits_backward = [-1] * pp
     starts: list[list[float]] = [[] for _ in range(pp)]
     ends: list[list[float]] = [[] for _ in range(pp)]
     free_at = [0.0] * pp
+    link_free_at = [[0.0, 0.0] for _ in range(pp)]  # each device's links to the next and previous device
     cursor = [0] * pp
     pending = list(range(pp))
     while pending:
@@ -176,18 +178,18 @@ def _run(
             if code == _FORWARD:
                 if stage > 0:
                     key = (stage - 1) * m + mb
-                    upstream = forward_end[key]
+                    upstream = forward_ready[key]
                     if upstream is None:
                         waits_forward[device] = key
                         break
-                    ready = upstream + hop_s
+                    ready = upstream
             elif code == _BACKWARD and stage < last_stage:
                 key = (stage + 1) * m + mb
-                downstream = backward_end[key]
+                downstream = backward_ready[key]
                 if downstream is None:
                     waits_backward[device] = key
                     break
-                ready = downstream + hop_s
+                ready = downstream
             start = now if now > ready else ready
             now = start + cost[code]
             device_starts.append(start)
@@ -195,13 +197,13 @@ def _run(
             position += 1
             if code == _FORWARD:
                 key = stage * m + mb
-                forward_end[key] = now
+                forward_ready[key] = _send(link_free_at[device], 0, now, hops_s[device]) if stage < last_stage else now
                 if waits_forward[next_device] == key:
                     waits_forward[next_device] = -1
                     pending.append(next_device)
             elif code == _BACKWARD:
                 key = stage * m + mb
-                backward_end[key] = now
+                backward_ready[key] = _send(link_free_at[device], 1, now, hops_s[previous_device]) if stage > 0 else now
                 if waits_backward[previous_device] == key:
                     waits_backward[previous_device] = -1
                     pending.append(previous_device)
@@ -210,3 +212,12 @@ def _run(
     if stuck:
         raise RuntimeError(f"pipeline schedule deadlocked on devices {stuck}: the per-device orders are inconsistent")
     return starts, ends
+
+
+def _send(link_free_at: list[float], direction: int, ready_s: float, hop_s: float) -> float:
+    """When a result ready at `ready_s` arrives over the device's link in `direction` (0: to the next
+    device, 1: to the previous), after the transfers queued on it before (one at a time, in the
+    order the device produced them); marks the link busy until then."""
+    arrival = max(ready_s, link_free_at[direction]) + hop_s
+    link_free_at[direction] = arrival
+    return arrival

@@ -29,7 +29,7 @@ import numpy as np
 
 from costmodel import memory as memory_model
 from costmodel import pipeline
-from costmodel.comm import Collective, CommGroup, collective_time_s
+from costmodel.comm import CommGroup
 from costmodel.compute import base_dtype, bytes_per_element
 from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
 from costmodel.offload import host_state_bytes
@@ -40,7 +40,7 @@ from planner.errors import PlannerError, invalid
 from planner.estimate_assembly import assemble_estimate
 from planner.graph import LayerKind, ModelGraph, Recompute
 from planner.layer_cost import LayerContext, LayerCost, price_layer
-from planner.mesh import cp_shares_shard_links, expert_data_group, mesh_groups, stage_devices
+from planner.mesh import cp_shares_shard_links, expert_data_group, mesh_groups, pipeline_hop_times, stage_devices
 from planner.pipeline_buffers import chunk_recv_bytes, recv_buffer_bytes
 from planner.result import Estimate, StagePlan, contiguous_runs
 from planner.space import check_config
@@ -307,7 +307,7 @@ class Evaluator:
         for chunk in range(config.pp * config.vpp):
             stage_layers[chunk % config.pp].extend(range(boundaries[chunk], boundaries[chunk + 1]))
 
-        sums, stage_plans, breakdowns, transfers = [], [], [], set()
+        sums, stage_plans, breakdowns = [], [], []
         exposed_dp_s = optimizer_s = 0.0
         tables = {node: self.layer_table(config, device, node, policies) for device, node in self.device_types(config.pp)}
         priced: dict = {}  # stages with the same node and layer totals price the same (identical blocks)
@@ -331,8 +331,6 @@ class Evaluator:
                 priced[key] = self._stage_costs(config, device, node, *key[1:])
             stage_dp_s, stage_optimizer_s, breakdown, host_bytes = priced[key]
             exposed_dp_s, optimizer_s = max(exposed_dp_s, stage_dp_s), max(optimizer_s, stage_optimizer_s)
-            # Its transfer to the next stage (the next chunk's device when interleaved) runs at the slower end's links.
-            transfers.add((float(rows[-1, COL["out_bytes"]]), node, per_device[(stage + 1) % config.pp][1]))
             breakdowns.append((device, node, breakdown, host_bytes))
             first, last = layer_ids[0], layer_ids[-1]
             stage_plans.append(StagePlan(
@@ -344,13 +342,13 @@ class Evaluator:
                 memory={**breakdown.to_dict(), "capacity_bytes": device.mem_bytes},
             ))
 
-        p2p_s = max(collective_time_s(Collective.P2P, out_bytes / config.seq_split, mesh_groups(config, end.devices_per_node).pp,
-                                      end, self.cluster.oversubscription)
-                    for out_bytes, sender, receiver in transfers for end in (sender, receiver)) if config.pp > 1 else 0.0
+        hops_s = pipeline_hop_times(self.cluster, config, per_device, [
+            float(tables[per_device[chunk % config.pp][1]][boundaries[chunk + 1] - 1, COL["out_bytes"]]) / config.seq_split
+            for chunk in range(config.pp * config.vpp - 1)])
         fwd_s = [float(t[COL["fwd_s"]]) for t in sums]
         bwd_s = [float(t[COL["bwd_s"]]) for t in sums]
         if config.pp > 1:
-            pipe_s = pipeline.step_time_s(str(config.schedule), fwd_s, bwd_s, m, config.vpp, p2p_s)
+            pipe_s = pipeline.step_time_s(str(config.schedule), fwd_s, bwd_s, m, config.vpp, hops_s)
         else:
             pipe_s = m * (fwd_s[0] + bwd_s[0])
         exposed_dp_s += max(tied_gradient_sum_s(config, sum(self.graph.stage_copy_params), end, self.cluster.oversubscription)
@@ -372,7 +370,7 @@ class Evaluator:
         stages = [(plan, device, node, breakdown, host_bytes, self.dtype_for(device))
                   for plan, (device, node, breakdown, host_bytes) in zip(stage_plans, breakdowns)]
         return assemble_estimate(graph, self.cluster.num_devices, self.dtype, config, global_batch, step_s, pipe_s, time_breakdown,
-                                 stages, headroom)
+                                 stages, headroom, hops_s)
 
     def _stage_costs(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, total: tuple, largest_params: float,
                      in_flight: float, recv_bytes: float, first_gathered: tuple, last_reduced: tuple) -> tuple:

@@ -18,8 +18,9 @@ PricedStage = tuple[StagePlan, DeviceSpec, NodeSpec, MemoryBreakdown, float, str
 
 def assemble_estimate(graph: ModelGraph, num_devices: int, dtype: str, config: ParallelConfig, global_batch: int,
                       step_s: float, pipe_s: float, time_breakdown: dict, stages: list[PricedStage],
-                      headroom: float) -> Estimate:
-    """The Estimate of `config` (`dtype` the one asked for; a stage may compute in another)."""
+                      headroom: float, hops_s: tuple[float, ...] = ()) -> Estimate:
+    """The Estimate of `config` (`dtype` the one asked for; a stage may compute in another;
+    `hops_s` the pipeline's transfer times, `Estimate.pipeline_p2p_s`)."""
     model_flops = (graph.fwd_flops + graph.bwd_flops) * global_batch / graph.micro_batch
     peak = float(np.mean([peak_flops_per_s(device, used) for _, device, _, _, _, used in stages]))
     tflops = model_flops / step_s / num_devices / 1e12
@@ -42,6 +43,7 @@ def assemble_estimate(graph: ModelGraph, num_devices: int, dtype: str, config: P
         stages=tuple(plan for plan, *_ in stages),
         bubble_fraction=time_breakdown["pp_bubble_s"] / pipe_s if pipe_s > 0 else 0.0,
         config=config,
+        pipeline_p2p_s=hops_s,
         notes=(graph.notes + graph.recompute_notes(config.recompute) + _substituted_dtype_note(memory, dtype)
                + _unchecked_host_note(memory) + _partial_round_note(config) + _tp_across_nodes_note(config, stages)),
     )

@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 from math import gcd
 
-from costmodel.comm import CommGroup
+from costmodel.comm import Collective, CommGroup, collective_time_s
 from costmodel.hardware import Cluster, DeviceSpec, LinkTier, NodeSpec
 from planner.config import ParallelConfig
 from planner.errors import invalid
@@ -103,6 +103,43 @@ def stage_devices(cluster: Cluster, pp: int) -> list[tuple[DeviceSpec, NodeSpec]
         node = slowest_node(nodes) if len(nodes) > 1 else node
         out.append((node.device, node))
     return out
+
+
+def hops_cross_nodes(cluster: Cluster, pp: int) -> tuple[bool, ...]:
+    """Whether the transfer from each pipeline stage to the next (the last stage's to the first: an
+    interleaved schedule's wrap) leaves a node. Each rank of a stage sends to the rank one stage's
+    width on; stages are runs of consecutive ranks, so a stage boundary inside a node can still
+    have a pair of ranks on two nodes (8 stages of one device on two nodes of 4: stage 3 to 4)."""
+    return _hops_cross_nodes(tuple(group.node.devices_per_node for group in cluster.groups for _ in range(group.count)), pp)
+
+
+@functools.lru_cache(maxsize=MESH_GROUPS_CACHE_SIZE)
+def _hops_cross_nodes(node_sizes: tuple[int, ...], pp: int) -> tuple[bool, ...]:
+    node_of = [node for node, size in enumerate(node_sizes) for _ in range(size)]
+    devices = len(node_of)
+    per_stage = devices // pp
+    return tuple(any(node_of[rank] != node_of[(rank + per_stage) % devices] for rank in range(stage * per_stage, (stage + 1) * per_stage))
+                 for stage in range(pp))
+
+
+def pipeline_hop_times(cluster: Cluster, config: ParallelConfig, per_device: list[tuple[DeviceSpec, NodeSpec]],
+                       chunk_out_bytes: list[float]) -> tuple[float, ...]:
+    """Seconds of one micro-batch's transfer from each stage's device to the next (the last
+    device's: to the first, for the chunks an interleaved schedule wraps round), the slowest of its
+    chunks' transfers (`chunk_out_bytes[k]`: what chunk k sends on, per rank). Over the NICs where
+    a pair of the two stages' ranks sits on two nodes (`hops_cross_nodes`), at the slower end's
+    links. Empty without pipelining."""
+    if config.pp == 1:
+        return ()
+    crossing = hops_cross_nodes(cluster, config.pp)
+    hops = [0.0] * config.pp
+    for chunk, out_bytes in enumerate(chunk_out_bytes):
+        device = chunk % config.pp
+        group = CommGroup(2, 1 if crossing[device] else 2)
+        ends = (per_device[device][1], per_device[(device + 1) % config.pp][1])
+        hops[device] = max(hops[device], *(collective_time_s(Collective.P2P, out_bytes, group, end, cluster.oversubscription)
+                                           for end in ends))
+    return tuple(hops)
 
 
 def slowest_node(nodes: list[NodeSpec]) -> NodeSpec:

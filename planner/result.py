@@ -147,6 +147,9 @@ class Estimate:
     bubble_fraction: float = 0.0
     config: ParallelConfig | None = None
     notes: tuple[str, ...] = ()  # how the model was traced and measured (`ModelGraph.notes`)
+    # Seconds of one transfer from each stage's device to the next (the last: to the first, the
+    # wrap of an interleaved schedule); empty without pipelining.
+    pipeline_p2p_s: tuple[float, ...] = ()
 
     def host_overflow(self) -> dict | None:
         """The stage row (of `memory`) whose offloaded optimizer states exceed its devices' share of
@@ -167,6 +170,7 @@ class Estimate:
             "memory": list(self.memory),
             "stages": [s.to_dict() for s in self.stages],
             "notes": list(self.notes),
+            "pipeline_p2p_s": list(self.pipeline_p2p_s),
         }
         if self.config is not None:
             out["config"] = self.config.to_dict()
@@ -187,6 +191,7 @@ class Estimate:
             bubble_fraction=data.get("bubble_fraction", 0.0),
             config=ParallelConfig.from_dict(data["config"]) if "config" in data else None,
             notes=tuple(data.get("notes", ())),
+            pipeline_p2p_s=tuple(data.get("pipeline_p2p_s", ())),
         )
 
 

@@ -1035,6 +1035,22 @@ def test_a_pipeline_transfer_runs_at_the_slower_of_its_two_ends(gpt350m, tmp_pat
     assert step_s["ib-ndr400", "eth-25g-8gpu"] == step_s["eth-25g-8gpu", "ib-ndr400"] == slow > step_s["ib-ndr400", "ib-ndr400"]
 
 
+def test_a_stage_boundary_inside_a_node_can_still_cross_to_the_next_node(gpt350m, tmp_path):
+    # pp = 8 stages of one GPU on two nodes of 4: stage 3 sends to stage 4 on the other node over
+    # the 25 Gb/s NIC, as every boundary does on 8 nodes of one GPU; the other boundaries stay on
+    # PCIe, as on one node of 8. The pipeline is priced between the two.
+    def estimate(nodes: int, per_node: int):
+        path = tmp_path / f"{nodes}x{per_node}.yaml"
+        path.write_text(f"groups:\n  - {{device: h100-pcie, nodes: {nodes}, devices_per_node: {per_node}, nic: eth-25g-8gpu}}\n")
+        return evaluate(gpt350m, str(path), {"tp": 1, "pp": 8, "zero": 0, "recompute": "full", "micro_batch": 1}, global_batch=32)
+
+    split, apart, together = estimate(2, 4), estimate(8, 1), estimate(1, 8)
+    hops = split.pipeline_p2p_s
+    assert hops[3] == apart.pipeline_p2p_s[3] > together.pipeline_p2p_s[3]
+    assert hops[:3] + hops[4:7] == together.pipeline_p2p_s[:3] + together.pipeline_p2p_s[4:7]
+    assert apart.step_time_s > split.step_time_s > together.step_time_s
+
+
 def test_heterogeneous_cluster_v100_stage_is_slower(gpt350m):
     # hetero-a100-v100-8n: 4 A100 nodes then 4 V100 nodes; pp = 2 puts stage 0 on the A100s and
     # stage 1 on the V100s (fp16: V100 has no bf16). A block takes longer on a V100 (125 vs 312

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from costmodel.pipeline import PipeSchedule, in_flight_microbatches, step_time_s
+from costmodel.pipeline import PipeSchedule, in_flight_microbatches, step_time_s, transfer_lines
 from costmodel.pipeline_sim import EventKind, simulate
 from planner.config import Schedule
 
@@ -113,13 +113,33 @@ def test_closed_form_equals_simulation_for_equal_stages_without_p2p(case):
 
 @given(equal_stage_cases(), st.floats(0.0, 1.0))
 def test_closed_form_equals_simulation_with_p2p_inside_the_slack(case, p2p_share):
-    # GPipe and 1F1B at any p2p; interleaved while p2p <= min(f, b) / vpp (step_time_s docstring).
+    # GPipe, 1F1B and interleaved while p2p <= min(f, b) / vpp (step_time_s docstring): no
+    # transfer waits for the one before it on its link.
     schedule, pp, m, vpp, f, b, weight_fraction = case
     if schedule == PipeSchedule.ZERO_BUBBLE:
         return
-    slack = min(f, b) / vpp if schedule == PipeSchedule.INTERLEAVED else 3.0
-    args = (schedule, [f] * pp, [b] * pp, m, vpp, p2p_share * slack, weight_fraction)
+    args = (schedule, [f] * pp, [b] * pp, m, vpp, p2p_share * min(f, b) / vpp, weight_fraction)
     assert step_time_s(*args) == pytest.approx(simulate(*args).step_time_s, rel=1e-9)
+
+
+def test_a_slow_link_carries_one_transfer_at_a_time():
+    # GPipe, 2 stages, 2 micro-batches, f = b = 1, transfers of 3 s. By hand: F0 on device 0 at
+    # [0, 1], F1 at [1, 2]; over the link F0 arrives at 4, F1 queues behind it and arrives at 7.
+    # Device 1: F0 [4, 5], F1 [7, 8], B0 [8, 9] (arrives 12), B1 [9, 10] (queued: arrives 15).
+    # Device 0: B0 [12, 13], B1 [15, 16]: 16 s, not the 12 s of transfers that overlap on a link.
+    args = ("gpipe", [1.0, 1.0], [1.0, 1.0], 2, 1, 3.0)
+    assert simulate(*args).step_time_s == pytest.approx(16.0)
+    assert step_time_s(*args) == pytest.approx(16.0)
+
+
+@pytest.mark.parametrize("schedule, vpp", [("zb", 1), ("interleaved", 2), ("1f1b", 1), ("gpipe", 1)])
+def test_no_schedule_beats_its_links_throughput(schedule, vpp):
+    # 8 stages of 0.01 s per micro-batch, 64 micro-batches, 0.9 s per transfer (activations over a
+    # 25 GbE NIC): device 0 receives 64 vpp gradients over one link, so no step is under 64 vpp x 0.9 s.
+    pp, m, c = 8, 64, 0.9
+    args = (schedule, [0.01] * pp, [0.02] * pp, m, vpp, c)
+    simulated = simulate(*args).step_time_s
+    assert m * vpp * c <= step_time_s(*args) <= simulated * (1 + 1e-9)
 
 
 def test_zero_bubble_with_small_p2p_stays_close():
@@ -153,6 +173,16 @@ def test_closed_form_never_exceeds_the_simulation_without_p2p(case):
     schedule, fwd, bwd, m, vpp, weight_fraction = case
     args = (schedule, fwd, bwd, m, vpp, 0.0, weight_fraction)
     assert step_time_s(*args) <= simulate(*args).step_time_s * (1 + 1e-9)
+
+
+@given(unequal_stage_cases(), st.floats(0.0, 20.0))
+def test_every_transfer_line_is_below_the_simulation(case, p2p_share):
+    # Each line of the envelope is a real path through the event graph and its links.
+    schedule, fwd, bwd, m, vpp, weight_fraction = case
+    p2p_s = p2p_share * min(fwd + bwd)
+    simulated = simulate(schedule, fwd, bwd, m, vpp, p2p_s, weight_fraction).step_time_s
+    for intercept, path, queued in transfer_lines(schedule, fwd, bwd, m, vpp, weight_fraction)[1:]:
+        assert intercept + (path + queued) * p2p_s <= simulated * (1 + 1e-9)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.text import Text
 
-from costmodel import pipeline, pipeline_sim
+from costmodel import pipeline_sim
 from costmodel.pipeline_sim import EventKind, ScheduleResult
 from planner.report.figures import COLOURS, new_figure, save_figure, set_titles, time_unit
 from planner.result import Plan
@@ -37,44 +37,33 @@ EVENT_STYLE = {
 }
 
 
-def p2p_seconds(plan: Plan) -> float:
-    """The point-to-point transfer time between stages that the plan's estimate priced.
-
-    The estimate's pipeline time is `pipeline.step_time_s(...)`, which is affine in the transfer
-    time: `compute + transfers * p2p_s`. The pipeline time is the step time less the exposed
-    data-parallel reduction and the optimizer step, so `p2p_s` follows from it.
-    """
-    config, estimate = plan.config, plan.estimate
-    if config.pp == 1:
-        return 0.0
-    fwd_s, bwd_s = [s.fwd_s for s in plan.stages], [s.bwd_s for s in plan.stages]
-    args = (str(config.schedule), fwd_s, bwd_s, config.num_microbatches, config.vpp)
-    compute_s = pipeline.step_time_s(*args, p2p_s=0.0)
-    transfers = pipeline.step_time_s(*args, p2p_s=1.0) - compute_s
-    breakdown = estimate.time_breakdown
-    pipe_s = estimate.step_time_s - breakdown.get("dp_comm_exposed_s", 0.0) - breakdown.get("optimizer_s", 0.0)
-    return max(0.0, (pipe_s - compute_s) / transfers) if transfers > 0 else 0.0
-
-
 def simulate_plan(plan: Plan) -> ScheduleResult:
     """The event simulation of the plan's pipeline (one step, every micro-batch)."""
     config = plan.config
     return pipeline_sim.simulate(str(config.schedule), [s.fwd_s for s in plan.stages], [s.bwd_s for s in plan.stages],
-                                 config.num_microbatches, config.vpp, p2p_seconds(plan))
+                                 config.num_microbatches, config.vpp, plan.estimate.pipeline_p2p_s or 0.0)
 
 
 def transfers(plan: Plan, schedule: ScheduleResult) -> list[tuple[int, float, float]]:
-    """(sending device, start_s, end_s) of each activation and gradient transfer between stages."""
-    pp, p2p_s = plan.config.pp, p2p_seconds(plan)
-    if pp == 1 or p2p_s == 0.0:
+    """(sending device, start_s, end_s) of each activation and gradient transfer between stages,
+    each on its device's link one after another, as the simulation sends them."""
+    pp, hops_s = plan.config.pp, plan.estimate.pipeline_p2p_s
+    if pp == 1 or not any(hops_s):
         return []
     last_stage = pp * plan.config.vpp - 1
+    link_free_s: dict[tuple[int, EventKind], float] = defaultdict(float)
     out = []
-    for event in schedule.events:
+    for event in schedule.events:  # each device's events in the order it runs them
         stage = event.chunk * pp + event.device
-        sends = (event.kind == EventKind.FORWARD and stage < last_stage) or (event.kind == EventKind.BACKWARD and stage > 0)
-        if sends:
-            out.append((event.device, event.end_s, event.end_s + p2p_s))
+        if event.kind == EventKind.FORWARD and stage < last_stage:
+            hop_s = hops_s[event.device]
+        elif event.kind == EventKind.BACKWARD and stage > 0:
+            hop_s = hops_s[(event.device - 1) % pp]
+        else:
+            continue
+        start_s = max(event.end_s, link_free_s[event.device, event.kind])
+        link_free_s[event.device, event.kind] = start_s + hop_s
+        out.append((event.device, start_s, start_s + hop_s))
     return out
 
 
