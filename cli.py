@@ -167,7 +167,7 @@ def _run(args) -> int:
 def _sweep(args, console) -> int:
     from planner.report.sweep_charts import save_sweep_charts
     from planner.report.sweep_report import render_sweep_summary
-    from planner.sweeps.results import read_results
+    from planner.sweeps.results import read_results, rows_without_plan
     from planner.sweeps.runner import SweepInterrupted, sweep
     from planner.sweeps.spec import CODE_KEYS, GRID_LIST_KEYS, load_sweep_spec
 
@@ -184,10 +184,10 @@ def _sweep(args, console) -> int:
         sys.stderr.write(f"paraplan: {stopped}\n")
         return stopped.exit_code
     console.print(render_sweep_summary(summary))
-    earlier = summary.points - summary.planned
-    if args.plan_dir and earlier:
-        console.print(f"--plan-dir: the {earlier} points already in {args.out} were not planned again, so no plans were "
-                      f"saved for them; write to a new --out file to save every plan")
+    unsaved = rows_without_plan(read_results(args.out), args.plan_dir) if args.plan_dir else 0
+    if unsaved:
+        console.print(f"--plan-dir: {unsaved} points in {args.out} were planned by an earlier run that saved no plan in "
+                      f"{args.plan_dir}, and were not planned again; write to a new --out file to save every plan")
     for path in save_sweep_charts(read_results(args.out), args.charts) if args.charts else ():
         console.print(f"wrote {path}")
     errors = summary.status_counts.get("error", 0)

@@ -65,7 +65,9 @@ ENCODER_MODEL = "tests.fixtures.custom_models:encoder_lm"
 # Attention written with head counts in attributes (multi-head; multi-query: one key/value head).
 USER_HEADS_MODEL = "tests.fixtures.custom_models:user_heads_lm"
 USER_MQA_MODEL = "tests.fixtures.custom_models:user_mqa_lm"
-LOGITS_MODELS = (LOGITS_MODEL, ENCODER_MODEL, USER_HEADS_MODEL, USER_MQA_MODEL)
+# Attention reshaping its output to `self.hidden_size` (Hugging Face's older attention).
+USER_WIDTH_MODEL = "tests.fixtures.custom_models:width_heads_lm"
+LOGITS_MODELS = (LOGITS_MODEL, ENCODER_MODEL, USER_HEADS_MODEL, USER_MQA_MODEL, USER_WIDTH_MODEL)
 
 # Small enough for a CPU step in milliseconds. The planner's layouts shard every weight
 # (Megatron-SP: sequence-parallel norms, colwise q/k/v/fc1, rowwise o/fc2); at hidden 96 the layout
@@ -131,6 +133,19 @@ def _logits_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
 
 
+def _penalised_logits_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """`_logits_loss` plus a penalty on the logits: under tensor parallelism the logits are split
+    over the vocabulary, so each rank holds a partial sum of the penalty."""
+    return _logits_loss(logits, tokens) + 0.1 * logits.float().pow(2).mean()
+
+
+def _loss_fn(spec_path: str):
+    """The loss a case trains with: None when the model returns its loss itself."""
+    if spec_path == USER_HEADS_MODEL:
+        return _penalised_logits_loss
+    return _logits_loss if spec_path in LOGITS_MODELS else None
+
+
 @functools.cache
 def _reference(spec_path: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and final parameters of single-process training on the full batches."""
@@ -138,7 +153,7 @@ def _reference(spec_path: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     losses = []
     for tokens in _batches():
-        loss = _logits_loss(model(tokens), tokens) if spec_path in LOGITS_MODELS else model(tokens)
+        loss = _loss_fn(spec_path)(model(tokens), tokens) if spec_path in LOGITS_MODELS else model(tokens)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -169,7 +184,7 @@ class _CollectiveCounter(TorchDispatchMode):
 def _train(plan: Plan, spec_path: str) -> dict:
     from torch.distributed.tensor import DTensor
 
-    applied = plan.apply(_build(spec_path), device="cpu", loss_fn=_logits_loss if spec_path in LOGITS_MODELS else None)
+    applied = plan.apply(_build(spec_path), device="cpu", loss_fn=_loss_fn(spec_path))
     optimizer = torch.optim.SGD(list(applied.parameters()), lr=LEARNING_RATE)
     losses, kept_outputs = [], 0
     counter = _CollectiveCounter()
@@ -240,6 +255,7 @@ def _run(world: int, cases: list[tuple[str, Plan, Path]]) -> dict[str, dict]:
             params.update(r["params"])
             recomputed.update(r["recomputed"])
         merged[name] = {"losses": losses, "params": params, "recomputed": recomputed,
+                        "rank_losses": [r["losses"] for r in results],
                         "collectives": [r["collectives"] for r in results],
                         "fsdp_ranges": [r["fsdp_ranges"] for r in results],
                         "local_numel": [r["local_numel"] for r in results],
@@ -343,6 +359,7 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("encoder_model_dp_zero3", _plan(ENCODER_MODEL, "cpu:1x2", dp=2, tp=1, pp=1, zero=3, micro_batch=2), ENCODER_MODEL),
         ("user_heads_tp", _plan(USER_HEADS_MODEL, "cpu:1x2", tp=2, pp=1), USER_HEADS_MODEL),
         ("user_mqa_tp", _plan(USER_MQA_MODEL, "cpu:1x2", tp=2, pp=1), USER_MQA_MODEL),
+        ("user_width_tp", _plan(USER_WIDTH_MODEL, "cpu:1x2", tp=2, pp=1), USER_WIDTH_MODEL),
         ("dp_zero1_offload_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=1, micro_batch=2,
                                               offload_optimizer=True), gpt),
         ("llama_tp", _plan(llama, "cpu:1x2", tp=2, pp=1), llama),
@@ -453,12 +470,38 @@ def test_model_returning_logits_trains_with_a_loss_fn(trained, case):
     _check(trained[case])
 
 
-@pytest.mark.parametrize("case", ["user_heads_tp", "user_mqa_tp"])
+@pytest.mark.parametrize("case", ["user_heads_tp", "user_mqa_tp", "user_width_tp"])
 def test_attention_keeping_its_head_counts_trains_under_tensor_parallelism(trained, case):
     # `q.view(b, s, self.n_heads, -1)` on a rank's half of the heads regrouped them into 4 heads of
     # half the width (another model, trained silently); Plan.apply sets the counts to the rank's
     # heads. With one key/value head (`n_kv_heads`, its width in `hd`) every rank keeps it whole.
+    # An output reshaped to `self.hidden_size` failed on the first step; its width is set too.
     _check(trained[case])
+
+
+def test_every_tensor_parallel_rank_returns_the_whole_loss(trained):
+    # user_heads_tp's loss adds a penalty on the vocabulary-split logits, a partial sum on each
+    # rank: forward_backward returns the sum, the same on both ranks (each rank's part before).
+    first, second = trained["user_heads_tp"][2]["rank_losses"]
+    assert first == pytest.approx(second, rel=1e-6)
+    _check(trained["user_heads_tp"])
+
+
+@pytest.mark.parametrize("factory, constraints, message", [
+    # Its heads per rank come from a config object Plan.apply cannot set: each rank would regroup
+    # its half of the heads into as many narrower ones.
+    ("config_heads_lm", {"tp": 2}, r"module layers.0.attn: tensor parallelism splits its heads, but it keeps no head count"),
+    # forward_backward feeds one tensor of tokens; the temperature would be missing at the first step.
+    ("two_input_factory", {"dp": 2, "tp": 1}, r"model: its forward takes 2 inputs \(tokens, temperature\)"),
+])
+def test_plan_apply_refuses_a_model_it_cannot_split_or_feed(monkeypatch, factory, constraints, message):
+    model = f"tests.fixtures.custom_models:{factory}"
+    planned = planner.plan(model, "cpu:1x2", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32", pp=1, **constraints)
+    assert re.search(message, apply_note(planned, model))  # what `paraplan plan` notes
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(PlannerError, match=message):
+        planned.apply(resolve_model(model).build(seq_len=SEQ_LEN), loss_fn=_logits_loss)
+    assert not dist.is_initialized()
 
 
 def test_pipeline_interleaved(trained):

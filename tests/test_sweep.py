@@ -22,7 +22,7 @@ import planner
 from costmodel.profile_loader import load_cluster, load_device
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.sweeps.executors import PlanSettings, base_row, failure, plan_file_name, plan_point
-from planner.sweeps.results import ADDED_COLUMNS, COLUMNS, ResultsFile, read_results
+from planner.sweeps.results import ADDED_COLUMNS, COLUMNS, ResultsFile, read_results, rows_without_plan
 from planner.sweeps.runner import sweep
 from planner.sweeps.spec import SweepPoint, load_sweep_spec, sweep_spec_from_dict
 from planner.training_code import TrainingCode
@@ -229,10 +229,13 @@ def test_results_round_trip_and_a_partial_last_line_is_cut(tmp_path, suffix, ref
 
 
 @pytest.mark.parametrize("change, message", [({"tokens_per_s": None}, "tokens_per_s is empty in a row of status ok"),
-                                             ({"status": "done"}, "status='done': expected one of ok, infeasible")])
+                                             ({"status": "done"}, "status='done': expected one of ok, infeasible"),
+                                             ({"tokens_per_s": float("inf")}, "tokens_per_s=inf: not a finite number"),
+                                             ({"mfu": float("nan")}, "mfu=nan: not a finite number")])
 def test_a_row_missing_what_its_status_needs_is_damage_named_by_line(tmp_path, change, message):
-    # A plan's row without its throughput would break `paraplan report`, and a row of an unknown
-    # status would be counted nowhere: both are named, with their line, as damage to fix.
+    # A plan's row without its throughput would break `paraplan report`, a row of an unknown status
+    # would be counted nowhere, and an infinite figure would stop the report's charts with a
+    # traceback (a NaN would be drawn nowhere): each is named, with its line, as damage to fix.
     path = tmp_path / "results.jsonl"
     row = {**dict.fromkeys(COLUMNS), "model": "gpt3-125m", "cluster": "a100-80g:1x8", "global_batch": 32, "seq_len": 128,
            "settings": "dtype=bf16", "device": "a100-80g", "devices": 8, "status": "ok", "config": "dp8", "step_time_s": 1.0,
@@ -342,7 +345,9 @@ def test_rerun_plans_only_missing_points_and_matches_an_uninterrupted_run(tmp_pa
     assert [r["cluster"] for r in rows] == [r["cluster"] for r in reference]  # the sweep's order once complete
     assert_same_rows(comparable(rows), comparable(reference), ignore=("plan_path",))
     assert sum(r["plan_path"] is not None for r in rows) == 4 and all(Path(r["plan_path"]).is_file() for r in rows if r["plan_path"])
-    assert sweep(GRID, out, workers=1).planned == 0
+    # The two points of the first run have no plan in the folder; a run that saved them would have.
+    assert rows_without_plan(rows, plans) == 2 and rows_without_plan(rows, tmp_path / "other") == 6
+    assert sweep(GRID, out, workers=1, plan_dir=plans).planned == 0 and rows_without_plan(read_results(out), plans) == 2
     with pytest.raises(PlannerError, match="planned with 'dtype=bf16 attention=flash', this sweep uses 'dtype=fp16"):
         sweep({**GRID, "dtype": "fp16"}, out, workers=1)
     # Other points with other settings would join rows a report then compares as planned alike.

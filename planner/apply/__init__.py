@@ -49,11 +49,12 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from planner.apply.context_parallel import apply_context_parallel, token_positions
 from planner.apply.data_parallel import apply_data_parallel, data_parallel_mesh, mixed_precision_policy
 from planner.apply.expert_parallel import apply_expert_parallel, check_expert_mesh, expert_mesh
+from planner.apply.head_counts import check_head_counts, localize_head_counts
 from planner.apply.pipeline import StageModule, build_schedule, check_runs_in_order, check_schedule, chunk_units
 from planner.apply.recompute import apply_recompute, check_recompute
-from planner.apply.tensor_parallel import TensorParallelPlan, localize_head_counts, retie, shared_parameters, tensor_parallel_plan
+from planner.apply.tensor_parallel import TensorParallelPlan, retie, shared_parameters, tensor_parallel_plan
 from planner.apply.tied import TiedCopy, sum_tied_gradients, tie_across_stages
-from planner.apply.validate import ModelMatch, check_world_size, match_model, world_size
+from planner.apply.validate import ModelMatch, check_one_input, check_world_size, match_model, world_size
 from planner.config import Schedule
 from planner.errors import PlannerError, invalid, unsupported
 from planner.graph import Recompute
@@ -179,7 +180,7 @@ class AppliedPlan:
                                   f"not a scalar loss; pass loss_fn=(outputs, tokens) -> loss to Plan.apply")
                 loss = loss / len(chunks)
                 loss.backward()
-            total += (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
+            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()  # a partial sum is summed
         return total
 
 
@@ -236,6 +237,7 @@ def check_applicable(plan: Plan, model: nn.Module) -> tuple[ModelMatch, TensorPa
     """
     check_schedule(plan)
     check_expert_mesh(plan.config)
+    check_one_input(model)
     match = match_model(plan, model)
     check_recompute(model, plan.memory_plan)
     config = plan.config
@@ -259,6 +261,7 @@ def check_applicable(plan: Plan, model: nn.Module) -> tuple[ModelMatch, TensorPa
                           f"model has none (its attention would see only this rank's tokens); plan with --cp 1 to apply it")
     tp_plan = None
     if config.tp > 1:
+        check_head_counts(model, match.layouts)
         tp_plan = tensor_parallel_plan(model, list(match.units), list(match.blocks), match.layouts, config.tp,
                                        vocab_parallel_loss=config.pp == 1, expert_parallel=config.ep > 1)
     return match, tp_plan

@@ -50,20 +50,16 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from planner.apply.head_counts import KEY_VALUE_HEAD_ATTRS, QUERY_HEAD_ATTRS, head_count
 from planner.apply.styles import GroupedLinearParallel, SharedKeyValueParallel
 from planner.errors import unsupported
 from planner.tp_strategies import Placement, TensorLayout
-from planner.zoo.layers import Attention
 from planner.zoo.moe import GroupedLinear
 
 # Names of the projection that produces a container's output (zoo: attention o_proj, GPT MLP fc2,
 # SwiGLU down_proj); every other Linear child reads the container's input.
 OUTPUT_PROJECTIONS = ("o_proj", "fc2", "down_proj")
 NORM_TYPES = (nn.LayerNorm, nn.RMSNorm)
-# Attributes attention code keeps its head counts in (nanoGPT, torchtitan, Hugging Face).
-QUERY_HEAD_ATTRS = ("heads", "n_head", "n_heads", "num_heads", "num_attention_heads")
-KEY_VALUE_HEAD_ATTRS = ("kv_heads", "n_kv_head", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
-REPEAT_ATTRS = ("n_rep", "num_key_value_groups")  # query heads per key/value head (torchtitan, Hugging Face)
 # Tensor dimension holding the sequence in (batch, seq, hidden) activations.
 SEQUENCE_DIM = 1
 
@@ -167,7 +163,7 @@ def _shared_key_value(module: nn.Module, inputs: list[str], tp: int) -> list[str
     """The input projections that produce the keys and values of attention whose key/value heads
     are fewer than tp and shared by tp / kv_heads ranks each (query heads split over tp); none for
     other modules."""
-    head_dim, heads, kv_heads = _head_dim(module, inputs), _head_count(module, QUERY_HEAD_ATTRS), _head_count(module, KEY_VALUE_HEAD_ATTRS)
+    head_dim, heads, kv_heads = _head_dim(module, inputs), head_count(module, QUERY_HEAD_ATTRS), head_count(module, KEY_VALUE_HEAD_ATTRS)
     if not head_dim or not kv_heads or kv_heads >= tp or tp % kv_heads or not heads or heads % tp:
         return []
     return [name for name in inputs if getattr(module, name).out_features == kv_heads * head_dim]
@@ -175,13 +171,8 @@ def _shared_key_value(module: nn.Module, inputs: list[str], tp: int) -> list[str
 
 def _head_dim(module: nn.Module, inputs: list[str]) -> int | None:
     """The attention's head width: its `head_dim`, else the query projection's width over its heads."""
-    heads = _head_count(module, QUERY_HEAD_ATTRS)
+    heads = head_count(module, QUERY_HEAD_ATTRS)
     return getattr(module, "head_dim", None) or (getattr(module, inputs[0]).out_features // heads if heads and inputs else None)
-
-
-def _head_count(module: nn.Module, names: tuple[str, ...]) -> int | None:
-    """The first of the head-count attributes `names` the module has."""
-    return next((count for name in names if isinstance(count := getattr(module, name, None), int)), None)
 
 
 def _check_heads(fqn: str, module: nn.Module, inputs: list[str], tp: int) -> None:
@@ -220,7 +211,7 @@ def _container_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stre
         _check_heads(fqn, module, split, tp)
     styles: dict[str, ParallelStyle] = {
         f"{fqn}.{name}": SharedKeyValueParallel(placements[name] == Placement.COLWISE, _head_dim(module, inputs),
-                                                 tp // _head_count(module, KEY_VALUE_HEAD_ATTRS))
+                                                 tp // head_count(module, KEY_VALUE_HEAD_ATTRS))
         for name in shared}
     for name in split:
         if placements[name] == Placement.ROWWISE:
@@ -361,23 +352,6 @@ def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[st
             styles.update(_head_styles(unit, module, layouts, stream, vocab_parallel_loss))
     loss_parallel = any(isinstance(style, ColwiseParallel) and not style.use_local_output for style in styles.values())
     return TensorParallelPlan(stream, styles, loss_parallel)
-
-
-def localize_head_counts(model: nn.Module, layouts: dict[str, str], tp: int) -> None:
-    """Sets the head counts a user's attention module keeps (`QUERY_HEAD_ATTRS`, `KEY_VALUE_HEAD_ATTRS`,
-    `REPEAT_ATTRS`) to each rank's, as Megatron's per-partition counts: `q.view(b, s, self.n_heads, -1)`
-    would otherwise regroup a rank's heads into tp times as many narrower ones, silently. A rank keeps
-    one of fewer key/value heads than tp (`SharedKeyValueParallel`). The zoo's attention infers its
-    local heads from the tensors."""
-    for fqn, module in model.named_modules():
-        if _placement(layouts, fqn) != Placement.HEADS or isinstance(module, Attention):
-            continue
-        heads, kv_heads = _head_count(module, QUERY_HEAD_ATTRS), _head_count(module, KEY_VALUE_HEAD_ATTRS)
-        local = {QUERY_HEAD_ATTRS: heads and heads // tp, KEY_VALUE_HEAD_ATTRS: kv_heads and max(1, kv_heads // tp)}
-        local[REPEAT_ATTRS] = heads and kv_heads and local[QUERY_HEAD_ATTRS] // local[KEY_VALUE_HEAD_ATTRS]
-        for names, count in local.items():
-            for name in (name for name in names if count and type(getattr(module, name, None)) is int):
-                setattr(module, name, count)
 
 
 def shared_parameters(module: nn.Module) -> list[list[tuple[str, str]]]:

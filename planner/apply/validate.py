@@ -9,6 +9,7 @@ representative block with the same structure (module types and parameter shapes)
 """
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -60,6 +61,20 @@ def check_world_size(plan: Plan) -> None:
     if size != plan.config.devices:
         raise invalid(f"world size {size}: the plan ({plan.config.short()}) needs {plan.config.devices} processes; "
                       f"start torchrun with --nproc-per-node {plan.config.devices} (or re-plan for {size} devices)")
+
+
+def check_one_input(model: nn.Module) -> None:
+    """Raises PlannerError when the model's forward needs more than one input: `forward_backward`
+    and the first pipeline stage feed it one tensor of tokens per micro-batch."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a C++ forward): leave it to the first step
+        return
+    required = [p.name for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if len(required) > 1:
+        raise unsupported(f"model: its forward takes {len(required)} inputs ({', '.join(required)}), and Plan.apply feeds "
+                          f"it one tensor of tokens per micro-batch; wrap it in a module whose forward takes the tokens "
+                          f"alone (and builds or holds the rest)")
 
 
 def model_units(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 from enum import StrEnum
 from pathlib import Path
@@ -78,6 +79,15 @@ def row_point(row: dict) -> SweepPoint:
 
 # The fix for a file that is not a sweep's results, whichever command read it.
 NOT_RESULTS_FIX = "give a results file `paraplan sweep` wrote (a sweep: write to a new --out file)"
+
+
+def rows_without_plan(rows: list[dict], plan_dir: str | Path) -> int:
+    """How many of the planned rows (status ok) have no plan file in `plan_dir`: rows planned by
+    a run without `--plan-dir`, or with another one, that a resumed run does not plan again."""
+    folder = Path(plan_dir).resolve()
+    return sum(row["status"] == PointStatus.OK and not (row["plan_path"] and Path(row["plan_path"]).resolve().parent == folder
+                                                        and Path(row["plan_path"]).is_file())
+               for row in rows)
 
 
 def read_results(path: str | Path) -> list[dict]:
@@ -245,6 +255,10 @@ def _checked(path: Path, number: int, row: dict) -> dict:
     if missing:
         raise invalid(f"{path}:{number}: {missing} is empty in a row of status {row['status']}; "
                       f"the file is damaged, fix or remove that line")
+    infinite = next((column for column, value in row.items() if isinstance(value, float) and not math.isfinite(value)), None)
+    if infinite:
+        raise invalid(f"{path}:{number}: {infinite}={row[infinite]}: not a finite number; the file is damaged, fix or "
+                      f"remove that line")
     return row
 
 
