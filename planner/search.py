@@ -169,10 +169,27 @@ class _Pass:
         for the tight bound.
         """
         heap = self.candidates(evaluator, space, graph, global_batch, constraints)
+        # Each candidate without recompute and pipelining, with the one of its recompute twins that
+        # saves the most memory (full recompute where allowed): where the candidate does not fit,
+        # the per-layer memory plan (`_refine_front`) can take that twin's recompute away layer by
+        # layer, down to the candidate's own time, so the twin goes back in at the candidate's
+        # bound. The memory plan chooses among the same per-layer policies from any twin, so one is
+        # enough. Pipelined twins keep their own bound: their memory plan also re-splits the stages
+        # and takes seconds (interleaved), and on large models most candidates would pay for it.
+        saver: dict[ParallelConfig, tuple[int, ParallelConfig]] = {}
+        if "recompute" not in constraints:
+            for _, order, config in sorted(heap, key=lambda item: item[1]):
+                if config.recompute != Recompute.NONE and config.pp == 1:
+                    twin = dataclasses.replace(config, recompute=Recompute.NONE)
+                    if twin not in saver or config.recompute == Recompute.FULL:
+                        saver[twin] = (order, config)
         ranked: list[tuple[float, ParallelConfig, object]] = []
         tight: set[int] = set()
+        done: set[int] = set()
         while heap:
             bound_s, order, config = heapq.heappop(heap)
+            if order in done:
+                continue
             if not exhaustive and len(ranked) >= top and bound_s >= ranked[top - 1][0]:
                 pruned = len(heap) + 1
                 self.reasons["bound"] += pruned
@@ -183,6 +200,7 @@ class _Pass:
                 tight.add(order)
                 heapq.heappush(heap, (self._bound_s(evaluator, config, refine=True), order, config))
                 continue
+            done.add(order)
             floor_bytes = memory_floor_bytes(evaluator, config)
             if floor_bytes > mean_capacity_bytes(evaluator.cluster, config.pp) * (1 - headroom):
                 self.screened += 1
@@ -201,6 +219,9 @@ class _Pass:
                         f"over its {host['host_capacity_bytes'] / 2**30:.1f} GiB share")})
                 continue
             if estimate is None or not estimate.fits:
+                if config in saver and saver[config][0] not in done:
+                    tight.add(saver[config][0])
+                    heapq.heappush(heap, (bound_s, *saver[config]))
                 need = floor_bytes if estimate is None else estimate.peak_memory_bytes
                 at_least = "at least " if estimate is None else ""
                 if estimate is None:
