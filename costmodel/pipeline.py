@@ -17,8 +17,8 @@ Model of one training step of one pipeline (every data-parallel replica runs the
 - Dependencies: F of micro-batch j on virtual stage s needs F of j on s-1; B of j on s needs B of j
   on s+1 (and F of j on s, earlier on the same device); W needs B (earlier, same device). A
   dependency between two devices adds `p2p_s`. Transfers are asynchronous: they delay the consumer
-  and occupy neither device's compute stream. A device's link to each neighbour carries one
-  transfer at a time per direction, in the order the device produced them.
+  and occupy neither device's compute stream. A device sends one transfer at a time, to either
+  neighbour, in the order it produced them (they leave through one NIC or NVLink port).
 - Each device runs its ops in the schedule's fixed order, each as early as its dependencies and the
   previous op on the device allow. The step time is when the last op ends.
 
@@ -136,17 +136,17 @@ def transfer_lines(
     transfers, transfers along a path through the pipeline, transfers queued on one link).
 
     - The schedule's critical path: its compute part plus its critical transfers (`step_time_s`).
-    - The link: a link carries one transfer at a time in each direction, and device 0 receives
-      `m vpp` gradients over one, from device 1 (a backward chunk per micro-batch and chunk). The
+    - The link: a device sends one transfer at a time, and device 0 receives `m vpp` gradients
+      from device 1 (a backward chunk per micro-batch and chunk). The
       first arrives no sooner than a micro-batch's forward through every virtual stage and its
       backward through the last chunk (`pp vpp - 1 + pp - 1` transfers), the others one transfer
       apart, and the last one's backward (and, under zero bubble, its weight gradient) ends the
       step on device 0: `sum(f) + sum(b_in) / vpp + w_0 + (pp vpp + pp - 2 + m vpp - 1) p2p_s`.
       Under GPipe the gradients set out only after the last stage's `m` forwards, which crossed
       each link one at a time: `sum(f) + sum(b) + (2 (pp - 1) + 2 (m - 1)) p2p_s`.
-      These take over once a
-      transfer outlasts a micro-batch's compute on a device (slow NICs, large activations), where
-      the first line's count, of fill and drain only for zero bubble and interleaved, falls short.
+      These take over once a transfer outlasts a micro-batch's compute on a device (slow NICs,
+      large activations), where the first line's count, of fill and drain only for zero bubble
+      and interleaved, falls short; they remain lower bounds there (`pipeline_sim.priced_step_s`).
     """
     schedule = check_args(schedule, fwd_s, bwd_s, num_microbatches, vpp, 0.0, bwd_weight_fraction)
     pp, m = len(fwd_s), num_microbatches

@@ -28,7 +28,7 @@ import dataclasses
 import numpy as np
 
 from costmodel import memory as memory_model
-from costmodel import pipeline
+from costmodel import pipeline, pipeline_sim
 from costmodel.comm import CommGroup
 from costmodel.compute import base_dtype, bytes_per_element
 from costmodel.hardware import Cluster, DeviceSpec, NodeSpec
@@ -348,7 +348,7 @@ class Evaluator:
         fwd_s = [float(t[COL["fwd_s"]]) for t in sums]
         bwd_s = [float(t[COL["bwd_s"]]) for t in sums]
         if config.pp > 1:
-            pipe_s = pipeline.step_time_s(str(config.schedule), fwd_s, bwd_s, m, config.vpp, hops_s)
+            pipe_s = pipeline_sim.priced_step_s(str(config.schedule), fwd_s, bwd_s, m, config.vpp, hops_s)
         else:
             pipe_s = m * (fwd_s[0] + bwd_s[0])
         exposed_dp_s += max(tied_gradient_sum_s(config, sum(self.graph.stage_copy_params), end, self.cluster.oversubscription)

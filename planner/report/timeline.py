@@ -46,12 +46,12 @@ def simulate_plan(plan: Plan) -> ScheduleResult:
 
 def transfers(plan: Plan, schedule: ScheduleResult) -> list[tuple[int, float, float]]:
     """(sending device, start_s, end_s) of each activation and gradient transfer between stages,
-    each on its device's link one after another, as the simulation sends them."""
+    each device's one after another, as the simulation sends them."""
     pp, hops_s = plan.config.pp, plan.estimate.pipeline_p2p_s
     if pp == 1 or not any(hops_s):
         return []
     last_stage = pp * plan.config.vpp - 1
-    link_free_s: dict[tuple[int, EventKind], float] = defaultdict(float)
+    link_free_s: dict[int, float] = defaultdict(float)
     out = []
     for event in schedule.events:  # each device's events in the order it runs them
         stage = event.chunk * pp + event.device
@@ -61,8 +61,8 @@ def transfers(plan: Plan, schedule: ScheduleResult) -> list[tuple[int, float, fl
             hop_s = hops_s[(event.device - 1) % pp]
         else:
             continue
-        start_s = max(event.end_s, link_free_s[event.device, event.kind])
-        link_free_s[event.device, event.kind] = start_s + hop_s
+        start_s = max(event.end_s, link_free_s[event.device])
+        link_free_s[event.device] = start_s + hop_s
         out.append((event.device, start_s, start_s + hop_s))
     return out
 
