@@ -75,7 +75,7 @@ def timeline_figure(plan: Plan) -> Figure:
     """
     schedule = simulate_plan(plan)
     config, breakdown = plan.config, plan.estimate.time_breakdown
-    tail = [("dp_comm", "data-parallel sync and FSDP2 copies (exposed)", breakdown.get("dp_comm_exposed_s", 0.0)),
+    tail = [("dp_comm", "gradient sync (data-parallel, tied weights across stages) and FSDP2 copies (exposed)", breakdown.get("dp_comm_exposed_s", 0.0)),
             ("optimizer", "optimizer step", breakdown.get("optimizer_s", 0.0))]
     end_s = schedule.step_time_s + sum(seconds for _, _, seconds in tail)
     scale, unit = time_unit(end_s)
