@@ -134,13 +134,13 @@ def test_a_slow_link_carries_one_transfer_at_a_time():
 
 @pytest.mark.parametrize("schedule, vpp", [("zb", 1), ("interleaved", 2), ("1f1b", 1), ("gpipe", 1)])
 def test_estimates_price_the_simulation_once_transfers_outgrow_the_closed_form(schedule, vpp):
-    # Up to a quarter of the shortest op per transfer the closed form holds (within 4.3%); beyond it
+    # Up to a quarter of the shortest op per transfer the closed form holds (within 4.8%); beyond it
     # the schedule's round trips wait on the transfers, which only the simulation follows: zero
     # bubble on 8 stages with transfers of 1.5 forwards runs far slower than its fill and drain.
     fwd, bwd, m = [1.0, 1.1, 0.9, 1.0] * 2, [2.0, 2.2, 1.8, 2.0] * 2, 16
     for hop_s, simulated in ((0.05, False), (1.5, True)):
         args = (schedule, fwd, bwd, m, vpp, hop_s)
-        expected = max(step_time_s(*args), simulate(*args).step_time_s) if simulated else step_time_s(*args)
+        expected = simulate(*args).step_time_s if simulated else step_time_s(*args)
         assert priced_step_s(*args) == expected
     zb = ("zb", fwd, bwd, m, 1, 1.5)
     assert priced_step_s(*zb) > 1.3 * step_time_s(*zb)
