@@ -490,7 +490,7 @@ def test_every_tensor_parallel_rank_returns_the_whole_loss(trained):
 @pytest.mark.parametrize("factory, constraints, message", [
     # Its heads per rank come from a config object Plan.apply cannot set: each rank would regroup
     # its half of the heads into as many narrower ones.
-    ("config_heads_lm", {"tp": 2}, r"module layers.0.attn: tensor parallelism splits its heads, but it keeps no head count"),
+    ("config_heads_lm", {"tp": 2}, r"module layers.0.attn: tensor parallelism splits its heads, but it keeps its head count in no attribute"),
     # forward_backward feeds one tensor of tokens; the temperature would be missing at the first step.
     ("two_input_factory", {"dp": 2, "tp": 1}, r"model: its forward takes 2 inputs \(tokens, temperature\)"),
 ])

@@ -47,9 +47,9 @@ def check_head_counts(model: nn.Module, layouts: dict[str, str]) -> None:
     """
     for fqn, module in _split_attention(model, layouts):
         if head_count(module, QUERY_HEAD_ATTRS) is None and not isinstance(getattr(module, "head_dim", None), int):
-            raise unsupported(f"module {fqn}: tensor parallelism splits its heads, but it keeps no head count in "
-                              f"{', '.join(QUERY_HEAD_ATTRS)} and no head_dim for Plan.apply to set to each rank's; "
-                              f"keep them in one of those attributes, or plan with --tp 1")
+            raise unsupported(f"module {fqn}: tensor parallelism splits its heads, but it keeps its head count in no "
+                              f"attribute Plan.apply can set to each rank's ({', '.join(QUERY_HEAD_ATTRS)}) and has no "
+                              f"head_dim; keep the count in one of those attributes, or plan with --tp 1")
 
 
 def localize_head_counts(model: nn.Module, layouts: dict[str, str], tp: int) -> None:
