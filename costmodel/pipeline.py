@@ -131,7 +131,7 @@ def transfer_lines(
     num_microbatches: int,
     vpp: int = 1,
     bwd_weight_fraction: float = 0.5,
-) -> tuple[tuple[float, float], ...]:
+) -> tuple[tuple[float, float, float], ...]:
     """`step_time_s` as the upper envelope of planes in the transfer times: (seconds without
     transfers, transfers along a path through the pipeline, transfers queued on one link).
 

@@ -213,7 +213,7 @@ def max_micro_batch(tokens_per_sequence: int) -> int:
     return max(MAX_MICRO_BATCH, MAX_MICRO_BATCH_TOKENS // max(1, tokens_per_sequence))
 
 
-def micro_batches(per_replica_batch: int, constraints: dict, tokens_per_sequence: int = 1) -> list[int]:
+def micro_batches(per_replica_batch: int, constraints: dict, tokens_per_sequence: int) -> list[int]:
     options = [b for b in divisors(per_replica_batch) if b <= max_micro_batch(tokens_per_sequence)]
     if "micro_batch" in constraints:
         return [constraints["micro_batch"]] if per_replica_batch % constraints["micro_batch"] == 0 else []
@@ -310,7 +310,7 @@ def why_no_configs(degrees: tuple[int, int, int, int, int], graph: ModelGraph, g
         return f"dp_replicate={replicas} does not divide dp={dp}"
     if replicas > 1 and ep > 1:
         return f"dp_replicate={replicas}: hybrid sharding of expert-parallel models (ep={ep}) is not supported"
-    if not micro_batches(global_batch // dp, constraints):
+    if not micro_batches(global_batch // dp, constraints, graph.stream_tokens):
         return (f"micro_batch={constraints['micro_batch']} does not divide the sequences per data-parallel replica "
                 f"(global_batch={global_batch} / dp)")
     if pp == 1:
