@@ -129,12 +129,26 @@ def _module_source(module: nn.Module, name: str, example_inputs: Any) -> ModelSo
     def build(seq_len: int | None = None) -> nn.Module:
         return module
 
+    _check_positional_forward(module, name)
     if example_inputs is None:
         return ModelSource(name=name, build=build, example_inputs=_inputs_for_module(module, name, example_inputs))
     given = _checked_inputs(example_inputs, f"model `{name}`: example_inputs")
     return ModelSource(name=name, build=build, example_inputs=_inputs_for_module(module, name, given),
                        default_seq_len=_token_seq_len(given), fixed_by="set by the example inputs given with it",
                        fixed_micro_batch=_batch_of(given))
+
+
+def _check_positional_forward(module: nn.Module, name: str) -> None:
+    """Example inputs reach the forward by position: one that needs a keyword-only input gets none."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: tracing says what fails
+        return
+    keyword_only = [p.name for p in parameters if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    if keyword_only:
+        raise invalid(f"model `{name}`: its forward needs keyword-only input {', '.join(map(repr, keyword_only))}, and example "
+                      f"inputs are passed by position; fix: wrap it in a module whose forward takes it by position (or "
+                      f"give it a default)")
 
 
 def _inputs_for_module(module: nn.Module, name: str,

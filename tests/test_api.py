@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 import planner
 from costmodel.profile_loader import load_cluster
@@ -99,6 +100,22 @@ def test_a_module_with_example_inputs_is_planned_and_priced_as_its_factory_is():
     assert planner.trace((module, inputs)).params == sum(p.numel() for p in module.parameters())
     with pytest.raises(PlannerError, match="pass one of them"):
         planner.models.resolve_model((module, inputs), example_inputs=inputs)
+
+
+def test_a_forward_needing_a_keyword_only_input_is_refused_by_name():
+    # Example inputs reach the forward by position; a keyword-only input would be missing, and the
+    # trace's failure blamed the forward itself.
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(64, 16)
+
+        def forward(self, tokens, *, scale):
+            return self.embed(tokens) * scale
+
+    with pytest.raises(PlannerError, match=r"model `Scaled`: its forward needs keyword-only input 'scale', and example "
+                                           r"inputs are passed by position; fix: wrap it"):
+        planner.trace((Scaled(), (torch.zeros(2, 8, dtype=torch.long),)))
 
 
 def test_evaluate_reports_a_bad_cluster_as_invalid_input(small_graph):
