@@ -128,8 +128,8 @@ class _Pass:
                 self.rejected.append(Rejection(f"dp={dp} tp={tp} pp={pp} cp={cp} ep={ep}",
                                                why_no_configs(degrees, graph, global_batch, constraints)))
         cap = max_micro_batch(graph.stream_tokens)
-        above = sorted({b for degrees in space.degrees if global_batch % degrees[0] == 0
-                        for b in divisors(global_batch // degrees[0]) if b > cap})
+        above = sorted({b for dp in {degrees[0] for degrees in space.degrees} if global_batch % dp == 0
+                        for b in divisors(global_batch // dp) if b > cap})
         if above and "micro_batch" not in constraints:
             self.rejected.append(Rejection(f"micro_batch={','.join(map(str, above[:4]))}{',...' if len(above) > 4 else ''}",
                                            f"above {cap} sequences of {graph.stream_tokens} tokens: GEMMs are saturated by "

@@ -28,12 +28,11 @@ CP_MIN_SEQ_LEN = 8192
 # The largest context-parallel degree searched or accepted.
 CP_MAX = 32
 
-# Largest micro-batch the search tries: `MAX_MICRO_BATCH` sequences, or more while a micro-batch
-# holds at most `MAX_MICRO_BATCH_TOKENS` tokens of the stream between blocks (short sequences, a
-# ViT's patches). Beyond both, the GEMMs' rows (micro-batch x tokens) are well past where their
-# efficiency saturates (MAMF curves flatten above ~1e11 FLOPs per GEMM, an 8192-wide layer at 2K
-# rows), so bigger micro-batches only raise activation memory. The 16 x 2048 tokens are where the
-# sequence cap alone sat for the usual 2K-token runs.
+# Largest micro-batch the search tries: `MAX_MICRO_BATCH` sequences, or more up to
+# `MAX_MICRO_BATCH_TOKENS` stream tokens (short sequences, a ViT's patches). Beyond both, GEMM rows
+# (micro-batch x tokens) are well past where efficiency saturates (MAMF curves flatten above ~1e11
+# FLOPs per GEMM, an 8192-wide layer at 2K rows), so bigger ones only add activation memory; 16 x
+# 2048 tokens is where the sequence cap alone sat for the usual 2K-token runs.
 MAX_MICRO_BATCH = 16
 MAX_MICRO_BATCH_TOKENS = 16 * 2048
 
