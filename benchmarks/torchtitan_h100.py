@@ -17,8 +17,10 @@ checkpointing" is torchtitan's default op-level policy of the time (`selective_o
 schedule runs 2 stages per rank (torchtitan's default for looped schedules without split points)
 and the local batch splits into one micro-batch per pipeline stage (torchtitan's default of the
 time, `n_microbatches = pp x stages per rank`; the per-micro-batch size setting came in 2025):
-Table 5 runs 8 micro-batches of 4 sequences under 1F1B and 16 of 2 interleaved. torchtitan reports the caching allocator's reserved peak, so the predicted
-peak is compared after the allocator's share (`costmodel.memory.ALLOCATOR_FRAGMENTATION_FRACTION`). Float8 is priced as fp8 GEMMs (`--dtype fp8`); AsyncTP as overlapped
+Table 5 runs 8 micro-batches of 4 sequences under 1F1B and 16 of 2 interleaved. torchtitan reports the caching allocator's reserved peak
+(`torch.cuda.memory_stats()["reserved_bytes.all.peak"]`), which counts fragmentation but not the CUDA
+context, so it is compared with the predicted peak less `costmodel.memory.CUDA_CONTEXT_BYTES` (the
+prediction already holds the allocator's share, `ALLOCATOR_FRAGMENTATION_FRACTION`). Float8 is priced as fp8 GEMMs (`--dtype fp8`); AsyncTP as overlapped
 tensor-parallel collectives (`--tp-comm-overlap`). Attention is FlashAttention-2's kernels
 (`--attention flash2`): torchtitan calls PyTorch's SDPA, which on H100 ran FlashAttention-2 in the
 nightlies of December 2024 (pytorch/pytorch#142132, torch 2.6.0.dev20241204; cuDNN attention was
@@ -35,7 +37,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from costmodel.memory import ALLOCATOR_FRAGMENTATION_FRACTION  # noqa: E402
+from costmodel.memory import CUDA_CONTEXT_BYTES  # noqa: E402
 from planner.api import evaluate  # noqa: E402
 from planner.tracing import trace  # noqa: E402
 
@@ -112,7 +114,7 @@ def main() -> None:
         est = evaluate_row(row)
         predicted = est.tokens_per_s / row.gpus
         speed_errors.append(predicted / row.published_tokens_per_s - 1)
-        predicted_gib = est.peak_memory_bytes * (1 + ALLOCATOR_FRAGMENTATION_FRACTION) / GIB
+        predicted_gib = (est.peak_memory_bytes - CUDA_CONTEXT_BYTES) / GIB
         memory_errors.append(predicted_gib / row.published_gib - 1)
         print(f"{row.table:5d} {row.model:11s} {row.gpus:4d} {est.config.short():34s} {techniques(row):22s} {predicted:10.0f} "
               f"{row.published_tokens_per_s:9d} {speed_errors[-1]:+7.1%} {predicted_gib:8.1f} {row.published_gib:7.1f} "
