@@ -13,7 +13,10 @@ The peak of a step is the larger of two moments: the end of the forward (weights
 states, every activation in flight and the loss's temporaries) and the optimizer step (weights,
 gradients, optimizer states). Gradients are alive at the first only when they accumulate over
 micro-batches, or when the framework keeps a persistent gradient buffer (Megatron-LM); PyTorch's
-`zero_grad(set_to_none=True)` frees them between steps. A ZeRO-3 pipeline stage whose gradient
+`zero_grad(set_to_none=True)` frees them between steps. Freed is not released, though, where a
+data-parallel wrapper wrote them on its reduce stream (`stage_memory`'s `grads_pooled`): the caching
+allocator keeps their blocks reserved for that stream, so the forward's end holds their bytes as
+overhead. A ZeRO-3 pipeline stage whose gradient
 sync is deferred to the last micro-batch has a third: the end of a backward, with every parameter
 of the stage gathered (`stage_memory`'s `deferred_grad_sync`).
 """
@@ -95,7 +98,8 @@ class MemoryBreakdown:
         activations_bytes: activations saved for backward, over all micro-batches in flight.
         comm_buffers_bytes: communication buffers (gradient buckets, all-gather outputs, NCCL).
         temp_bytes: transient workspace at the peak (e.g. logits, attention scratch).
-        overhead_bytes: CUDA context plus allocator fragmentation.
+        overhead_bytes: CUDA context, allocator fragmentation, and the gradient blocks reserved
+            for a data-parallel reduce stream while the gradients are freed (`grads_pooled`).
     """
 
     weights_bytes: float = 0.0
@@ -221,6 +225,7 @@ def stage_memory(
     context_bytes: float = CUDA_CONTEXT_BYTES,
     fragmentation_fraction: float = ALLOCATOR_FRAGMENTATION_FRACTION,
     grads_at_peak: bool = True,
+    grads_pooled: bool = False,
     shard_is_master: bool = False,
     deferred_grad_sync: bool = False,
     chunks: int = 1,
@@ -268,6 +273,12 @@ def stage_memory(
         grads_at_peak: gradients are alive while the activations are (gradient accumulation over
             micro-batches, or a persistent gradient buffer); otherwise the peak is the larger of
             the forward's end and the optimizer step (module docstring).
+        grads_pooled: the gradients come from a data-parallel wrapper's reduce stream: FSDP2's
+            `foreach_reduce` allocates the reduced gradients under its reduce-scatter stream (DDP
+            semantics through `replicate` too), and the CUDA caching allocator reuses a freed block
+            only for the stream that allocated it. Without `grads_at_peak`, their bytes then stay
+            reserved from `zero_grad` through the next forward: the forward's end holds them as
+            overhead (reserved, not allocated).
         shard_is_master: see `model_state_bytes`.
         deferred_grad_sync: the stage's data-parallel wrapper reduces the gradients once, after the
             last micro-batch, and keeps the parameters gathered from each backward to the next
@@ -329,12 +340,12 @@ def stage_memory(
         backward_end = replace(breakdown, weights_bytes=sum(part.weights_bytes for part in gathered) + buffer_bytes,
                                activations_bytes=activation_bytes_per_microbatch * max(0.0, in_flight - 1 / chunks))
         breakdown = max(breakdown, backward_end, key=lambda moment: moment.total_bytes)
+    moments = [(breakdown, 0.0)]
     if not grads_at_peak:
-        forward_end = replace(breakdown, grads_bytes=0.0)
-        optimizer_step = replace(breakdown, activations_bytes=0.0, temp_bytes=0.0)
-        breakdown = max(forward_end, optimizer_step, key=lambda moment: moment.total_bytes)
-    overhead = context_bytes + fragmentation_fraction * breakdown.total_bytes
-    return breakdown + MemoryBreakdown(overhead_bytes=overhead)
+        moments = [(replace(breakdown, grads_bytes=0.0), breakdown.grads_bytes if grads_pooled else 0.0),
+                   (replace(breakdown, activations_bytes=0.0, temp_bytes=0.0), 0.0)]
+    return max((moment + MemoryBreakdown(overhead_bytes=context_bytes + fragmentation_fraction * moment.total_bytes + pooled)
+                for moment, pooled in moments), key=lambda moment: moment.total_bytes)
 
 
 def _optimizer(optimizer: Optimizer | str) -> Optimizer:

@@ -20,7 +20,7 @@ from costmodel.hardware import Cluster
 from planner.config import ParallelConfig, Schedule
 from planner.estimate import COL, Evaluator
 from planner.mesh import expert_data_group, mesh_groups, stage_devices
-from planner.state_cost import dp_exposed_s, optimizer_step_s
+from planner.state_cost import dp_exposed_s, grads_pooled, optimizer_step_s
 
 # Search effort of `least_slowest_stage_s`: rounds of evenly spaced probes; each round narrows the
 # bracket (at most the largest layer's time) 15-fold, so 3 rounds leave it under 0.03% of that
@@ -280,13 +280,14 @@ def memory_floor_bytes(evaluator: Evaluator, config: ParallelConfig) -> float:
     every layer's states plus the least in-flight count times every layer's activations (each on
     the device type where it is smallest); the fullest stage holds at least the average. Without
     gradient accumulation the gradients are left out (they are not alive at the forward's end,
-    where the loss's temporaries are, which count). Pipelined ZeRO-3 stages hold all their layers
+    where the loss's temporaries are, which count), unless a data-parallel reduce stream keeps their
+    blocks reserved (`grads_pooled`). Pipelined ZeRO-3 stages hold all their layers
     gathered only at a backward's end, one chunk's micro-batch of activations fewer
     (`costmodel.memory.stage_memory`): the floor counts that moment.
     """
     policies = evaluator.policies(config)
     tables = [evaluator.layer_table(config, device, node, policies) for device, node in evaluator.device_types(config.pp)]
-    grads_held = config.num_microbatches > 1
+    grads_held = config.num_microbatches > 1 or grads_pooled(config)
     states = min(float(table[:, COL["static_bytes"]].sum() + table[:, COL["temp_bytes"]].sum()
                        - (0.0 if grads_held else table[:, COL["grad_bytes"]].sum())) for table in tables)
     activations = min(float(table[:, COL["act_bytes"]].sum()) for table in tables)

@@ -45,7 +45,7 @@ from planner.pipeline_buffers import chunk_recv_bytes, recv_buffer_bytes
 from planner.result import Estimate, StagePlan, contiguous_runs
 from planner.space import check_config
 from planner.stage_problem import StageProblem
-from planner.state_cost import (dp_exposed_s, optimizer_step_s, precision_of, state_options, tied_gradient_sum_s,
+from planner.state_cost import (dp_exposed_s, grads_pooled, optimizer_step_s, precision_of, state_options, tied_gradient_sum_s,
                                  zero3_exposed_s)
 from planner.stages import split_dp
 from planner.tp_plan import tp_plan_for
@@ -248,9 +248,9 @@ class Evaluator:
                              if config.pp > 1 else 1.0)
         column = lambda name: np.stack([ref[:, COL[name]] for ref in refs], axis=1)  # noqa: E731
         static = column("static_bytes")
-        if config.num_microbatches == 1 and config.pp == 1:
+        if config.num_microbatches == 1 and config.pp == 1 and not grads_pooled(config):
             # the gradients peak at the optimizer step, apart from the activations (`stage_memory`); no
-            # recompute choice changes that moment
+            # recompute choice changes that moment. A reduce stream's pool keeps them reserved throughout.
             static = static - column("grad_bytes")
         return StageProblem(
             # the loss's temporaries sit on the stage holding the loss, once: additive like the states
@@ -389,7 +389,8 @@ class Evaluator:
             params=dense + expert, expert_params=expert, activation_bytes_per_microbatch=total[COL["act_bytes"]],
             in_flight=in_flight, zero=config.zero, dense_shard_group=config.shard_ranks, expert_shard_group=expert_group,
             gathered_params=self.code.zero3_fetch.gathered_layers * largest_params if config.zero == 3 else 0.0,
-            temp_bytes=max(total[COL["temp_bytes"]], total[COL["work_bytes"]]), grads_at_peak=config.num_microbatches > 1, chunks=config.vpp, comm_buffer_bytes=recv_bytes,
+            temp_bytes=max(total[COL["temp_bytes"]], total[COL["work_bytes"]]), grads_at_peak=config.num_microbatches > 1,
+            grads_pooled=grads_pooled(config), chunks=config.vpp, comm_buffer_bytes=recv_bytes,
             frozen_params=frozen, buffer_bytes=total[COL["buffer_bytes"]], **state_options(config, self.precision),
         )
         owned = (dense - frozen) / dense_shard + expert / expert_shard

@@ -282,6 +282,13 @@ def state_collective_s(kind: Collective, bytes_per_param: float, dense: float, e
                for params, group in ((dense, dense_group), (expert, expert_group)) if params > 0)
 
 
+def grads_pooled(config: ParallelConfig) -> bool:
+    """Whether the gradients come from the data-parallel wrapper's reduce stream, whose blocks stay
+    reserved between steps (`costmodel.memory.stage_memory`'s `grads_pooled`): any FSDP2 wrapper
+    (dp x cp above 1) that keeps its gradients on the device."""
+    return config.dp * config.cp > 1 and not config.offload_optimizer
+
+
 def state_options(config: ParallelConfig, precision: Precision) -> dict:
     """How model states are stored: fp32 gradients and device-side Adam, or ZeRO-Offload (working
     weights and gradients on the device). Data parallelism runs as FSDP2 (what `Plan.apply` uses:

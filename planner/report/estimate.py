@@ -68,7 +68,8 @@ def memory_table(estimate: Estimate) -> Table:
                  if host.get("host_bytes") else "")
     table.caption = ("each stage at its peak moment (the forward's end, or the optimizer step, where activations "
                      "are gone: a part not alive then shows 0); other = communication buffers + temporaries + CUDA "
-                     "context and allocator fragmentation" + (f"; priced in {priced}" if priced else "") + offloaded)
+                     "context, allocator fragmentation and the gradient blocks a data-parallel reduce stream keeps reserved"
+                     + (f"; priced in {priced}" if priced else "") + offloaded)
     return table
 
 
