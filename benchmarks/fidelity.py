@@ -157,7 +157,8 @@ def worker(plan_path: str, spec_path: str, steps: int, out: str) -> None:
 
 
 def predicted_allocated_bytes(plan) -> float:
-    """Largest stage's predicted bytes without the CUDA context and fragmentation overhead."""
+    """Largest stage's predicted bytes without the overhead: the CUDA context, fragmentation and the
+    gradient blocks reserved for a reduce stream, none of which the allocator counts as allocated."""
     return max(row["total_bytes"] - row["overhead_bytes"] for row in plan.estimate.memory)
 
 

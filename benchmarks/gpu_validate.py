@@ -11,7 +11,8 @@
    the 18 bytes per parameter the cost model assumes), trains on random tokens, and measures the
    median step time after warm-up and `torch.cuda.max_memory_allocated` over the timed steps (on the
    CPU: the profiler-based peak of `benchmarks/fidelity.py`), against the predicted peak without the
-   CUDA context and allocator fragmentation, which `max_memory_allocated` does not count.
+   CUDA context, allocator fragmentation and the gradient blocks reserved for FSDP2's reduce stream,
+   which `max_memory_allocated` does not count.
 
 On a GPU the table is also written to `benchmarks/results/gpu-validate-<device>.txt`.
 """
