@@ -173,7 +173,7 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
         tp_overlap: the training code overlaps tensor-parallel collectives with GEMMs.
         loss: cross-entropy kernel of the training code, "torch" (fp32 logits, `F.cross_entropy`),
             "inplace" (fp32 logits worked in place: Megatron's vocab-parallel cross-entropy) or "fused"
-            (one kernel over the half-precision logits, e.g. flash-attn's xentropy).
+            (one kernel over the half-precision logits, e.g. flash-attn's xentropy, or a torch.compile'd loss).
         zero3_fetch: how the training code fetches ZeRO-3 parameters, "prefetch" (FSDP) or "blocking"
             (DeepSpeed ZeRO-3 of spring 2021; `planner.state_cost.Zero3Fetch`).
         dp_sync: how the training code synchronises data-parallel states below ZeRO-3, "overlapped"

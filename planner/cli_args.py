@@ -92,7 +92,7 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool, from_pla
         parser.add_argument("--loss", choices=["torch", "inplace", "fused"],
                             help="cross-entropy kernel of the training code (torch: fp32 logits and F.cross_entropy; "
                                  "inplace: fp32 logits worked in place, Megatron's vocab-parallel cross-entropy; "
-                                 "fused: one kernel over the half-precision logits, e.g. flash-attn's xentropy)")
+                                 "fused: one kernel over the half-precision logits, e.g. flash-attn's xentropy, or a torch.compile'd loss)")
         parser.add_argument("--tp-comm-overlap", action="store_const", const=True,
                             help="the training code overlaps tensor-parallel collectives with GEMMs (Megatron-Core --tp-comm-overlap, async TP)")
         parser.add_argument("--zero3-fetch", choices=["prefetch", "blocking"],

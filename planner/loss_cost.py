@@ -18,7 +18,9 @@ class LossKernel(StrEnum):
     logits gradient in place (Megatron-LM's and Megatron-Core's vocab-parallel cross-entropy,
     `_VocabParallelCrossEntropy`); "fused" is one kernel over the half-precision logits that keeps
     them and a log-sum-exp per row for backward and writes a half-precision logits gradient
-    (flash-attn's xentropy `CrossEntropyLoss`, the default `fused_crossentropy` loss of llm-foundry's MPT)."""
+    (flash-attn's xentropy `CrossEntropyLoss`, the default `fused_crossentropy` loss of llm-foundry's MPT;
+    also a cross-entropy under `torch.compile`, which Inductor fuses with the upcast, as torchtitan
+    compiles its loss when compiling the model)."""
 
     TORCH = "torch"
     INPLACE = "inplace"
