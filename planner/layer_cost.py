@@ -68,12 +68,15 @@ class TpPlan:
             backward runs the conjugate collectives of the same sizes.
         whole_params: parameters outside the experts every tp rank holds whole (replicated norms, an
             embedding whose vocabulary tp does not divide).
+        whole_ops: ops every tp rank runs whole even under sequence parallelism (a loss on whole
+            logits, `planner.tp_plan.whole_loss_ops`).
     """
 
     tp: int
     split_ops: frozenset[str] = frozenset()
     collectives: tuple[tuple[Collective, float, str], ...] = ()
     whole_params: int = 0
+    whole_ops: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,7 @@ def op_time_s(op: Op, device: DeviceSpec, dtype: str, shards: int, table: OpTabl
 def _split_of(op: Op, plan: TpPlan, ctx: LayerContext) -> int:
     if op.name in plan.split_ops:
         return plan.tp
-    memory_bound = op.kind not in (OpKind.MATMUL, OpKind.ATTENTION)
+    memory_bound = op.kind not in (OpKind.MATMUL, OpKind.ATTENTION) and op.name not in plan.whole_ops
     return plan.tp if memory_bound and ctx.sequence_parallel else 1
 
 
@@ -208,15 +211,12 @@ def _gathered_kv_bytes(layer: Layer, ctx: LayerContext) -> float:
     """What attention's context-parallel exchange adds to the activations kept for backward (before
     tp divides them by heads).
 
-    The all-gather form (Plan.apply, Llama 3) gathers the keys and values of the whole sequence.
-    Without recompute autograd keeps them as attention's inputs in place of the rank's own share,
-    (cp-1)/cp of them more. Selective recompute keeps collective outputs
-    (`planner.apply.recompute.SAVED_OPS`), so the gathered tensors stay beside the kept
-    projections: all of them more. Full and op-level recompute run the gather again in backward.
-    The all-to-all form's attention inputs are the rank's share (1/cp of the heads over the whole
-    sequence), nothing more without recompute; under selective recompute the queries, keys and
-    values the all-to-alls return stay beside the kept projections.
-    """
+    The all-gather form (Plan.apply, Llama 3) gathers the whole sequence's keys and values. Without
+    recompute autograd keeps them as attention's inputs instead of the rank's share, (cp-1)/cp of
+    them more; selective recompute keeps collective outputs (`planner.apply.recompute.SAVED_OPS`)
+    beside the kept projections: all of them more. Full and op-level recompute gather again in
+    backward. The all-to-all form's attention inputs are the rank's share (1/cp of the heads over
+    the whole sequence); selective recompute keeps what its all-to-alls return."""
     if ctx.cp == 1 or ctx.recompute not in (Recompute.NONE, Recompute.SELECTIVE):
         return 0.0
     reads = input_bytes_of(layer)
@@ -301,17 +301,14 @@ def _time_s(works: list[OpWork], ctx: LayerContext) -> float:
 
 
 def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
-    """Seconds and activation bytes of one micro-batch of `layer` under `ctx`.
+    """Seconds and activation bytes of one micro-batch of `layer` under `ctx`: compute split into
+    forward, backward and recompute, and the exposed communication of each parallelism.
 
     Args:
         layer: the traced layer (its numbers are for the traced micro-batch; `ctx.batch_scale`
             rescales them to the priced micro-batch).
         plan: which ops tensor parallelism splits and the collectives it adds.
         ctx: device, dtype, degrees and communication groups.
-
-    Returns:
-        LayerCost with compute split into forward, backward and recompute, and the exposed
-        communication of each parallelism.
     """
     if layer.ops:
         fused, fwd_works, bwd_works = (fused_works(layer.ops, ctx.batch_scale / ctx.cp, lambda op: _split_of(op, plan, ctx))
@@ -384,7 +381,9 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         Recompute.SELECTIVE_OP: (_time_s(op_sac_rerun, ctx) if op_sac_rerun else 0.0) + cp_fwd_s
                                 + sum(t for t, rerun in zip(collective_s, op_sac_reruns_collectives(layer, plan)) if rerun),
     }[ctx.recompute] if layer.bwd_work_fraction else 0.0
-    act_bytes = _activation_bytes(layer, ctx, plan.tp)
+    # a loss run whole keeps whole logits, most of its layer's saved bytes (the rest is priced whole too)
+    act_split = 1 if any(op.kind == OpKind.LOSS for op in layer.ops if op.name in plan.whole_ops) else plan.tp
+    act_bytes = _activation_bytes(layer, ctx, act_split)
     return LayerCost(
         fwd_s=fwd_s,
         bwd_s=bwd_s,
@@ -396,5 +395,5 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         cp_hidden_s=(hidden_fwd_s, hidden_bwd_s),
         act_bytes=act_bytes,
         temp_bytes=_loss_temp_bytes(layer, plan, ctx),
-        work_bytes=_recompute_work_bytes(layer, ctx, plan.tp, act_bytes),
+        work_bytes=_recompute_work_bytes(layer, ctx, act_split, act_bytes),
     )

@@ -14,7 +14,7 @@ import math
 
 from costmodel.comm import Collective, collective_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
-from planner.graph import EXPERTS_MODULE, Layer, ModelGraph, Op
+from planner.graph import EXPERTS_MODULE, Layer, ModelGraph, Op, OpKind
 from planner.layer_cost import TpPlan, op_time_s
 from planner.mesh import axis_group
 from planner.sharding import Layout, solve_layout
@@ -85,12 +85,26 @@ def tp_plan_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype
     # The layout is kept by signature, so it may have been solved on another layer of the same
     # structure: its choices (in op order, the boundary last) name that layer's ops.
     own = dict(zip((choice.name for choice in layout.choices), (op.name for op in layer.ops)))
+    split_ops = frozenset(own[choice.name] for choice in layout.choices if choice.strategy.compute_shards > 1 and choice.name in own)
     return TpPlan(
         tp=tp,
-        split_ops=frozenset(own[choice.name] for choice in layout.choices if choice.strategy.compute_shards > 1 and choice.name in own),
+        split_ops=split_ops,
         collectives=tuple((Collective(str(call.kind)), call.bytes, own.get(call.producer, call.producer)) for call in layout.collectives),
         whole_params=whole_params(layer, layout),
+        whole_ops=whole_loss_ops(layer, split_ops),
     )
+
+
+def whole_loss_ops(layer: Layer, split_ops: frozenset[str]) -> frozenset[str]:
+    """The ops of `layer` every tp rank runs whole (`TpPlan.whole_ops`): each loss not among
+    `split_ops` (not vocabulary-parallel) and the memory-bound ops between the last matmul before it
+    (the head) and it."""
+    losses = [index for index, op in enumerate(layer.ops) if op.kind == OpKind.LOSS and op.name not in split_ops]
+    if not losses:
+        return frozenset()
+    head = max((index for index, op in enumerate(layer.ops[:losses[0]]) if op.kind == OpKind.MATMUL), default=-1)
+    return frozenset(op.name for op in layer.ops[head + 1:losses[-1] + 1]
+                     if op.kind not in (OpKind.MATMUL, OpKind.ATTENTION) and op.name not in split_ops)
 
 
 def whole_params(layer: Layer, layout: Layout) -> int:

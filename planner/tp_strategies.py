@@ -120,13 +120,16 @@ class Strategy:
     param_shards: int
 
 
-def op_strategies(op: Op, tp: int, *, sequence_parallel: bool) -> tuple[Strategy, ...]:
+def op_strategies(op: Op, tp: int, *, sequence_parallel: bool, classes: int = 0) -> tuple[Strategy, ...]:
     """Strategies op `op` can run at tensor-parallel degree `tp` (only REPLICATE when tp == 1).
 
     Args:
         op: the op.
         tp: tensor-parallel degree.
         sequence_parallel: offer S(sequence) layouts for norms, elementwise and shape ops.
+        classes: a loss's classes (its logits' last dimension; 0 if unknown): it runs vocabulary-
+            parallel only where tp divides them, as only a colwise head hands it split logits
+            (`planner.apply`).
 
     Returns:
         The op's strategies, REPLICATE first.
@@ -139,7 +142,7 @@ def op_strategies(op: Op, tp: int, *, sequence_parallel: bool) -> tuple[Strategy
     if op.kind == OpKind.EMBEDDING:
         return _embedding_strategies(op, tp)
     if op.kind == OpKind.LOSS:
-        return _loss_strategies(op, tp)
+        return _loss_strategies(op, tp, classes)
     if op.kind == OpKind.NORM:
         return tuple(_follow(op, layout, tp) for layout in activation if layout != F)
     if op.kind in (OpKind.ELEMENTWISE, OpKind.OTHER) and not op.param_shapes and op.target not in AXIS_COUPLED_TARGETS:
@@ -193,7 +196,9 @@ class StrategyGraph:
         edges += [(op.name, BOUNDARY, 0) for op in outputs]
         out_bytes = {op.name: float(op.out_bytes) for op in ops}
         out_bytes[BOUNDARY] = float(input_bytes if input_bytes is not None else max(op.out_bytes for op in outputs))
-        strategies = {op.name: op_strategies(op, tp, sequence_parallel=sequence_parallel) for op in ops}
+        shapes = {op.name: op.out_shape for op in ops}
+        strategies = {op.name: op_strategies(op, tp, sequence_parallel=sequence_parallel,
+                                             classes=(shapes.get(op.inputs[0]) or (0,))[-1] if op.inputs else 0) for op in ops}
         strategies[BOUNDARY] = tuple(
             Strategy(Placement.SEQUENCE if layout == Q else Placement.REPLICATE, (layout,), layout, 1, 1)
             for layout in boundary_layouts
@@ -291,8 +296,8 @@ def _embedding_strategies(op: Op, tp: int) -> tuple[Strategy, ...]:
     return tuple(strategies)
 
 
-def _loss_strategies(op: Op, tp: int) -> tuple[Strategy, ...]:
+def _loss_strategies(op: Op, tp: int, classes: int) -> tuple[Strategy, ...]:
     strategies = [_replicate(op, 1)]
-    if tp > 1:
+    if tp > 1 and classes % tp == 0:
         strategies.append(Strategy(Placement.LOSS_PARALLEL, _inputs(op, F, 1), R, tp, 1))
     return tuple(strategies)

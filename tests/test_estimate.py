@@ -26,7 +26,7 @@ from planner.mesh import axis_group, mesh_groups, stage_devices
 from planner.graph import LayerKind, OpKind, Recompute
 from planner.layer_comm import overlapped_tp_comm_s
 from planner.layer_cost import AttentionKernel, op_sac_reruns_collectives
-from planner.loss_cost import LOSS_TEMP_INPUT_COPIES
+from planner.loss_cost import LOSS_PARALLEL_TEMP_INPUT_COPIES, LOSS_TEMP_INPUT_COPIES
 from planner.state_cost import BLOCKING_FETCH_BYTES_PER_S, tied_gradient_sum_s
 from planner.tracing import trace
 from planner.training_code import TrainingCode
@@ -398,13 +398,34 @@ def test_a_graph_traced_in_another_element_size_is_refused(gpt350m):
 def test_loss_temporaries_are_two_fp32_logits_on_the_last_stage(gpt350m):
     # gpt3-350m traced at seq 256: the cross-entropy reads fp32 logits of micro_batch x 256 x vocab
     # x 4 B and holds two such copies at the peak (LOSS_TEMP_INPUT_COPIES). One micro-batch of 16:
-    # the activations (about 24 x 34 s b h = 3.4 GB) outweigh the fp32 gradients (4 B x 355M =
-    # 1.4 GB), so the peak is the forward's end, where the gradients are not yet alive.
+    # the peak is the forward's end, where the gradients are not alive (their blocks stay reserved
+    # for the data-parallel reduce stream: overhead).
     evaluator = Evaluator(gpt350m, load_cluster("a100-80g:1x8"))
     estimate = evaluator.estimate(ParallelConfig(dp=8, micro_batch=16, num_microbatches=1), 128)
     row = estimate.memory[0]
     assert row["temp_bytes"] == pytest.approx(LOSS_TEMP_INPUT_COPIES * 16 * 256 * gpt350m.dims.vocab * 4, rel=1e-3)
     assert row["grads_bytes"] == 0.0 and row["activations_bytes"] > 4 * gpt350m.params
+
+
+@pytest.mark.parametrize("vocab", [4096, 4099])
+def test_a_loss_tp_cannot_split_by_vocabulary_is_priced_whole_on_every_rank(spec_dir, vocab):
+    # One Llama block of width 256, 4 sequences of 128 tokens, tp 2. Where tp divides the vocabulary
+    # the loss runs vocabulary-parallel on each rank's half of the fp32 logits, three copies at the
+    # peak (LOSS_PARALLEL_TEMP_INPUT_COPIES). Where it does not, every rank gets the whole logits
+    # (`planner.apply`'s head styles): two copies of 4 x 128 x vocab x 4 B, and the loss keeps their
+    # fp32 log-probabilities whole too.
+    path = spec_dir / f"head-{vocab}.yaml"
+    path.write_text(f"arch: llama\nlayers: 1\nhidden: 256\nheads: 4\nffn_hidden: 512\nvocab: {vocab}\n")
+    graph = trace(str(path), seq_len=128)
+    config = ParallelConfig(tp=2, micro_batch=4, num_microbatches=1, recompute=Recompute.NONE)
+    row = Evaluator(graph, load_cluster("h100-sxm:1x2")).estimate(config, 4).memory[0]
+    logits_bytes = 4 * 128 * vocab * 4
+    if vocab % 2 == 0:
+        assert row["temp_bytes"] == pytest.approx(LOSS_PARALLEL_TEMP_INPUT_COPIES * logits_bytes / 2, rel=1e-3)
+        assert row["activations_bytes"] < logits_bytes
+    else:
+        assert row["temp_bytes"] == pytest.approx(LOSS_TEMP_INPUT_COPIES * logits_bytes, rel=1e-3)
+        assert row["activations_bytes"] > logits_bytes
 
 
 @pytest.mark.parametrize("recompute", [Recompute.NONE, Recompute.FULL])

@@ -261,6 +261,19 @@ def test_expert_projections_shard_like_a_megatron_mlp(tp):
     assert_consistent(layout, ops)
 
 
+@pytest.mark.parametrize("vocab,vocab_parallel", [(4096, True), (4099, False)])
+def test_a_loss_runs_vocabulary_parallel_only_where_tp_divides_the_vocabulary(vocab, vocab_parallel):
+    # Only a colwise head hands the loss vocabulary-split logits (`planner.apply`), and a colwise head
+    # needs tp to divide the vocabulary; any other head's logits are whole on every rank.
+    tokens = 4096
+    head = linear("head", "x", tokens, 1024, vocab, fqn="head")
+    upcast = Op("upcast", "", "float", OpKind.ELEMENTWISE, ("head",), (tokens, vocab), tokens * vocab * 4, tokens * vocab)
+    loss = Op("loss", "", "cross_entropy", OpKind.LOSS, ("upcast",), (), 4, 4.0 * tokens * vocab)
+    layout = solve_layout([head, upcast, loss], 4, roofline_compute_s, ring_comm_s(4))
+    assert (layout.per_op["loss"] == Placement.LOSS_PARALLEL) is vocab_parallel
+    assert (layout.per_op["head"] == Placement.COLWISE) is vocab_parallel
+
+
 def test_axis_coupled_ops_run_replicated():
     # An MoE router: softmax and top-k over the expert axis are wrong on an expert-split tensor, so
     # they must run replicated, whatever the router linear does.
