@@ -257,7 +257,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     exhaustive = constraints.get("exhaustive", False)
     check_positive_int("global_batch", global_batch)
     evaluator = Evaluator(graph, cluster, dtype, code=code)
-    space = enumerate_degrees(graph, cluster, constraints)
+    space = enumerate_degrees(graph, cluster, constraints, global_batch)
     rejected: list[Rejection] = list(space.rejected)
     reasons: Counter = Counter()
     examples: dict[str, list[dict]] = {}

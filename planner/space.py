@@ -2,10 +2,9 @@
 
 Degrees: tp divides the heads and stays inside a node (tp is innermost on the mesh, so a group
 spanning nodes would run every per-layer collective over the NICs) unless `allow_tp_across_nodes`
-or the user fixes tp;
-pp divides the devices left and never exceeds the layers; 2*cp divides the sequence (the
-load-balanced split cuts it into 2*cp chunks, each rank taking one from each end) and cp is only
-offered from `CP_MIN_SEQ_LEN` tokens (a search-speed choice, see there);
+or the user fixes tp; pp divides the devices left and never exceeds the layers; 2*cp divides the
+sequence (the load-balanced split cuts it into 2*cp chunks, each rank taking one from each end),
+from `CP_MIN_SEQ_LEN` tokens unless the global batch limits dp (a search-speed choice, see there);
 ep divides the experts and dp*cp; dp is what is left. Micro-batches divide the per-replica batch.
 `check_config` says why a given configuration (the user's, or one of these) cannot exist.
 """
@@ -20,19 +19,20 @@ from planner.mesh import stage_devices
 from planner.graph import ModelGraph, Recompute
 from planner.layer_comm import CpComm
 
-# Context parallelism is searched from this sequence length up, as Megatron-Core and torchtitan
-# use it (long-context training, 8K+). A speed choice: shorter sequences double the space, and cp can
-# still win there by splitting activations in place of tp (measured: mixtral-8x22b on 512 H100 at
-# 4K tokens, 42.3 -> 44.1% MFU, its search 2.8 -> 7.7 s), which a fixed --cp prices.
+# Context parallelism is searched from this sequence length up, as Megatron-Core and torchtitan use
+# it (8K+). A speed choice: shorter sequences double the space, though cp can win there by splitting
+# activations in place of tp (mixtral-8x22b on 512 H100 at 4K tokens: 42.3 -> 44.1% MFU, search 2.8 ->
+# 7.7 s), which a fixed --cp prices. Where the global batch keeps dp below devices / devices per node,
+# tp cannot take the rest, so cp is searched at any length (llama3-8b, 2 x 8 H100, 97 x 4K tokens:
+# 3.557 s at tp2 pp8, 3.227 s at pp4 cp4).
 CP_MIN_SEQ_LEN = 8192
 # The largest context-parallel degree searched or accepted.
 CP_MAX = 32
 
-# Largest micro-batch the search tries: `MAX_MICRO_BATCH` sequences, or more up to
-# `MAX_MICRO_BATCH_TOKENS` stream tokens (short sequences, a ViT's patches). Beyond both, GEMM rows
-# (micro-batch x tokens) are well past where efficiency saturates (MAMF curves flatten above ~1e11
-# FLOPs per GEMM, an 8192-wide layer at 2K rows), so bigger ones only add activation memory; 16 x
-# 2048 tokens is where the sequence cap alone sat for the usual 2K-token runs.
+# Largest micro-batch the search tries: `MAX_MICRO_BATCH` sequences, or more up to `MAX_MICRO_BATCH_TOKENS`
+# stream tokens (short sequences, a ViT's patches). Beyond both, GEMM rows (micro-batch x tokens) are well
+# past where efficiency saturates (MAMF curves flatten above ~1e11 FLOPs per GEMM, an 8192-wide layer at
+# 2K rows), so bigger ones only add activation memory; 16 x 2048 tokens is the usual 2K-token runs' cap.
 MAX_MICRO_BATCH = 16
 MAX_MICRO_BATCH_TOKENS = 16 * 2048
 
@@ -60,8 +60,7 @@ class Space:
 
 
 def divisors(n: int) -> list[int]:
-    """The divisors of `n`, ascending, from its prime factors (a shorthand cluster may name 10^17
-    devices: trial division stops once what is left is 1 or prime)."""
+    """The divisors of `n`, ascending, from its prime factors (trial division stops at a prime rest)."""
     found = [1]
     prime = 2
     while n > 1:
@@ -100,8 +99,9 @@ def _fixed(constraints: dict, key: str, options: list[int], space: Space, label:
     return kept
 
 
-def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) -> Space:
-    """Every (dp, tp, pp, cp, ep) that fits the cluster and model, with reasons for the rest."""
+def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict, global_batch: int | None = None) -> Space:
+    """Every (dp, tp, pp, cp, ep) that fits the cluster and model, with reasons for the rest (a
+    `global_batch` that limits dp widens the context-parallel degrees searched: `CP_MIN_SEQ_LEN`)."""
     space = Space()
     devices = cluster.num_devices
     per_node = min(g.node.devices_per_node for g in cluster.groups)
@@ -134,11 +134,13 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict) ->
     tp_options = _fixed(constraints, "tp", tp_options, space, "tensor parallelism",
                         f" ({per_node} devices per node, {dims.heads} attention heads)" if dims.heads else "")
     cp_all = [c for c in divisors(devices) if (c == 1 or graph.seq_len % (2 * c) == 0) and c <= CP_MAX]
-    cp_options = [c for c in cp_all if c == 1 or graph.seq_len >= CP_MIN_SEQ_LEN]
+    batch_dp = max((d for d in divisors(devices) if global_batch % d == 0), default=1) if global_batch else devices
+    cp_options = [c for c in cp_all if c == 1 or graph.seq_len >= CP_MIN_SEQ_LEN or batch_dp * per_node < devices]
     if len(cp_options) < len(cp_all) and "cp" not in constraints:
         space.rejected.append(Rejection("cp>1", f"seq_len={graph.seq_len} is below {CP_MIN_SEQ_LEN}; context parallelism is not "
-                                                  "searched at such lengths, to keep the search fast, though it can win by "
-                                                  "splitting activations in place of tp; give --cp to price it"))
+                                                  "searched at such lengths where data parallelism can span the nodes, to keep "
+                                                  "the search fast, though it can win by splitting activations in place of tp; "
+                                                  "give --cp to price it"))
     if "cp" in constraints:
         cp_options = cp_all
     cp_options = _fixed(constraints, "cp", cp_options, space, "context parallelism",
@@ -195,8 +197,6 @@ def _ep_options(graph: ModelGraph, dp: int, constraints: dict, space: Space) -> 
 
 def no_degrees_error(space: Space, constraints: dict) -> PlannerError:
     """Why no degree tuple is left: the rejections of the fixed values themselves first."""
-    from planner.errors import invalid
-
     fixed = {k: v for k, v in constraints.items() if k in ("tp", "pp", "dp", "cp", "ep")}
     named = {f"{k}={v}" for k, v in fixed.items()}
     about_fixed = ([r for r in space.rejected if r.what in named]

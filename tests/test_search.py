@@ -73,7 +73,7 @@ def brute_force(graph, cluster_name: str, global_batch: int, constraints: dict):
     evaluator = Evaluator(graph, cluster)
     priced, results, bounds = 0, [], {}
     per_node = min(group.node.devices_per_node for group in cluster.groups)
-    for degrees in enumerate_degrees(graph, cluster, constraints).degrees:
+    for degrees in enumerate_degrees(graph, cluster, constraints, global_batch).degrees:
         for config in configs_for(degrees, graph, global_batch, constraints, per_node):
             try:
                 check_config(graph, cluster, config, global_batch)
@@ -404,17 +404,18 @@ def test_a_fixed_pp_that_would_mix_device_types_says_so():
 
 def test_no_data_parallel_degree_splitting_the_batch_suggests_one():
     # 1,120 devices (dgx-a100-superpod) = 2^5 x 5 x 7. gpt3-1.3b's 32 heads take tp in {1, 2, 4, 8}
-    # (one node at most), its 26 layers pp <= 26, and seq 512 no cp. A power-of-two tp and a pp of
-    # at most 26 cannot take both factors 5 and 7, so dp = 1120 / (tp*pp) keeps one of them and
-    # global_batch=512 = 2^9 splits over none. The nearest batch that does: 518 = 74 x 7 (dp=7:
-    # tp=8, pp=20); 515 = 103 x 5 would need dp=5, i.e. tp*pp = 224 = 2^5 x 7 (pp >= 28).
+    # (one node at most), its 26 layers pp <= 26, and seq 512 cp in {1, 2, ..., 32} (searched at 512
+    # tokens, as the batch keeps dp below a node's worth of the devices). Power-of-two tp and cp and
+    # a pp of at most 26 cannot take both factors 5 and 7, so dp = 1120 / (tp*cp*pp) keeps one of
+    # them and global_batch=512 = 2^9 splits over none. The nearest batch that does: 515 = 103 x 5
+    # (dp=5: tp*cp*pp = 224 = 2^5 x 7, e.g. tp=8, cp=4, pp=7); 518 = 74 x 7 (dp=7) is further.
     graph = planner.trace("gpt3-1.3b", seq_len=512)
     with pytest.raises(PlannerError) as error:
         planner.plan(graph, "dgx-a100-superpod", global_batch=512)
     message = error.value.message
-    assert "dp=7: global_batch=512 is not a multiple of dp" in message
-    assert "fix: global_batch=518 (a multiple of dp=7) would split" in message
-    planner.plan(graph, "dgx-a100-superpod", global_batch=518)
+    assert "dp=5: global_batch=512 is not a multiple of dp" in message
+    assert "fix: global_batch=515 (a multiple of dp=5) would split" in message
+    planner.plan(graph, "dgx-a100-superpod", global_batch=515)
 
 
 @pytest.mark.parametrize("recompute", ["selective", "selective_op"])
@@ -482,6 +483,17 @@ def test_a_configuration_its_uniform_recompute_ranks_low_is_refined_when_it_can_
     assert 0 < per_layer.count("none") < len(per_layer)
     again = planner.evaluate(graph, "h100-sxm:2x8", plan, global_batch=32)
     assert again.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-9)
+
+
+def test_context_parallelism_is_searched_at_short_sequences_where_the_batch_limits_data_parallelism():
+    # 97 sequences (a prime) on 16 devices leave dp at 1, so tp (inside a node), pp and cp must take
+    # all 16; at 4K tokens cp was not searched, and tp2 pp8 came out 10% slower than pp4 cp4.
+    graph = planner.trace("llama3-8b", seq_len=4096)
+    plan = planner.plan(graph, "h100-sxm:2x8", global_batch=97)
+    without_cp = planner.plan(graph, "h100-sxm:2x8", global_batch=97, max_cp=1)
+    assert plan.config.cp > 1 and plan.estimate.step_time_s < 0.95 * without_cp.estimate.step_time_s
+    # a batch dp can spread over the nodes leaves the short-sequence space as it was
+    assert planner.plan(graph, "h100-sxm:2x8", global_batch=96).config.cp == 1
 
 
 def test_short_sequences_search_micro_batches_past_16_and_say_where_the_search_stops():

@@ -46,15 +46,19 @@ def refusal(dims: ModelDims, cluster: str, constraints: dict, seq_len: int = 204
     return error.value.message
 
 
-def expected_degrees(dims: ModelDims, num_layers: int, seq_len: int, devices: int, per_node: int) -> set[tuple]:
-    """Every (dp, tp, pp, cp, ep) the space rules allow, by brute force over divisor products."""
+def expected_degrees(dims: ModelDims, num_layers: int, seq_len: int, devices: int, per_node: int,
+                     global_batch: int | None = None) -> set[tuple]:
+    """Every (dp, tp, pp, cp, ep) the space rules allow, by brute force over divisor products: cp
+    below CP_MIN_SEQ_LEN tokens only where the global batch leaves dp at most a node's worth short."""
+    batch_dp = max(d for d in range(1, devices + 1) if devices % d == 0 and global_batch % d == 0) if global_batch else devices
+    short_cp = batch_dp * per_node < devices
     out = set()
     for tp, cp, pp in product(divisors(devices), repeat=3):
         if devices % (tp * cp * pp):
             continue
         dp = devices // (tp * cp * pp)
         tp_ok = tp <= per_node and dims.heads % tp == 0 and (tp == 1 or dims.kv_heads % tp == 0 or tp % dims.kv_heads == 0)
-        cp_ok = (cp == 1 or seq_len % (2 * cp) == 0) and cp <= CP_MAX and (cp == 1 or seq_len >= CP_MIN_SEQ_LEN)
+        cp_ok = (cp == 1 or seq_len % (2 * cp) == 0) and cp <= CP_MAX and (cp == 1 or seq_len >= CP_MIN_SEQ_LEN or short_cp)
         split_ok = seq_len % (tp * cp) == 0  # each rank's sequence-parallel share is whole tokens
         if not (tp_ok and cp_ok and split_ok and pp <= num_layers):
             continue
@@ -71,16 +75,17 @@ def expected_degrees(dims: ModelDims, num_layers: int, seq_len: int, devices: in
     blocks=st.integers(1, 24),
     experts=st.sampled_from([0, 4, 6, 8, 64]),
     seq_len=st.sampled_from([197, 512, 2048, 8192, 12288, 32768]),
+    global_batch=st.sampled_from([None, 1, 7, 16, 97, 256]),
 )
-def test_degrees_are_exactly_the_valid_tuples(nodes, per_node, heads, kv_ratio, blocks, experts, seq_len):
+def test_degrees_are_exactly_the_valid_tuples(nodes, per_node, heads, kv_ratio, blocks, experts, seq_len, global_batch):
     kv_heads = heads // kv_ratio if heads % kv_ratio == 0 else heads
     dims = ModelDims(hidden=heads * 64, heads=heads, kv_heads=kv_heads, layers=blocks, experts=experts, top_k=min(2, experts))
     graph = fake_graph(dims, seq_len=seq_len)
     cluster = load_cluster(f"a100-80g:{nodes}x{per_node}")
-    space = enumerate_degrees(graph, cluster, {})
+    space = enumerate_degrees(graph, cluster, {}, global_batch)
     got = set(space.degrees)
     assert len(got) == len(space.degrees), "duplicate degree tuples"
-    assert got == expected_degrees(dims, len(graph.layers), seq_len, nodes * per_node, per_node)
+    assert got == expected_degrees(dims, len(graph.layers), seq_len, nodes * per_node, per_node, global_batch)
     for dp, tp, pp, cp, ep in got:
         assert dp * tp * pp * cp == cluster.num_devices
 
