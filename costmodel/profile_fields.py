@@ -68,7 +68,7 @@ def number(origin: Origin, field_name: str, value) -> float:
     try:
         parsed = float(value)
     except ValueError:
-        raise origin.error(field_name, f"{value!r} must be a number, e.g. 4.5e11") from None
+        raise origin.error(field_name, f"{value!r} must be a number (digits, or scientific notation such as 4.5e11)") from None
     if not math.isfinite(parsed):
         raise origin.error(field_name, f"{value!r} must be a finite number")
     return parsed

@@ -131,7 +131,6 @@ def load_cluster(spec: str | Path | dict | Cluster) -> Cluster:
     return _load_cluster_file(str(path), path.stat().st_mtime_ns, dirs)
 
 
-@functools.lru_cache(maxsize=64)
 @functools.lru_cache(maxsize=256)
 def _load_link_file(path: str, mtime_ns: int) -> LinkTier:
     data = read_mapping(Path(path))

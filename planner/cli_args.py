@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="search the best plan")
     _add_model_args(plan, needs_batch=True)
     _add_config_args(plan, recompute_default="search every policy the trace measured")
-    plan.add_argument("--out", help="write the plan to .json or .yaml")
+    plan.add_argument("--out", help="write the plan to .json or .yaml (missing folders are created)")
     plan.add_argument("--explain", action="store_true", help="also list rejected options and why")
     plan.add_argument("--no-offload", dest="allow_offload", action="store_false",
                       help="never offload optimizer states, even when nothing fits without")

@@ -84,6 +84,9 @@ def check_constraints(constraints: dict) -> None:
     if replicas > 1 and constraints.get("ep", 1) > 1:
         raise invalid(f"dp_replicate={replicas} with ep={constraints['ep']}: hybrid sharding of expert-parallel models is "
                       f"not supported; drop one of them")
+    if constraints.get("offload_optimizer") and constraints.get("allow_offload") is False:
+        raise invalid("offload_optimizer=True with allow_offload=False (--offload-optimizer with --no-offload): they "
+                      "contradict; drop one of them")
     headroom = constraints.get("mem_headroom", 0.0)
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0.0 <= headroom < 0.9:
         raise invalid(f"mem_headroom={headroom!r}: must be a number in [0, 0.9)")

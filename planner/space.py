@@ -197,11 +197,14 @@ def _ep_options(graph: ModelGraph, dp: int, constraints: dict, space: Space) -> 
 
 def no_degrees_error(space: Space, constraints: dict) -> PlannerError:
     """Why no degree tuple is left: the rejections of the fixed values themselves first."""
-    fixed = {k: v for k, v in constraints.items() if k in ("tp", "pp", "dp", "cp", "ep")}
-    named = {f"{k}={v}" for k, v in fixed.items()}
+    fixed = {k: v for k, v in constraints.items() if k.removeprefix("max_").removeprefix("min_") in ("tp", "pp", "dp", "cp", "ep")}
+    named, axes = {f"{k}={v}" for k, v in fixed.items()}, {k.removeprefix("max_").removeprefix("min_") for k in fixed}
     about_fixed = ([r for r in space.rejected if r.what in named]
-                   or [r for r in space.rejected if r.what.split("=")[0] in fixed] or space.rejected)
-    distinct = list(dict.fromkeys(f"{r.what}: {r.reason}" for r in about_fixed))
+                   or [r for r in space.rejected if r.what.split("=")[0] in axes] or space.rejected)
+    values: dict[str, dict[str, None]] = {}  # reason -> the values it rules out, each named once
+    for r in about_fixed:
+        values.setdefault(r.reason, {})[r.what] = None
+    distinct = [f"{', '.join(whats)}: {reason}" for reason, whats in values.items()]
     own = [reason for reason in distinct if "options" not in reason]  # each value's own reasons first, then its options
     reasons = "; ".join((own + [reason for reason in distinct if reason not in own])[:3])
     return invalid(f"no parallel degrees fit the constraints {fixed}: {reasons}")
@@ -250,12 +253,10 @@ def recompute_options(constraints: dict, measured: tuple[Recompute, ...]) -> lis
 
 
 def zero_options(constraints: dict, dp_cp: int, pp: int) -> list[int]:
-    """The fixed ZeRO stage, else every stage that differs: no ZeRO-2 under pipelining, where it runs
-    as ZeRO-1 (torch's pipeline stages accumulate the whole gradients and reduce them once per step:
-    `planner.state_cost.zero3_exposed_s`). Without data parallelism only ZeRO-3 differs, and only
-    without pipelining: FSDP2 on one rank keeps the fp32 master alone and casts each layer to the
-    compute dtype as it gathers it, where replication keeps a whole working copy too; pipeline
-    stages keep their layers gathered anyway."""
+    """The fixed ZeRO stage, else every stage that differs: no ZeRO-2 under pipelining, where it runs as
+    ZeRO-1 (pipeline stages reduce the whole gradients once per step: `state_cost.zero3_exposed_s`).
+    Without data parallelism only ZeRO-3 differs, without pipelining: FSDP2 on one rank keeps the fp32
+    master alone and casts each layer as it gathers it, where replication keeps a working copy too."""
     if "zero" in constraints:
         return [constraints["zero"]]
     if dp_cp == 1:
@@ -267,9 +268,8 @@ def replica_options(constraints: dict, degrees: tuple[int, int, int, int, int], 
                     devices_per_node: int | None) -> list[int]:
     """The fixed `dp_replicate` where it can run, else 1 and, for ZeRO-3 over several nodes, hybrid
     sharding with one shard group per node (HSDP's usual layout: parameter gathers on the node's
-    links, one all-reduce of the reduced shards over the NICs). Below ZeRO-3 hybrid sharding only
-    trades memory for NIC traffic a reduce-scatter over the nodes already avoids, so only a fixed
-    value tries it. `devices_per_node` None: node size unknown, no hybrid option offered."""
+    links, one all-reduce of the reduced shards over the NICs). Below ZeRO-3 it only trades memory
+    for NIC traffic, so only a fixed value tries it; none where `devices_per_node` is None (unknown)."""
     dp, tp, _, cp, ep = degrees
     if "dp_replicate" in constraints:
         replicas = constraints["dp_replicate"]

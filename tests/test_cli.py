@@ -433,6 +433,8 @@ BAD_INPUT = [
                  "zero=0 shards nothing", id="hybrid sharding without ZeRO"),
     pytest.param(["plan", *RUN_ARGS, "--zero", "0", "--dp-replicate", "2"], "dp_replicate=2 with zero=0: hybrid sharding",
                  id="plan with hybrid sharding and no ZeRO"),
+    pytest.param(["plan", *RUN_ARGS, "--offload-optimizer", "--no-offload"], "(--offload-optimizer with --no-offload): they contradict",
+                 id="offload both asked for and refused"),
     pytest.param(["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--cp", "8", "--cp-comm", "a2a"],
                  "cp=8 with cp_comm=a2a: the all-to-all splits each rank's 12 query", id="Ulysses cp not dividing the heads"),
 ]

@@ -188,6 +188,15 @@ def test_a_fixed_degree_names_its_own_reason_before_the_options_of_each_combinat
         dims, "a100-80g:1x8", {"cp": 8}, seq_len=1000)
 
 
+def test_a_bound_that_leaves_no_degree_is_named_with_the_values_each_reason_rules_out():
+    # hetero-a100-v100-8n: 4 A100 and 4 V100 nodes, so every stage keeps to one device type only
+    # with pp >= 2; max_pp=1 leaves nothing, for a reason of pp=1's own and the bound's.
+    dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=24)
+    assert refusal(dims, "hetero-a100-v100-8n", {"max_pp": 1}) == (
+        "no parallel degrees fit the constraints {'max_pp': 1}: pp=1: a pipeline stage would span node groups of "
+        "different device types; pp=2, pp=4, pp=8, pp=16: outside the user bound [1, 1] on pipeline parallelism")
+
+
 def test_a_fixed_expert_degree_says_once_what_refuses_it():
     # Mixtral's 8 experts on 32 devices: ep=16 divides no expert count, whatever dp is (said once,
     # not once per dp); ep=8 with tp=1 pp=1 on 4 devices divides the experts but not dp=4.
