@@ -240,7 +240,8 @@ class _Pass:
                                                                 "backward gives the next stages' weights no gradient; use "
                                                                 "another schedule"))
                 continue
-            bisect.insort(ranked, (estimate.step_time_s, config, estimate), key=lambda item: item[0])
+            # equal times: the one needing less memory first (ZeRO-2 over ZeRO-1 on one micro-batch)
+            bisect.insort(ranked, (estimate.step_time_s, config, estimate), key=lambda item: (item[0], item[2].peak_memory_bytes))
         return ranked
 
 
@@ -341,7 +342,8 @@ def _refine_front(evaluator: Evaluator, ranked: list, global_batch: int, headroo
         best_s = min(best_s, estimate.step_time_s)
         if not index:
             deadline_s = time.perf_counter() + RUNNER_UP_REFINE_BUDGET_S
-    order = sorted(range(len(refined)), key=lambda index: (refined[index][0], index not in memories))  # ties: a refined one leads
+    # ties: a refined one leads, then the one needing less memory
+    order = sorted(range(len(refined)), key=lambda index: (refined[index][0], index not in memories, refined[index][2].peak_memory_bytes))
     return [refined[index] for index in order], memories[order[0]], unrefined
 
 
