@@ -45,9 +45,11 @@ from planner.result import Plan  # noqa: E402
 
 # A GPT-2-style model sized for seconds-long CPU steps, so per-op dispatch overhead stays small
 # against compute; untied so pipeline stages do not share the embedding. The expert-parallel mode
-# trains a mixture of experts of the same width (4 experts, top-2 routing).
+# trains a mixture of experts of the same width (4 experts, top-2 routing); one tensor-parallel mode
+# a vocabulary tp does not divide (GPT-2's is 50,257), whose logits every rank then holds whole.
 SPECS = {
     "gpt": "arch: gpt\nlayers: 4\nhidden: 512\nheads: 8\nvocab: 4096\nmax_seq_len: 256\ntie_embeddings: false\n",
+    "gpt-odd-vocab": "arch: gpt\nlayers: 4\nhidden: 512\nheads: 8\nvocab: 4097\nmax_seq_len: 256\ntie_embeddings: false\n",
     "moe": "arch: moe\nlayers: 4\nhidden: 512\nheads: 8\nffn_hidden: 1024\nvocab: 4096\nmax_seq_len: 256\n"
            "experts: 4\ntop_k: 2\nmoe_ffn_hidden: 1024\n",
 }
@@ -64,6 +66,7 @@ MEMORY_TOLERANCE = 0.10
 # Parallel modes per world size: name -> (model, planner constraints).
 MODES = {
     2: {"dp2 zero0": ("gpt", {"dp": 2, "zero": 0}), "dp2 zero3": ("gpt", {"dp": 2, "zero": 3}), "tp2": ("gpt", {"tp": 2}),
+        "tp2 odd vocab": ("gpt-odd-vocab", {"tp": 2}),
         "pp2 1f1b": ("gpt", {"pp": 2, "schedule": "1f1b"}), "cp2": ("gpt", {"cp": 2}),
         "cp2 a2a": ("gpt", {"cp": 2, "cp_comm": "a2a"}),
         "dp2 ep2 moe": ("moe", {"dp": 2, "ep": 2, "zero": 0})},
