@@ -22,9 +22,9 @@ from planner.layer_comm import CpComm
 # Context parallelism is searched from this sequence length up, as Megatron-Core and torchtitan use
 # it (8K+). A speed choice: shorter sequences double the space, though cp can win there by splitting
 # activations in place of tp (mixtral-8x22b on 512 H100 at 4K tokens: 42.3 -> 44.1% MFU, search 2.8 ->
-# 7.7 s), which a fixed --cp prices. Where the global batch keeps dp below devices / devices per node,
-# tp cannot take the rest, so cp is searched at any length (llama3-8b, 2 x 8 H100, 97 x 4K tokens:
-# 3.557 s at tp2 pp8, 3.227 s at pp4 cp4).
+# 7.7 s). Where the batch leaves more than a node's devices beside dp, tp cannot take them, so cp is
+# searched at any length (llama3-8b, 2 x 8 H100, 97 x 4K tokens: tp2 pp8 3.557 s, pp4 cp4 3.227 s; at
+# any shortfall, gpt3-175b on 1,024 A100s searched 2.6 -> 6.8 s for 0.3%).
 CP_MIN_SEQ_LEN = 8192
 # The largest context-parallel degree searched or accepted.
 CP_MAX = 32
@@ -92,11 +92,11 @@ def _fixed(constraints: dict, key: str, options: list[int], space: Space, label:
             return []
         return [value]
     low, high = constraints.get(f"min_{key}", 1), constraints.get(f"max_{key}", max(options or [1]))
-    kept = [o for o in options if low <= o <= high]
+    bound = ", ".join(f"{side}_{key}={constraints[f'{side}_{key}']}" for side in ("min", "max") if f"{side}_{key}" in constraints)
     for o in options:
-        if o not in kept:
-            space.rejected.append(Rejection(f"{key}={o}", f"outside the user bound [{low}, {high}] on {label}"))
-    return kept
+        if not low <= o <= high:
+            space.rejected.append(Rejection(f"{key}={o}", f"outside the user bound {bound} on {label}"))
+    return [o for o in options if low <= o <= high]
 
 
 def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict, global_batch: int | None = None) -> Space:
@@ -138,14 +138,14 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict, gl
     cp_options = [c for c in cp_all if c == 1 or graph.seq_len >= CP_MIN_SEQ_LEN or batch_dp * per_node < devices]
     if len(cp_options) < len(cp_all) and "cp" not in constraints:
         space.rejected.append(Rejection("cp>1", f"seq_len={graph.seq_len} is below {CP_MIN_SEQ_LEN}; context parallelism is not "
-                                                  "searched at such lengths where data parallelism can span the nodes, to keep "
-                                                  "the search fast, though it can win by splitting activations in place of tp; "
-                                                  "give --cp to price it"))
+                                                  "searched at such lengths while what the global batch leaves beside dp fits in "
+                                                  "a node, to keep the search fast, though it can win by splitting activations "
+                                                  "in place of tp; give --cp to price it"))
     if "cp" in constraints:
         cp_options = cp_all
     cp_options = _fixed(constraints, "cp", cp_options, space, "context parallelism",
                         f" (cp divides the {devices} devices, 2 x cp the {graph.seq_len} tokens, and cp <= {CP_MAX})")
-    layers = len(graph.layers)
+    layers, dp_options = len(graph.layers), _fixed(constraints, "dp", divisors(devices), space, "data parallelism")
     for tp in tp_options:
         for cp in cp_options:
             if devices % (tp * cp) or graph.stream_tokens % (tp * cp):
@@ -155,7 +155,7 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict, gl
             for pp in _fixed(constraints, "pp", pp_all, space, "pipeline parallelism", f" on {devices} devices ({layers} layers)",
                              f" with tp={tp} and cp={cp}"):
                 dp = devices // (tp * cp * pp)
-                if "dp" in constraints and constraints["dp"] != dp:
+                if dp not in dp_options:
                     continue
                 for ep in _ep_options(graph, dp, constraints, space):
                     space.degrees.append((dp, tp, pp, cp, ep))

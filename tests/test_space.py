@@ -49,7 +49,7 @@ def refusal(dims: ModelDims, cluster: str, constraints: dict, seq_len: int = 204
 def expected_degrees(dims: ModelDims, num_layers: int, seq_len: int, devices: int, per_node: int,
                      global_batch: int | None = None) -> set[tuple]:
     """Every (dp, tp, pp, cp, ep) the space rules allow, by brute force over divisor products: cp
-    below CP_MIN_SEQ_LEN tokens only where the global batch leaves dp at most a node's worth short."""
+    below CP_MIN_SEQ_LEN tokens only where the global batch leaves more than a node beside dp."""
     batch_dp = max(d for d in range(1, devices + 1) if devices % d == 0 and global_batch % d == 0) if global_batch else devices
     short_cp = batch_dp * per_node < devices
     out = set()
@@ -194,7 +194,16 @@ def test_a_bound_that_leaves_no_degree_is_named_with_the_values_each_reason_rule
     dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=24)
     assert refusal(dims, "hetero-a100-v100-8n", {"max_pp": 1}) == (
         "no parallel degrees fit the constraints {'max_pp': 1}: pp=1: a pipeline stage would span node groups of "
-        "different device types; pp=2, pp=4, pp=8, pp=16: outside the user bound [1, 1] on pipeline parallelism")
+        "different device types; pp=2, pp=4, pp=8, pp=16: outside the user bound max_pp=1 on pipeline parallelism")
+
+
+def test_data_parallel_bounds_are_kept():
+    # dp is what the other degrees leave; min_dp and max_dp bound it as min_tp and max_tp bound tp.
+    dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=24)
+    graph, cluster = fake_graph(dims), load_cluster("a100-80g:1x8")
+    assert {dp for dp, *_ in enumerate_degrees(graph, cluster, {"max_dp": 2}).degrees} == {1, 2}
+    assert {dp for dp, *_ in enumerate_degrees(graph, cluster, {"min_dp": 4}).degrees} == {4, 8}
+    assert "dp=8: outside the user bound min_dp=16 on data parallelism" in refusal(dims, "a100-80g:1x8", {"min_dp": 16})
 
 
 def test_a_fixed_expert_degree_says_once_what_refuses_it():

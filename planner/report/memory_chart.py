@@ -17,7 +17,7 @@ SEGMENTS = (
     ("grads", "gradients", ("grads_bytes",)),
     ("optimizer_states", "optimizer states", ("optimizer_bytes",)),
     ("activations", "activations", ("activations_bytes",)),
-    ("other_memory", "buffers, temporaries, CUDA context", ("comm_buffers_bytes", "temp_bytes", "overhead_bytes")),
+    ("other_memory", "buffers, temporaries, CUDA context, allocator reserve", ("comm_buffers_bytes", "temp_bytes", "overhead_bytes")),
 )
 BAR_WIDTH = 0.6
 # Room above the tallest bar or capacity line for the value labels.
