@@ -206,7 +206,8 @@ def _train(plan: Plan, spec_path: str) -> dict:
                     if getattr(r, "buffer", None) is not None]
     return {"losses": losses, "params": params, "local_numel": local_numel, "kept_outputs": kept_outputs,
             "recomputed": {k: str(v) for k, v in applied.recomputed.items()}, "collectives": counter.calls,
-            "fsdp_ranges": counter.fsdp, "recv_bytes": sum(b.numel() * b.element_size() for b in recv_buffers)}
+            "fsdp_ranges": counter.fsdp, "recv_bytes": sum(b.numel() * b.element_size() for b in recv_buffers),
+            "loss_parallel": applied.loss_parallel}
 
 
 def _worker(rank: int, world: int, cases: list[tuple[str, str, str]], out_dir: str) -> None:
@@ -260,6 +261,7 @@ def _run(world: int, cases: list[tuple[str, Plan, Path]]) -> dict[str, dict]:
                         "fsdp_ranges": [r["fsdp_ranges"] for r in results],
                         "local_numel": [r["local_numel"] for r in results],
                         "recv_bytes": [r["recv_bytes"] for r in results],
+                        "loss_parallel": [r["loss_parallel"] for r in results],
                         "kept_outputs": max(r["kept_outputs"] for r in results)}
     return merged
 
@@ -388,6 +390,7 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("tied_dp_x_tp", _plan(tied, "cpu:1x4", dp=2, tp=2, pp=1, zero=3), tied),
         ("tied_pp_x_dp", _plan(tied, "cpu:1x4", pp=2, dp=2, tp=1, zero=3, schedule="1f1b", micro_batch=1), tied),
         ("tied_pp_x_tp", _plan(tied, "cpu:1x4", pp=2, tp=2, dp=1, schedule="1f1b"), tied),
+        ("pp_x_tp", _plan(gpt, "cpu:1x4", pp=2, tp=2, dp=1, schedule="1f1b"), gpt),
         ("pp_x_dp", _plan(gpt, "cpu:1x4", dp=2, pp=2, tp=1, zero=0, schedule="1f1b"), gpt),
         # FSDP2 stages split into input- and weight-gradient passes (ZeRO-3 is refused: check_zero_bubble_sharding).
         ("pp_x_dp_zero_bubble", _plan(gpt, "cpu:1x4", dp=2, pp=2, tp=1, zero=1, schedule="zb", micro_batch=1), gpt),
@@ -502,6 +505,15 @@ def test_plan_apply_refuses_a_model_it_cannot_split_or_feed(monkeypatch, factory
     with pytest.raises(PlannerError, match=message):
         planned.apply(resolve_model(model).build(seq_len=SEQ_LEN), loss_fn=_logits_loss)
     assert not dist.is_initialized()
+
+
+def test_pipelined_tensor_parallel_loss_runs_vocabulary_parallel(trained):
+    # The cost model prices a colwise head's loss on each rank's share of the vocabulary, with or
+    # without pipelining: the last stage's schedule runs it under loss_parallel(), as torchtitan does,
+    # and trains like one process.
+    plan, _, result = trained["pp_x_tp"]
+    assert plan.layouts["head"] == "colwise" and all(result["loss_parallel"])
+    _check(trained["pp_x_tp"])
 
 
 def test_pipeline_interleaved(trained):

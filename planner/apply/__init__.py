@@ -157,8 +157,10 @@ class AppliedPlan:
             args = (tokens,) if first else ()
             # return_outputs=False: the last stage would otherwise keep every micro-batch's output (the
             # logits) until the step ends, to merge them; a training step needs only the losses.
-            self.schedule.step(*args, target=tokens if self.has_loss else None, losses=losses, return_outputs=False)
+            with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
+                self.schedule.step(*args, target=tokens if self.has_loss else None, losses=losses, return_outputs=False)
             sum_tied_gradients(self.tied)
+            losses = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]
             return torch.stack(losses).mean().detach() if self.has_loss else None
         (model,) = self.modules
         chunks = tokens.chunk(config.num_microbatches)
@@ -263,7 +265,7 @@ def check_applicable(plan: Plan, model: nn.Module) -> tuple[ModelMatch, TensorPa
     if config.tp > 1:
         check_head_counts(model, match.layouts)
         tp_plan = tensor_parallel_plan(model, list(match.units), list(match.blocks), match.layouts, config.tp,
-                                       vocab_parallel_loss=config.pp == 1, expert_parallel=config.ep > 1)
+                                       expert_parallel=config.ep > 1)
     return match, tp_plan
 
 
@@ -380,4 +382,5 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
     tied = tie_across_stages(plan, mesh, match.tied_params, match.units, chunks)
     loss_fn = loss_fn or language_model_loss(loss_module)
     stages, schedule = build_schedule([(index, module) for index, module, _ in chunks], plan, mesh["pp"], device, loss_fn)
-    return AppliedPlan(plan, mesh, tuple(m for _, m, _ in chunks), tuple(stages), schedule, loss_fn, recomputed, tied=tied)
+    return AppliedPlan(plan, mesh, tuple(m for _, m, _ in chunks), tuple(stages), schedule, loss_fn, recomputed,
+                       tp_plan is not None and tp_plan.loss_parallel, tied=tied)

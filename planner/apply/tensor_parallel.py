@@ -17,7 +17,7 @@ output back, so any mix of placements the sharding ILP chooses composes:
   straight into the stream layout), colwise, or replicate (gathers a feature-split input first).
 - embedding: `rowwise` -> vocab-parallel (RowwiseParallel), `replicate` -> plain.
 - head: colwise keeps the logits split over the vocabulary for a vocab-parallel cross entropy
-  (`loss_parallel`, Megatron's parallel cross entropy; without pipelining) or gathers them;
+  (`loss_parallel`, Megatron's parallel cross entropy; a pipeline's last stage too, as in torchtitan);
   rowwise gathers them; `replicate` -> plain. A head tied to the embedding (GPT) shares its weight
   split by vocabulary in both (rowwise embedding, colwise head), as Megatron-LM shares it:
   `parallelize_module` distributes each module's weight on its own, so `retie` points both at one
@@ -273,23 +273,21 @@ def _embedding_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stre
     return styles
 
 
-def _head_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: TensorLayout,
-                 vocab_parallel_loss: bool) -> dict[str, ParallelStyle]:
+def _head_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: TensorLayout) -> dict[str, ParallelStyle]:
     """The output head reads the stream; a colwise head keeps its logits vocabulary-split for a
-    vocab-parallel loss when allowed, every other head hands full logits to the loss."""
+    vocab-parallel loss, every other head hands full logits to the loss."""
     placement = _placement(layouts, fqn)
     if not isinstance(module, nn.Linear) and placement != Placement.REPLICATE:
         raise unsupported(f"layout {fqn}: placement '{placement}' on a {type(module).__name__} cannot be applied")
     if placement == Placement.REPLICATE:  # it reads the whole stream (a ViT's class-token pooling)
         style = _convert(stream, R, None, None)
         return {fqn: style} if style is not None else {}
-    if placement == Placement.COLWISE and vocab_parallel_loss:
+    if placement == Placement.COLWISE:
         return {fqn: ColwiseParallel(input_layouts=_DTENSOR_PLACEMENT[stream], output_layouts=Shard(-1),
                                      use_local_output=False)}
-    style_type = {Placement.COLWISE: ColwiseParallel, Placement.ROWWISE: RowwiseParallel}.get(placement)
-    if style_type is None:
+    if placement != Placement.ROWWISE:
         raise unsupported(f"layout {fqn}: placement '{placement}' on the output head cannot be applied; re-plan")
-    return {fqn: style_type(input_layouts=_DTENSOR_PLACEMENT[stream], output_layouts=Replicate())}
+    return {fqn: RowwiseParallel(input_layouts=_DTENSOR_PLACEMENT[stream], output_layouts=Replicate())}
 
 
 def stream_layout(layouts: dict[str, str], block_fqns: list[str], model: nn.Module) -> TensorLayout:
@@ -302,7 +300,7 @@ def stream_layout(layouts: dict[str, str], block_fqns: list[str], model: nn.Modu
 
 
 def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[str], layouts: dict[str, str],
-                         tp: int, vocab_parallel_loss: bool = False, expert_parallel: bool = False) -> TensorParallelPlan:
+                         tp: int, expert_parallel: bool = False) -> TensorParallelPlan:
     """Parallel styles for every unit of `model` under per-module `layouts` (FQN -> placement, all blocks).
 
     Args:
@@ -311,8 +309,6 @@ def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[st
         block_fqns: the units that are repeated blocks.
         layouts: placement of every module FQN that is not replicated.
         tp: tensor-parallel degree.
-        vocab_parallel_loss: let a colwise head feed a vocab-parallel loss (the caller runs the
-            loss under `loss_parallel()`); otherwise its logits are gathered.
         expert_parallel: the plan has ep > 1, so the experts' projections are split by
             `expert_parallel` over the (ep, tp) mesh rather than here.
 
@@ -349,7 +345,7 @@ def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[st
             style = _convert(None, None, R, stream)
             styles.update({unit: style} if style is not None else {})
         elif any(True for _ in module.parameters()):
-            styles.update(_head_styles(unit, module, layouts, stream, vocab_parallel_loss))
+            styles.update(_head_styles(unit, module, layouts, stream))
     loss_parallel = any(isinstance(style, ColwiseParallel) and not style.use_local_output for style in styles.values())
     return TensorParallelPlan(stream, styles, loss_parallel)
 
