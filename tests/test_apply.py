@@ -391,6 +391,8 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("tied_pp_x_dp", _plan(tied, "cpu:1x4", pp=2, dp=2, tp=1, zero=3, schedule="1f1b", micro_batch=1), tied),
         ("tied_pp_x_tp", _plan(tied, "cpu:1x4", pp=2, tp=2, dp=1, schedule="1f1b"), tied),
         ("pp_x_tp", _plan(gpt, "cpu:1x4", pp=2, tp=2, dp=1, schedule="1f1b"), gpt),
+        ("pp_x_tp_interleaved", _plan(gpt, "cpu:1x4", pp=2, tp=2, dp=1, vpp=2, schedule="interleaved", micro_batch=2), gpt),
+        ("pp_x_tp_zero_bubble", _plan(gpt, "cpu:1x4", pp=2, tp=2, dp=1, schedule="zb", micro_batch=2), gpt),
         ("pp_x_dp", _plan(gpt, "cpu:1x4", dp=2, pp=2, tp=1, zero=0, schedule="1f1b"), gpt),
         # FSDP2 stages split into input- and weight-gradient passes (ZeRO-3 is refused: check_zero_bubble_sharding).
         ("pp_x_dp_zero_bubble", _plan(gpt, "cpu:1x4", dp=2, pp=2, tp=1, zero=1, schedule="zb", micro_batch=1), gpt),
@@ -507,13 +509,14 @@ def test_plan_apply_refuses_a_model_it_cannot_split_or_feed(monkeypatch, factory
     assert not dist.is_initialized()
 
 
-def test_pipelined_tensor_parallel_loss_runs_vocabulary_parallel(trained):
+@pytest.mark.parametrize("case", ["pp_x_tp", "pp_x_tp_interleaved", "pp_x_tp_zero_bubble"])
+def test_pipelined_tensor_parallel_loss_runs_vocabulary_parallel(trained, case):
     # The cost model prices a colwise head's loss on each rank's share of the vocabulary, with or
     # without pipelining: the last stage's schedule runs it under loss_parallel(), as torchtitan does,
-    # and trains like one process.
-    plan, _, result = trained["pp_x_tp"]
+    # and trains like one process in every schedule.
+    plan, _, result = trained[case]
     assert plan.layouts["head"] == "colwise" and all(result["loss_parallel"])
-    _check(trained["pp_x_tp"])
+    _check(trained[case])
 
 
 def test_pipeline_interleaved(trained):
