@@ -405,7 +405,7 @@ def test_a_fixed_pp_that_would_mix_device_types_says_so():
 def test_no_data_parallel_degree_splitting_the_batch_suggests_one():
     # 1,120 devices (dgx-a100-superpod) = 2^5 x 5 x 7. gpt3-1.3b's 32 heads take tp in {1, 2, 4, 8}
     # (one node at most), its 26 layers pp <= 26, and seq 512 cp in {1, 2, ..., 32} (searched at 512
-    # tokens, as the batch keeps dp below a node's worth of the devices). Power-of-two tp and cp and
+    # tokens, as the batch leaves more than a node's devices beside dp). Power-of-two tp and cp and
     # a pp of at most 26 cannot take both factors 5 and 7, so dp = 1120 / (tp*cp*pp) keeps one of
     # them and global_batch=512 = 2^9 splits over none. The nearest batch that does: 515 = 103 x 5
     # (dp=5: tp*cp*pp = 224 = 2^5 x 7, e.g. tp=8, cp=4, pp=7); 518 = 74 x 7 (dp=7) is further.
@@ -499,7 +499,8 @@ def test_context_parallelism_is_searched_at_short_sequences_where_the_batch_limi
 def test_of_equally_fast_configurations_the_plan_needs_the_least_memory():
     # gpt3-350m on 8 A100, one micro-batch of 2 per replica: ZeRO-1 and ZeRO-2 move the same bytes
     # (one reduce-scatter of the gradients, one all-gather of the updated shards) in the same time,
-    # and ZeRO-2 holds a shard of the gradients where ZeRO-1 holds them whole.
+    # and the memory model budgets ZeRO-1 the whole gradients (they accumulate whole over several
+    # micro-batches), ZeRO-2 a shard of them.
     plan = planner.plan(planner.trace("gpt3-350m", seq_len=2048), "a100-80g:1x8", global_batch=16)
     tied = [a for a in plan.alternatives if a.step_time_s == plan.estimate.step_time_s]
     assert tied and plan.config.zero == 2
