@@ -47,9 +47,10 @@ from planner.result import Plan  # noqa: E402
 # against compute; untied so pipeline stages do not share the embedding. The expert-parallel mode
 # trains a mixture of experts of the same width (4 experts, top-2 routing); one tensor-parallel mode
 # a vocabulary tp does not divide (GPT-2's is 50,257), whose logits every rank then holds whole.
+GPT_SPEC = "arch: gpt\nlayers: 4\nhidden: 512\nheads: 8\nvocab: 4096\nmax_seq_len: 256\ntie_embeddings: false\n"
 SPECS = {
-    "gpt": "arch: gpt\nlayers: 4\nhidden: 512\nheads: 8\nvocab: 4096\nmax_seq_len: 256\ntie_embeddings: false\n",
-    "gpt-odd-vocab": "arch: gpt\nlayers: 4\nhidden: 512\nheads: 8\nvocab: 4097\nmax_seq_len: 256\ntie_embeddings: false\n",
+    "gpt": GPT_SPEC,
+    "gpt-odd-vocab": GPT_SPEC.replace("vocab: 4096", "vocab: 4097"),
     "moe": "arch: moe\nlayers: 4\nhidden: 512\nheads: 8\nffn_hidden: 1024\nvocab: 4096\nmax_seq_len: 256\n"
            "experts: 4\ntop_k: 2\nmoe_ffn_hidden: 1024\n",
 }
