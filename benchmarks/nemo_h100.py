@@ -57,9 +57,10 @@ def evaluate_row(model: str, gpus: int, global_batch: int, micro_batch: int, seq
     cluster = f"h100-sxm:{gpus // GPUS_PER_NODE}x{GPUS_PER_NODE}"
     config = {"dp": gpus // (tp * pp * cp), "tp": tp, "pp": pp, "cp": cp, "vpp": vpp, "micro_batch": micro_batch,
               "zero": 3 if fsdp else 1, "schedule": "interleaved" if vpp > 1 else "1f1b", "recompute": "none"}
-    # NeMo runs Megatron-Core's pipeline schedules and its vocab-parallel cross-entropy (in place on fp32 logits)
+    # NeMo runs Megatron-Core's pipeline schedules, its vocab-parallel cross-entropy (in place on fp32 logits)
+    # and its sequence-parallel linears, which gather their input again in backward
     return evaluate(graph, cluster, config, global_batch=global_batch, dtype=dtype, elementwise=elementwise,
-                    pp_buffers="transient", loss="inplace")
+                    pp_buffers="transient", loss="inplace", sp_gather="regathered")
 
 
 def main() -> None:

@@ -115,7 +115,8 @@ def run_case(job: list[Row]) -> dict:
     first = job[0]
     graph = trace(resolve_model(parse_spec(first.spec, f"{first.id}.yaml")), seq_len=first.seq_len)
     kernels = {"attention": first.attention, "tp_overlap": first.tp_overlap, "loss": first.loss,
-               "zero3_fetch": first.zero3_fetch, "dp_sync": first.dp_sync, "pp_buffers": first.pp_buffers}
+               "zero3_fetch": first.zero3_fetch, "dp_sync": first.dp_sync, "pp_buffers": first.pp_buffers,
+               "sp_gather": first.sp_gather}
     evaluator = Evaluator(graph, load_cluster(first.cluster_spec()), code=TrainingCode.of(**kernels))
     started = time.perf_counter()
     best = plan(graph, first.cluster_spec(), global_batch=first.global_batch, **kernels)

@@ -33,7 +33,7 @@ def evaluate_row(row: Row) -> Estimate:
     for config in fitting_configs(row):
         est = evaluate(graph, row.cluster_spec(), config, global_batch=row.global_batch, attention=row.attention,
                        tp_overlap=row.tp_overlap, dtype=row.dtype, loss=row.loss, zero3_fetch=row.zero3_fetch,
-                       dp_sync=row.dp_sync, pp_buffers=row.pp_buffers)
+                       dp_sync=row.dp_sync, pp_buffers=row.pp_buffers, sp_gather=row.sp_gather)
         if est.fits:
             break
     return est

@@ -56,6 +56,9 @@ FILL_RULES = {
             "flash-attn's xentropy kernel); inplace for the runs of Megatron-LM code (Megatron-LM, Megatron-Core, "
             "Megatron-DeepSpeed: vocab_parallel_cross_entropy works in place on the fp32 logits); torch (fp32 logits, "
             "F.cross_entropy) otherwise",
+    "sp_gather": "regathered for the runs of Megatron-LM code (as for loss: its sequence-parallel linears save their "
+                 "split input and gather it again in backward); kept (autograd saves the gathered input, PyTorch's "
+                 "DTensor styles) otherwise",
 }
 
 # Fields a group's source leaves out that its own figures pin down (FILL_RULES).
@@ -75,9 +78,10 @@ BLOCKING_DP_SYNC_GROUPS = ("bloom",)
 
 # Groups whose training code computes the cross-entropy with a fused kernel over half-precision logits.
 FUSED_LOSS_GROUPS = ("llmfoundry_mpt",)
-# Groups that ran Megatron-LM's model code, whose vocab-parallel cross-entropy works in place on the fp32
-# logits (`planner.loss_cost.LossKernel.INPLACE`); Alpa's priced rows are its Megatron-LM baselines.
-INPLACE_LOSS_GROUPS = ("megatron2020_tp_scaling", "megatron2021_weak", "megatron2021_zero3_vs_ptd", "megatron_core_h100",
+# Groups that ran Megatron-LM's model code (Alpa's priced rows are its Megatron-LM baselines): its
+# vocab-parallel cross-entropy works in place on the fp32 logits (`planner.loss_cost.LossKernel.INPLACE`)
+# and its sequence-parallel matmuls gather their input again in backward (`planner.sp_gather.SpGather`).
+MEGATRON_CODE_GROUPS = ("megatron2020_tp_scaling", "megatron2021_weak", "megatron2021_zero3_vs_ptd", "megatron_core_h100",
                        "korthikanti2022_table5", "korthikanti2022_abstract", "bloom", "alpa_osdi22")
 
 # Groups whose software predates fused (flash) attention: the score tensor is materialised.
@@ -111,6 +115,7 @@ class Row:
     nic: str | None = None
     dp_sync: str = "overlapped"
     pp_buffers: str = "transient"
+    sp_gather: str = "kept"
 
     def cluster_spec(self) -> str | dict:
         """The cluster to evaluate on: the `DEVICE:NODESxGPUS` shorthand, as a cluster mapping with the
@@ -249,12 +254,13 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
         attention = "unfused" if run["group"] in UNFUSED_ATTENTION_GROUPS else "flash"
         tp_overlap = "--tp-comm-overlap" in flags or "asynctp" in run["id"].lower()
         dtype = "fp8" if "fp8" in str(run.get("precision", "")).lower() else "bf16"
-        loss = "fused" if run["group"] in FUSED_LOSS_GROUPS else "inplace" if run["group"] in INPLACE_LOSS_GROUPS else "torch"
+        loss = "fused" if run["group"] in FUSED_LOSS_GROUPS else "inplace" if run["group"] in MEGATRON_CODE_GROUPS else "torch"
         zero3_fetch = "blocking" if run["group"] in BLOCKING_ZERO3_GROUPS else "prefetch"
         rows.append(Row(run["id"], run["group"], _spec(model), seq, cluster, config, gb, step[0], step[1],
                         bool(run.get("unverified")), attention, open_choices, tp_overlap, dtype, loss, zero3_fetch,
                         _stated_nic(hw.get("interconnect")),
-                        "blocking" if run["group"] in BLOCKING_DP_SYNC_GROUPS else "overlapped"))
+                        "blocking" if run["group"] in BLOCKING_DP_SYNC_GROUPS else "overlapped",
+                        sp_gather="regathered" if run["group"] in MEGATRON_CODE_GROUPS else "kept"))
     return rows, skipped
 
 

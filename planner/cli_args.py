@@ -62,6 +62,8 @@ def _add_sweep_args(sub) -> None:
                        help="how the training code's pipeline holds received tensors (as for plan)")
     sweep.add_argument("--cp-comm", dest="cp_comm", choices=["all_gather", "a2a"],
                        help="how context parallelism exchanges keys and values (as for plan)")
+    sweep.add_argument("--sp-gather", dest="sp_gather", choices=["kept", "regathered"],
+                       help="what sequence parallelism keeps of its all-gathered matmul inputs (as for plan)")
     sweep.add_argument("--out", required=True, help="results file, .csv or .jsonl; re-running resumes it")
     sweep.add_argument("--workers", type=_positive("workers"), help="local worker processes (default: one per CPU)")
     sweep.add_argument("--executor", choices=["local", "ray"], default="local", help="ray: run points as Ray tasks")
@@ -113,6 +115,10 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool, from_pla
                             help="how context parallelism exchanges attention's inputs (all_gather: every rank gathers the "
                                  "keys and values, ring attention, Megatron-Core p2p; a2a: DeepSpeed-Ulysses all-to-all "
                                  "of heads, Megatron-Core a2a)")
+        parser.add_argument("--sp-gather", choices=["kept", "regathered"],
+                            help="what sequence parallelism keeps of the inputs it all-gathers for column-parallel "
+                                 "matmuls (kept: the gathered tensor, saved by autograd: DTensor, torchtitan, Plan.apply; "
+                                 "regathered: the split input, gathered again in backward: Megatron-LM)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

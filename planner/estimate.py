@@ -142,7 +142,7 @@ class Evaluator:
                 ep_group=groups.ep, top_k=self.graph.dims.top_k, hidden=self.graph.dims.hidden,
                 table=self.table_for(device, self.dtype_for(device)), attention=self.code.attention,
                 tp_overlap=self.code.tp_overlap, loss=self.code.loss, elementwise=self.code.elementwise,
-                cp_comm=self.code.cp_comm, oversubscription=self.cluster.oversubscription)
+                cp_comm=self.code.cp_comm, sp_gather=self.code.sp_gather, oversubscription=self.cluster.oversubscription)
             cost = price_layer(layer, tp_plan_for(layer, config.tp, device, node, ctx.dtype, self.layout_cache, self.graph), ctx)
             self._layer_cache[key] = cost
         return cost

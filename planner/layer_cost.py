@@ -19,7 +19,9 @@ from planner.graph import Layer, Op, OpKind, Recompute
 from planner.layer_comm import CpComm, cp_exposed_s, ep_all_to_all_fwd_s, overlapped_tp_comm_s
 from planner.loss_cost import LossKernel, fused_loss_saving, loss_temp_copies
 from planner.op_kinds import VIEW_TARGETS
+from planner.op_sac_cost import op_sac_kept, op_sac_reruns_collectives
 from planner.parallel_overhead import blocking_collective_kind, sync_wait_s, tp_host_s
+from planner.sp_gather import SpGather, kept_gathered_bytes
 
 class AttentionKernel(StrEnum):
     """How the attention core runs: fused (scores stay on chip) with the device's own flash kernels
@@ -68,15 +70,12 @@ class TpPlan:
             backward runs the conjugate collectives of the same sizes.
         whole_params: parameters outside the experts every tp rank holds whole (replicated norms, an
             embedding whose vocabulary tp does not divide).
-        whole_ops: ops every tp rank runs whole even under sequence parallelism (a loss on whole
-            logits, `planner.tp_plan.whole_loss_ops`).
     """
 
     tp: int
     split_ops: frozenset[str] = frozenset()
     collectives: tuple[tuple[Collective, float, str], ...] = ()
     whole_params: int = 0
-    whole_ops: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -134,6 +133,7 @@ class LayerContext:
     loss: LossKernel = LossKernel.TORCH
     elementwise: ElementwiseKernels = ElementwiseKernels.EAGER
     cp_comm: CpComm = CpComm.ALL_GATHER
+    sp_gather: SpGather = SpGather.KEPT
     oversubscription: float = 1.0  # the cluster's, for groups that span nodes
 
 
@@ -194,11 +194,16 @@ def op_time_s(op: Op, device: DeviceSpec, dtype: str, shards: int, table: OpTabl
     return layer_time_s(fwd + bwd, device, dtype, table) if fwd or bwd else 0.0
 
 
-def _split_of(op: Op, plan: TpPlan, ctx: LayerContext) -> int:
-    if op.name in plan.split_ops:
-        return plan.tp
-    memory_bound = op.kind not in (OpKind.MATMUL, OpKind.ATTENTION) and op.name not in plan.whole_ops
-    return plan.tp if memory_bound and ctx.sequence_parallel else 1
+def _split_of(op: Op, plan: TpPlan) -> int:
+    """How many ways the layout splits `op`'s work: memory-bound ops too only where it runs them on
+    split activations (a norm on S(sequence), an activation on S(feature)), as `Plan.apply` does."""
+    return plan.tp if op.name in plan.split_ops else 1
+
+
+def _sequence_split(layer: Layer, plan: TpPlan, ctx: LayerContext) -> bool:
+    """Whether the layout keeps the layer's residual stream split by sequence (Megatron-SP): it runs
+    every norm of the layer on S(sequence); replicated norms mean a replicated stream."""
+    return ctx.sequence_parallel and all(op.name in plan.split_ops for op in layer.ops if op.kind == OpKind.NORM)
 
 
 def _layer_level_works(layer: Layer, ctx: LayerContext, split: int) -> tuple[list[OpWork], list[OpWork]]:
@@ -229,7 +234,7 @@ def _gathered_kv_bytes(layer: Layer, ctx: LayerContext) -> float:
     return kv_bytes * ctx.batch_scale * kept
 
 
-def _activation_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:
+def _activation_bytes(layer: Layer, ctx: LayerContext, plan: TpPlan, tp: int) -> float:
     saving = fused_loss_saving(layer, ctx.loss, ctx.recompute, input_bytes_of(layer),
                                bytes_per_element(base_dtype(ctx.dtype)))
     saved = (layer.saved_bytes[ctx.recompute] - saving) * ctx.batch_scale / ctx.cp
@@ -242,17 +247,20 @@ def _activation_bytes(layer: Layer, ctx: LayerContext, tp: int) -> float:
                         if op.kind == OpKind.ATTENTION) * ctx.batch_scale / ctx.cp
     if tp == 1:
         return saved + by_heads
-    if ctx.sequence_parallel or ctx.recompute == Recompute.FULL:
-        return (saved + by_heads) / tp
+    if _sequence_split(layer, plan, ctx):
+        gathered = kept_gathered_bytes(layer, plan.collectives, tp, ctx.recompute, ctx.sp_gather) * ctx.batch_scale / ctx.cp
+        return (saved + by_heads) / tp + gathered
+    if ctx.recompute == Recompute.FULL:  # the layer's input, on a replicated stream
+        return saved + by_heads
     unsplit = UNSPLIT_ACTIVATION_FRACTION_WITHOUT_SP
     return saved * (unsplit + (1 - unsplit) / tp) + by_heads / tp
 
 
-def _recompute_work_bytes(layer: Layer, ctx: LayerContext, tp: int, kept_bytes: float) -> float:
+def _recompute_work_bytes(layer: Layer, ctx: LayerContext, plan: TpPlan, tp: int, kept_bytes: float) -> float:
     """Bytes a recomputed layer holds again in its backward: what no recompute keeps (unfused scores included) less `kept_bytes`."""
     if ctx.recompute == Recompute.NONE or not layer.bwd_work_fraction:
         return 0.0
-    return max(0.0, _activation_bytes(layer, replace(ctx, recompute=Recompute.NONE), tp) - kept_bytes)
+    return max(0.0, _activation_bytes(layer, replace(ctx, recompute=Recompute.NONE), plan, tp) - kept_bytes)
 
 
 def _loss_temp_bytes(layer: Layer, plan: TpPlan, ctx: LayerContext) -> float:
@@ -265,35 +273,10 @@ def _loss_temp_bytes(layer: Layer, plan: TpPlan, ctx: LayerContext) -> float:
     activation_bytes = bytes_per_element(base_dtype(ctx.dtype))
     temp = 0.0
     for op in losses:
-        split = _split_of(op, plan, ctx)
+        split = _split_of(op, plan)
         copies = loss_temp_copies(op, layer, ctx.loss, split, activation_bytes)
         temp += copies * reads[op.name] * ctx.batch_scale / (split * ctx.cp)
     return temp
-
-
-def op_sac_kept(layer: Layer) -> set[str]:
-    """Ops whose outputs op-level selective checkpointing keeps (`planner.op_sac`): the attention
-    cores and every other matmul that runs as one `aten.mm` (a Linear without bias, or `mm`), in
-    graph order; the others run again in backward (`op_sac_reruns_collectives` for the tensor-
-    parallel collectives the rerun repeats)."""
-    kept, matmuls = set(), 0
-    for op in layer.ops:
-        if op.kind == OpKind.ATTENTION:
-            kept.add(op.name)
-        elif op.kind == OpKind.MATMUL and (op.target == "mm" or (op.target == "linear" and len(op.param_shapes) == 1)):
-            matmuls += 1
-            if matmuls % 2 == 1:
-                kept.add(op.name)
-    return kept
-
-
-def op_sac_reruns_collectives(layer: Layer, plan: TpPlan) -> list[bool]:
-    """Per collective of `plan`, whether op-level checkpointing's rerun repeats it: its output (a
-    collective's output is not kept) feeds a matmul that is recomputed, e.g. the sequence-parallel
-    all-gather before k_proj when only q_proj and v_proj outputs are kept."""
-    kept = op_sac_kept(layer)
-    rerun_inputs = {name for op in layer.ops if op.kind == OpKind.MATMUL and op.name not in kept for name in op.inputs}
-    return [producer in rerun_inputs for _, _, producer in plan.collectives]
 
 
 def _time_s(works: list[OpWork], ctx: LayerContext) -> float:
@@ -311,7 +294,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         ctx: device, dtype, degrees and communication groups.
     """
     if layer.ops:
-        fused, fwd_works, bwd_works = (fused_works(layer.ops, ctx.batch_scale / ctx.cp, lambda op: _split_of(op, plan, ctx))
+        fused, fwd_works, bwd_works = (fused_works(layer.ops, ctx.batch_scale / ctx.cp, lambda op: _split_of(op, plan))
                                        if ctx.elementwise == ElementwiseKernels.FUSED else (frozenset(), [], []))
         attention_fwd: list[OpWork] = []
         attention_bwd: list[OpWork] = []
@@ -319,7 +302,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         kept = op_sac_kept(layer)
         reads = input_bytes_of(layer)
         for op in (op for op in layer.ops if op.name not in fused):
-            fwd, bwd = _op_works(op, ctx, _split_of(op, plan, ctx), reads[op.name])
+            fwd, bwd = _op_works(op, ctx, _split_of(op, plan), reads[op.name])
             fwd_works += fwd
             bwd_works += bwd
             if op.kind == OpKind.ATTENTION:
@@ -379,11 +362,11 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         Recompute.FULL: fwd_s + tp_exposed_fwd_s + cp_fwd_s + ep_fwd_s,  # the forward, its collectives included
         # op-level checkpointing keeps no collective's output: the context-parallel exchange runs again too
         Recompute.SELECTIVE_OP: (_time_s(op_sac_rerun, ctx) if op_sac_rerun else 0.0) + cp_fwd_s
-                                + sum(t for t, rerun in zip(collective_s, op_sac_reruns_collectives(layer, plan)) if rerun),
+                                + sum(t for t, rerun in zip(collective_s, op_sac_reruns_collectives(layer, plan.collectives)) if rerun),
     }[ctx.recompute] if layer.bwd_work_fraction else 0.0
     # a loss run whole keeps whole logits, most of its layer's saved bytes (the rest is priced whole too)
-    act_split = 1 if any(op.kind == OpKind.LOSS for op in layer.ops if op.name in plan.whole_ops) else plan.tp
-    act_bytes = _activation_bytes(layer, ctx, act_split)
+    act_split = 1 if any(op.kind == OpKind.LOSS and op.name not in plan.split_ops for op in layer.ops) else plan.tp
+    act_bytes = _activation_bytes(layer, ctx, plan, act_split)
     return LayerCost(
         fwd_s=fwd_s,
         bwd_s=bwd_s,
@@ -395,5 +378,5 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         cp_hidden_s=(hidden_fwd_s, hidden_bwd_s),
         act_bytes=act_bytes,
         temp_bytes=_loss_temp_bytes(layer, plan, ctx),
-        work_bytes=_recompute_work_bytes(layer, ctx, act_split, act_bytes),
+        work_bytes=_recompute_work_bytes(layer, ctx, plan, act_split, act_bytes),
     )

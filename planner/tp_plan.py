@@ -14,11 +14,11 @@ import math
 
 from costmodel.comm import Collective, collective_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
-from planner.graph import EXPERTS_MODULE, Layer, ModelGraph, Op, OpKind
+from planner.graph import EXPERTS_MODULE, Layer, LayerKind, ModelGraph, Op, OpKind
 from planner.layer_cost import TpPlan, op_time_s
 from planner.mesh import axis_group
 from planner.sharding import Layout, solve_layout
-from planner.tp_strategies import Placement, weight_split_dim
+from planner.tp_strategies import Placement, TensorLayout, weight_split_dim
 
 # Solver limits for one layer's layout (a block has 20-60 ops; HiGHS solves it in well under 1 s).
 LAYOUT_TIME_LIMIT_S = 10.0
@@ -26,13 +26,16 @@ LAYOUT_REL_GAP = 1e-4
 
 
 def solve_layer_layout(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str, shard_params: bool = True,
-                       pins: dict[str, frozenset[Placement]] | None = None) -> Layout:
+                       pins: dict[str, frozenset[Placement]] | None = None, boundary: TensorLayout | None = None,
+                       input_bytes: float | None = None) -> Layout:
     """The sharding ILP's layout of `layer` at degree `tp`, priced on `device` in a tp group inside `node`.
 
     Args:
         shard_params: hold the fewest parameters per device first (the planner's layouts); False
             lets time alone decide.
         pins: placements allowed to modules sharing a weight with an earlier layer (`tied_pins`).
+        boundary, input_bytes: the layout and bytes of the activation entering the layer, when the
+            layers around it fix them (`stream_boundary`).
     """
     group = axis_group(tp, 1, node.devices_per_node)
 
@@ -42,8 +45,9 @@ def solve_layer_layout(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec
     def comm_time_s(kind, size_bytes: float) -> float:
         return collective_time_s(Collective(str(kind)), size_bytes, group, node)
 
-    return solve_layout(layer.ops, tp, compute_time_s, comm_time_s, sequence_parallel=True, shard_params=shard_params,
-                        pins=pins, time_limit_s=LAYOUT_TIME_LIMIT_S, rel_gap=LAYOUT_REL_GAP)
+    return solve_layout(layer.ops, tp, compute_time_s, comm_time_s, sequence_parallel=True, boundary=boundary,
+                        input_bytes=input_bytes, shard_params=shard_params, pins=pins, time_limit_s=LAYOUT_TIME_LIMIT_S,
+                        rel_gap=LAYOUT_REL_GAP)
 
 
 def layout_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str, cache: dict,
@@ -51,10 +55,28 @@ def layout_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype:
     """`solve_layer_layout` of `layer` (a layer of `graph`), kept in `cache` by layer signature (the
     caller's cache lives as long as its device profiles, so a device name is a safe key)."""
     pins = tied_pins(graph, layer, tp, device, node, dtype, cache)
-    key = (layer.signature or layer.name, tp, device.name, node.devices_per_node, dtype, tuple(sorted(pins.items())))
+    boundary, input_bytes = stream_boundary(graph, layer, tp, device, node, dtype, cache)
+    key = (layer.signature or layer.name, tp, device.name, node.devices_per_node, dtype, tuple(sorted(pins.items())),
+           boundary, input_bytes)
     if key not in cache:
-        cache[key] = solve_layer_layout(layer, tp, device, node, dtype, pins=pins)
+        cache[key] = solve_layer_layout(layer, tp, device, node, dtype, pins=pins, boundary=boundary, input_bytes=input_bytes)
     return cache[key]
+
+
+def stream_boundary(graph: ModelGraph, layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str,
+                    cache: dict) -> tuple[TensorLayout | None, float | None]:
+    """(layout, bytes) of the activation entering `layer`, or (None, None) for the solver to choose.
+
+    The blocks choose the residual stream's layout (S(sequence) under sequence parallelism), and
+    `Plan.apply` runs every layer on that one stream layout: a layer outside the blocks (embedding,
+    head) gets the first block's boundary, and the bytes it receives are the previous layer's
+    output (the solver's default, the layer's largest output, would be the head's logits)."""
+    index = next(i for i, own in enumerate(graph.layers) if own is layer)
+    block = next((other for other in graph.layers if other.kind == LayerKind.BLOCK and other.ops), None)
+    if layer.kind == LayerKind.BLOCK or block is None:
+        return None, None
+    boundary = layout_for(block, tp, device, node, dtype, cache, graph).boundary
+    return boundary, (float(graph.layers[index - 1].out_bytes) if index > 0 else None)
 
 
 def tied_pins(graph: ModelGraph, layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str,
@@ -91,20 +113,7 @@ def tp_plan_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype
         split_ops=split_ops,
         collectives=tuple((Collective(str(call.kind)), call.bytes, own.get(call.producer, call.producer)) for call in layout.collectives),
         whole_params=whole_params(layer, layout),
-        whole_ops=whole_loss_ops(layer, split_ops),
     )
-
-
-def whole_loss_ops(layer: Layer, split_ops: frozenset[str]) -> frozenset[str]:
-    """The ops of `layer` every tp rank runs whole (`TpPlan.whole_ops`): each loss not among
-    `split_ops` (not vocabulary-parallel) and the memory-bound ops between the last matmul before it
-    (the head) and it."""
-    losses = [index for index, op in enumerate(layer.ops) if op.kind == OpKind.LOSS and op.name not in split_ops]
-    if not losses:
-        return frozenset()
-    head = max((index for index, op in enumerate(layer.ops[:losses[0]]) if op.kind == OpKind.MATMUL), default=-1)
-    return frozenset(op.name for op in layer.ops[head + 1:losses[-1] + 1]
-                     if op.kind not in (OpKind.MATMUL, OpKind.ATTENTION) and op.name not in split_ops)
 
 
 def whole_params(layer: Layer, layout: Layout) -> int:

@@ -14,6 +14,7 @@ those choices, each with PyTorch's or FSDP2's behaviour (what `Plan.apply` runs)
 | elementwise | eager, fused | `planner.fusion.ElementwiseKernels` |
 | pp_buffers | preallocated, transient | `planner.pipeline_buffers.PipeBuffers` |
 | cp_comm | all_gather, a2a | `planner.layer_comm.CpComm` |
+| sp_gather | kept, regathered | `planner.sp_gather.SpGather` |
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from planner.layer_comm import CpComm
 from planner.layer_cost import AttentionKernel
 from planner.loss_cost import LossKernel
 from planner.pipeline_buffers import PipeBuffers
+from planner.sp_gather import SpGather
 from planner.state_cost import DpSync, Zero3Fetch
 
 
@@ -41,6 +43,7 @@ class TrainingCode:
     elementwise: ElementwiseKernels = ElementwiseKernels.EAGER
     pp_buffers: PipeBuffers = PipeBuffers.PREALLOCATED
     cp_comm: CpComm = CpComm.ALL_GATHER
+    sp_gather: SpGather = SpGather.KEPT
 
     @classmethod
     def of(cls, **choices) -> TrainingCode:

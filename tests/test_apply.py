@@ -606,11 +606,13 @@ def test_sequence_parallel_blocks_reduce_each_input_gradient_once(trained):
     # (reduce-scatter, all-gather): 4 + 4 per block. q, k, v (and gate, up) read one gathered input,
     # so their partial input gradients add up before a single reduce-scatter, with no all-reduce.
     # Outside the blocks: the vocab-parallel embedding reduce-scatters forward (all-gather backward);
-    # the replicated final norm gathers its input and slices its output back to the split stream
-    # (all-gather backward); the colwise head gathers its input (reduce-scatter backward).
+    # the final norm runs on the split stream, as the blocks' norms do (the head layer's layout takes
+    # the blocks' boundary, `tp_plan.stream_boundary`), and the colwise head gathers its input
+    # (reduce-scatter backward).
     layers = 2
+    assert trained["llama_tp"][0].layouts["norm"] == "sequence"
     for counts in trained["llama_tp"][2]["collectives"]:
-        assert counts == {"all_reduce": 0, "all_gather_into_tensor": 4 * layers + 4,
+        assert counts == {"all_reduce": 0, "all_gather_into_tensor": 4 * layers + 2,
                           "reduce_scatter_tensor": 4 * layers + 2}
 
 

@@ -25,12 +25,13 @@ from planner.estimate import COL, Evaluator
 from planner.mesh import axis_group, mesh_groups, stage_devices
 from planner.graph import LayerKind, OpKind, Recompute
 from planner.layer_comm import overlapped_tp_comm_s
-from planner.layer_cost import AttentionKernel, op_sac_reruns_collectives
+from planner.layer_cost import AttentionKernel
+from planner.op_sac_cost import op_sac_reruns_collectives
 from planner.loss_cost import LOSS_PARALLEL_TEMP_INPUT_COPIES, LOSS_TEMP_INPUT_COPIES
 from planner.state_cost import BLOCKING_FETCH_BYTES_PER_S, tied_gradient_sum_s
 from planner.tracing import trace
 from planner.training_code import TrainingCode
-from planner.tp_plan import tp_plan_for
+from planner.tp_plan import layouts_for, tp_plan_for
 
 GIB = 2**30
 MIXED_ADAM = STATE_BYTES_PER_PARAM[Optimizer.ADAM_MIXED]  # 2 + 2 + 12 bytes per parameter
@@ -127,11 +128,49 @@ def test_block_activations_match_korthikanti_table2(gpt22b, case, tp, sp, recomp
     # 22B GPT (h = 6144, a = 64, s = 2048), micro-batch b = 4 as in Table 5, on one 8-GPU node.
     # The traced block has no dropout (Table 2 counts two s*b*h dropout masks, 2 of the 34), so
     # the model may sit a few percent under the formula; 10% is the stated tolerance.
+    # Megatron-LM's sequence-parallel matmuls gather their input again in backward (`sp_gather`).
     b = 4
-    evaluator = Evaluator(gpt22b, load_cluster("a100-80g:1x8"), code=TrainingCode.of(attention=attention))
+    evaluator = Evaluator(gpt22b, load_cluster("a100-80g:1x8"), code=TrainingCode.of(attention=attention, sp_gather="regathered"))
     config = ParallelConfig(dp=8 // tp, tp=tp, micro_batch=b, num_microbatches=1, recompute=recompute, sequence_parallel=sp)
     expected = sbh_units * KORTHIKANTI_SEQ * b * 6144
     assert _block_act_bytes(evaluator, config, recompute) == pytest.approx(expected, rel=0.10)
+
+
+@pytest.mark.parametrize("recompute,kept_units", [(Recompute.NONE, 4), (Recompute.SELECTIVE, 4), (Recompute.SELECTIVE_OP, 0),
+                                                  (Recompute.FULL, 0)])
+@pytest.mark.parametrize("tp", [2, 8])
+def test_autograd_keeps_the_sequence_parallel_gathered_inputs_whole(gpt22b, tp, recompute, kept_units):
+    # Under DTensor's styles (Plan.apply, torchtitan) autograd saves the all-gathered input of q/k/v
+    # and of fc1 itself: 2 bytes x s b h each, whole on every tp rank where Megatron-LM keeps its 1/t
+    # split and gathers again in backward. Table 2's 34/t becomes 4 + 30/t: 4 (1 - 1/t) s b h more.
+    # Full and op-level recompute keep no gathered tensor (the rerun gathers again).
+    b = 4
+    config = ParallelConfig(dp=8 // tp, tp=tp, micro_batch=b, num_microbatches=1, recompute=recompute)
+    kept, regathered = (_block_act_bytes(Evaluator(gpt22b, load_cluster("a100-80g:1x8"), code=TrainingCode.of(sp_gather=gather)),
+                                         config, recompute) for gather in ("kept", "regathered"))
+    assert kept - regathered == pytest.approx(kept_units * (1 - 1 / tp) * KORTHIKANTI_SEQ * b * 6144, rel=1e-9)
+
+
+def test_a_layout_with_replicated_norms_is_priced_without_sequence_parallelism(gpt350m):
+    # Where all-gathers and reduce-scatters cost 4x their ring time over the tp link (a measured
+    # profile can say so, `collective_factors`), the layout ILP keeps the residual stream replicated:
+    # norms whole, all-reduces after o_proj and fc2 (Megatron's tensor parallelism without SP), and
+    # `Plan.apply` runs it so. The block then keeps Korthikanti's s b h (10 + 24/t) of the 34 s b h it
+    # saves unsplit, 22/34 of them at t = 2 rather than the half sequence parallelism would leave,
+    # and its norms run whole.
+    tp, b = 2, 2
+    cluster = load_cluster("a100-80g:1x8")
+    group = cluster.groups[0]
+    slow = dataclasses.replace(group.node.intra_link, collective_factors=(("all_gather", 4.0), ("reduce_scatter", 4.0)))
+    slow_cluster = dataclasses.replace(cluster, groups=(dataclasses.replace(group, node=dataclasses.replace(group.node, intra_link=slow)),))
+    config = ParallelConfig(dp=8 // tp, tp=tp, micro_batch=b, num_microbatches=1, recompute=Recompute.NONE)
+    code = TrainingCode.of(sp_gather="regathered")
+    block = next(i for i, layer in enumerate(gpt350m.layers) if layer.kind == LayerKind.BLOCK)
+    saved = gpt350m.layers[block].saved_bytes[Recompute.NONE] * b / gpt350m.micro_batch
+    for hardware, norm_layout, kept in ((cluster, "sequence", 1 / tp), (slow_cluster, "replicate", 10 / 34 + 24 / 34 / tp)):
+        evaluator = Evaluator(gpt350m, hardware, code=code)
+        assert layouts_for(evaluator, config)["layers.0.attn_norm"] == norm_layout
+        assert _block_act_bytes(evaluator, config, Recompute.NONE) == pytest.approx(kept * saved, rel=1e-9)
 
 
 @pytest.mark.parametrize("cp_comm", ["all_gather", "a2a"])
@@ -224,7 +263,7 @@ def test_first_stage_activations_match_korthikanti_whole_model_formula(gpt22b, s
     # activations of L layers: 34 s b h L / t with sequence parallelism + selective recompute;
     # the interleaved schedule multiplies that by 1 + (p-1)/(p v). tp=8, pp=4, b=1, m=8.
     tp, pp, m = 8, 4, 8
-    evaluator = Evaluator(gpt22b, load_cluster("a100-80g:4x8"))
+    evaluator = Evaluator(gpt22b, load_cluster("a100-80g:4x8"), code=TrainingCode.of(sp_gather="regathered"))  # Megatron-LM
     config = ParallelConfig(dp=1, tp=tp, pp=pp, vpp=vpp, num_microbatches=m, recompute=Recompute.SELECTIVE, schedule=schedule)
     estimate = evaluator.estimate(config, m, boundaries=_even_boundaries(gpt22b, pp * vpp))
     factor = 1 + (pp - 1) / (pp * vpp) if schedule == Schedule.INTERLEAVED else 1.0
@@ -782,7 +821,7 @@ def test_op_level_checkpointing_reruns_the_all_gathers_of_recomputed_projections
     device, node = stage_devices(cluster, 1)[0]
     block = llama_small.blocks[0]
     plan = tp_plan_for(block, 8, device, node, "bf16", evaluator.layout_cache, evaluator.graph)
-    reruns = dict(zip(((str(kind), producer) for kind, _, producer in plan.collectives), op_sac_reruns_collectives(block, plan)))
+    reruns = dict(zip(((str(kind), producer) for kind, _, producer in plan.collectives), op_sac_reruns_collectives(block, plan.collectives)))
     assert {key: rerun for key, rerun in reruns.items()} == {
         ("all_gather", f"{block.name.replace('.', '_')}_attn_norm"): True,
         ("reduce_scatter", f"{block.name.replace('.', '_')}_attn_o_proj"): False,

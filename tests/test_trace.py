@@ -12,7 +12,7 @@ import planner
 from planner import measure
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.graph import LayerKind, OpKind, Recompute
-from planner.layer_cost import op_sac_kept
+from planner.op_sac_cost import op_sac_kept
 from planner.models import resolve_model
 from planner.report.inspect import inspect_json, render_inspect
 from planner.source import ModelSource

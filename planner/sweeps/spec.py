@@ -19,6 +19,7 @@ keys is a point; explicit `points` follow:
     elementwise: eager                      # optional: eager (default) or fused (as --elementwise)
     pp_buffers: preallocated                # optional: preallocated (default) or transient (as --pp-buffers)
     cp_comm: all_gather                     # optional: all_gather (default) or a2a (as --cp-comm)
+    sp_gather: kept                         # optional: kept (default) or regathered (as --sp-gather)
     constraints: {zero: 1}                  # optional: fixed choices or bounds, as `paraplan plan` takes
     points:                                 # optional: explicit points
       - {model: llama3-70b, cluster: h100-sxm:8x8, global_batch: 1024, seq_len: 8192}
