@@ -45,8 +45,8 @@ from planner.pipeline_buffers import chunk_recv_bytes, recv_buffer_bytes
 from planner.result import Estimate, StagePlan, contiguous_runs
 from planner.space import check_config
 from planner.stage_problem import StageProblem
-from planner.state_cost import (dp_exposed_s, grads_pooled, optimizer_step_s, precision_of, state_options, tied_gradient_sum_s,
-                                 zero3_exposed_s)
+from planner.state_cost import (dp_exposed_s, grads_pooled, optimizer_step_s, precision_of, state_options, state_zero,
+                                 tied_gradient_sum_s, zero3_exposed_s)
 from planner.stages import split_dp
 from planner.tp_plan import tp_plan_for
 from planner.training_code import TrainingCode
@@ -159,7 +159,7 @@ class Evaluator:
     def layer_table(self, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, policies: tuple[Recompute, ...]) -> np.ndarray:
         """[L, len(COLUMNS)] per-layer seconds and bytes of one micro-batch on `device` (cached)."""
         key = (node, config.tp, config.cp, config.ep, config.dp, config.micro_batch,
-               config.zero, config.dp_replicate, config.sequence_parallel, config.offload_optimizer, policies, config.pp > 1)
+               state_zero(config), config.dp_replicate, config.sequence_parallel, config.offload_optimizer, policies, config.pp > 1)
         table = self._table_cache.get(key)
         if table is not None:
             return table
@@ -208,9 +208,10 @@ class Evaluator:
         expert = layer.expert_params / (config.ep * config.tp)
         frozen = layer.frozen_params / config.tp
         gathered = config.zero == 3 and config.pp > 1  # all, at a pipelined backward's end (`stage_memory`)
-        states = (memory_model.model_state_bytes(dense, config.zero, config.shard_ranks, gathered_params=dense * gathered,
+        zero = state_zero(config)
+        states = (memory_model.model_state_bytes(dense, zero, config.shard_ranks, gathered_params=dense * gathered,
                                                  frozen_params=frozen, **state),
-                  memory_model.model_state_bytes(expert, config.zero, expert_group.size, gathered_params=expert * gathered, **state))
+                  memory_model.model_state_bytes(expert, zero, expert_group.size, gathered_params=expert * gathered, **state))
         static, grads = sum(sum(part) for part in states) + layer.buffer_bytes, sum(part.grads_bytes for part in states)
         exposed_fwd_s = exposed_bwd_s = 0.0
         if config.zero == 3:
@@ -387,7 +388,7 @@ class Evaluator:
         dense_shard, expert_shard = (config.shard_ranks, expert_group) if config.zero >= 1 else (1, 1)
         breakdown = memory_model.stage_memory(
             params=dense + expert, expert_params=expert, activation_bytes_per_microbatch=total[COL["act_bytes"]],
-            in_flight=in_flight, zero=config.zero, dense_shard_group=config.shard_ranks, expert_shard_group=expert_group,
+            in_flight=in_flight, zero=state_zero(config), dense_shard_group=config.shard_ranks, expert_shard_group=expert_group,
             gathered_params=self.code.zero3_fetch.gathered_layers * largest_params if config.zero == 3 else 0.0,
             temp_bytes=max(total[COL["temp_bytes"]], total[COL["work_bytes"]]), grads_at_peak=config.num_microbatches > 1,
             grads_pooled=grads_pooled(config), chunks=config.vpp, comm_buffer_bytes=recv_bytes,

@@ -282,6 +282,14 @@ def state_collective_s(kind: Collective, bytes_per_param: float, dense: float, e
                for params, group in ((dense, dense_group), (expert, expert_group)) if params > 0)
 
 
+def state_zero(config: ParallelConfig) -> int:
+    """The ZeRO stage whose division of the model states `Plan.apply` reaches. FSDP2 has no
+    optimizer-only mode: ZeRO-1 runs as ZeRO-2 that reduce-scatters on the last micro-batch only
+    (`planner.apply.data_parallel`), so with one micro-batch and no pipeline (whose stages defer the
+    sync anyway) it shards the gradients as ZeRO-2 does."""
+    return 2 if config.zero == 1 and config.num_microbatches == 1 and config.pp == 1 else config.zero
+
+
 def grads_pooled(config: ParallelConfig) -> bool:
     """Whether the gradients come from the data-parallel wrapper's reduce stream, whose blocks stay
     reserved between steps (`costmodel.memory.stage_memory`'s `grads_pooled`): any FSDP2 wrapper

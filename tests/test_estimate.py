@@ -317,6 +317,18 @@ def test_a_block_prices_the_same_whichever_block_of_its_structure_is_priced_firs
 
 # --- 1c. ZeRO divisions ------------------------------------------------------------------------
 
+def test_zero1_with_one_micro_batch_prices_as_plan_apply_runs_it(gpt350m):
+    # FSDP2 has no optimizer-only mode: Plan.apply runs ZeRO-1 as ZeRO-2 that reduce-scatters on the
+    # last micro-batch only (planner.apply.data_parallel). With one micro-batch that is every
+    # backward, so ZeRO-1 and ZeRO-2 hold the same sharded gradients and take the same time. With
+    # two, ZeRO-1's fp32 gradients accumulate whole: 4 B per parameter on the device, not 4/dp.
+    evaluator = Evaluator(gpt350m, load_cluster("a100-80g:1x8"))
+    one = [evaluator.estimate(ParallelConfig(dp=8, micro_batch=2, num_microbatches=1, zero=zero), 16) for zero in (1, 2)]
+    assert one[0].step_time_s == one[1].step_time_s and one[0].memory == one[1].memory
+    two = [evaluator.estimate(ParallelConfig(dp=8, micro_batch=1, num_microbatches=2, zero=zero), 16).memory[0] for zero in (1, 2)]
+    assert two[0]["grads_bytes"] == pytest.approx(8 * two[1]["grads_bytes"])
+
+
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_zero_divides_model_states_by_the_data_parallel_group(gpt350m, zero):
     # gpt3-350m, tp=2, dp=4, pp=1: every parameter on the one stage, split by tp. Per device

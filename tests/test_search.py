@@ -496,17 +496,6 @@ def test_context_parallelism_is_searched_at_short_sequences_where_the_batch_limi
     assert planner.plan(graph, "h100-sxm:2x8", global_batch=96).config.cp == 1
 
 
-def test_of_equally_fast_configurations_the_plan_needs_the_least_memory():
-    # gpt3-350m on 8 A100, one micro-batch of 2 per replica: ZeRO-1 and ZeRO-2 move the same bytes
-    # (one reduce-scatter of the gradients, one all-gather of the updated shards) in the same time,
-    # and the memory model budgets ZeRO-1 the whole gradients (they accumulate whole over several
-    # micro-batches), ZeRO-2 a shard of them.
-    plan = planner.plan(planner.trace("gpt3-350m", seq_len=2048), "a100-80g:1x8", global_batch=16)
-    tied = [a for a in plan.alternatives if a.step_time_s == plan.estimate.step_time_s]
-    assert tied and plan.config.zero == 2
-    assert all(plan.estimate.peak_memory_bytes < a.peak_memory_bytes for a in tied)
-
-
 def test_short_sequences_search_micro_batches_past_16_and_say_where_the_search_stops():
     # At 128 tokens a 16-sequence micro-batch is 2K rows per GEMM; the search goes on to 256
     # sequences (32K tokens) and names the larger ones it leaves out.
