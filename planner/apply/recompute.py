@@ -3,18 +3,20 @@
 - `full`: the whole unit (a block) is wrapped with `checkpoint_wrapper`; only its input is kept
   and its forward runs again in backward.
 - `selective`: the block's attention module is checkpointed with selective activation
-  checkpointing that keeps matmul and collective outputs and recomputes everything else inside
-  it (rotary embedding, head reshapes and the attention core). This is Korthikanti et al.'s
-  attention-core recompute; it keeps the q/k/v/o projection outputs rather than exactly the core
-  inputs, so it holds about one (batch x seq x hidden) tensor per layer less than the planner's
-  SELECTIVE measurement when the core saves its output.
+  checkpointing that keeps the matmul and collective outputs up to the attention kernel and
+  recomputes everything else inside it (rotary embedding, head reshapes and the attention core).
+  This is Korthikanti et al.'s attention-core recompute; it keeps the q/k/v projection outputs
+  rather than exactly the core inputs, so it holds about one (batch x seq x hidden) tensor per
+  layer less than the planner's SELECTIVE measurement when the core saves its output. What follows
+  the kernel (the output projection and, under tensor parallelism, its reduction) is left to
+  recompute: its backward reads only the kernel's output, so the recompute, which stops once the
+  backward has what it reads (non-reentrant checkpointing's early stop), never runs it, and the
+  output projection's partial sums (whole on every tp rank) are not kept.
 - `selective_op`: the whole block is checkpointed with torchtitan's op-level policy
   (`planner.op_sac`): attention-kernel outputs and every other `aten.mm` output are kept, the rest
   runs again in backward.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch import nn
@@ -23,7 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from planner.graph import Recompute
 from planner.errors import unsupported
-from planner.op_sac import OpSacCounter
+from planner.op_sac import ATTENTION_OPS, OpSacCounter
 
 # Child of a block that holds the attention (zoo layout: `attn` with q/k/v/o projections).
 ATTENTION_CHILD = "attn"
@@ -39,8 +41,21 @@ SAVED_OPS = frozenset({
 })
 
 
-def _keep_matmuls(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def selective_policy():
+    """The selective policy of one run of an attention module: its forward and its recompute each keep
+    `SAVED_OPS` outputs until their attention kernel runs, nothing after it (module docstring)."""
+    past_kernel = {False: False, True: False}
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        past_kernel[ctx.is_recompute] |= func in ATTENTION_OPS
+        keep = func in SAVED_OPS and not past_kernel[ctx.is_recompute]
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(selective_policy())
 
 
 def _op_sac_contexts():
@@ -85,8 +100,7 @@ def apply_recompute(root: nn.Module, memory_plan: dict, units: tuple[str, ...]) 
                 _replace(root, name, checkpoint_wrapper(root.get_submodule(name), context_fn=_op_sac_contexts))
             else:
                 fqn = _attention_of(root, name)
-                context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
-                _replace(root, fqn, checkpoint_wrapper(root.get_submodule(fqn), context_fn=context_fn))
+                _replace(root, fqn, checkpoint_wrapper(root.get_submodule(fqn), context_fn=_selective_contexts))
             applied[name] = policy
     return applied
 
