@@ -98,8 +98,9 @@ class MemoryBreakdown:
         activations_bytes: activations saved for backward, over all micro-batches in flight.
         comm_buffers_bytes: communication buffers (gradient buckets, all-gather outputs, NCCL).
         temp_bytes: transient workspace at the peak (e.g. logits, attention scratch).
-        overhead_bytes: CUDA context, allocator fragmentation, and the gradient blocks reserved
-            for a data-parallel reduce stream while the gradients are freed (`grads_pooled`).
+        overhead_bytes: CUDA context, allocator fragmentation, the gradient blocks reserved for a
+            data-parallel reduce stream while the gradients are freed (`grads_pooled`) and other
+            blocks held reserved (`held_bytes`).
     """
 
     weights_bytes: float = 0.0
@@ -226,6 +227,7 @@ def stage_memory(
     fragmentation_fraction: float = ALLOCATOR_FRAGMENTATION_FRACTION,
     grads_at_peak: bool = True,
     grads_pooled: bool = False,
+    held_bytes: float = 0.0,
     shard_is_master: bool = False,
     deferred_grad_sync: bool = False,
     chunks: int = 1,
@@ -279,6 +281,10 @@ def stage_memory(
             only for the stream that allocated it. Without `grads_at_peak`, their bytes then stay
             reserved from `zero_grad` through the next forward: the forward's end holds them as
             overhead (reserved, not allocated).
+        held_bytes: bytes the caching allocator keeps reserved, not allocated, at the forward's end:
+            blocks freed just before it that its allocations, all larger, cannot reuse (the
+            half-precision logits under an fp32 cross-entropy, `planner.loss_cost.loss_held_copies`).
+            Counted as overhead there.
         shard_is_master: see `model_state_bytes`.
         deferred_grad_sync: the stage's data-parallel wrapper reduces the gradients once, after the
             last micro-batch, and keeps the parameters gathered from each backward to the next
@@ -307,7 +313,7 @@ def stage_memory(
     _check_non_negative(
         params=params, expert_params=expert_params, activation_bytes_per_microbatch=activation_bytes_per_microbatch,
         in_flight=in_flight, comm_buffer_bytes=comm_buffer_bytes, temp_bytes=temp_bytes, context_bytes=context_bytes,
-        fragmentation_fraction=fragmentation_fraction, buffer_bytes=buffer_bytes,
+        fragmentation_fraction=fragmentation_fraction, buffer_bytes=buffer_bytes, held_bytes=held_bytes,
     )
     for name, degree in (("tp", tp), ("ep", ep), ("expert_tp", expert_tp), ("chunks", chunks)):
         if not isinstance(degree, int) or degree < 1:
@@ -340,9 +346,9 @@ def stage_memory(
         backward_end = replace(breakdown, weights_bytes=sum(part.weights_bytes for part in gathered) + buffer_bytes,
                                activations_bytes=activation_bytes_per_microbatch * max(0.0, in_flight - 1 / chunks))
         breakdown = max(breakdown, backward_end, key=lambda moment: moment.total_bytes)
-    moments = [(breakdown, 0.0)]
+    moments = [(breakdown, held_bytes)]
     if not grads_at_peak:
-        moments = [(replace(breakdown, grads_bytes=0.0), breakdown.grads_bytes if grads_pooled else 0.0),
+        moments = [(replace(breakdown, grads_bytes=0.0), held_bytes + (breakdown.grads_bytes if grads_pooled else 0.0)),
                    (replace(breakdown, activations_bytes=0.0, temp_bytes=0.0), 0.0)]
     return max((moment + MemoryBreakdown(overhead_bytes=context_bytes + fragmentation_fraction * moment.total_bytes + pooled)
                 for moment, pooled in moments), key=lambda moment: moment.total_bytes)

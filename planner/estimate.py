@@ -60,7 +60,7 @@ NO_ROOM_BYTES = 1.0
 # Columns of the per-layer table one device type yields for one configuration (one micro-batch).
 COLUMNS = ("fwd_s", "bwd_s", "compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "cp_hidden_fwd_s",
            "cp_hidden_bwd_s", "fsdp_exposed_s", "dense_params", "expert_params", "frozen_params", "buffer_bytes", "static_bytes", "grad_bytes",
-           "act_bytes", "temp_bytes", "work_bytes", "out_bytes")
+           "act_bytes", "temp_bytes", "work_bytes", "held_bytes", "out_bytes")
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
 
@@ -223,7 +223,7 @@ class Evaluator:
         exposed = exposed_fwd_s + exposed_bwd_s
         return (fwd, cost.total_s + exposed - fwd, cost.fwd_s + cost.bwd_s, cost.recompute_s, cost.tp_comm_s, cost.cp_comm_s,
                 cost.ep_comm_s, *cost.cp_hidden_s, exposed, dense, expert, frozen, layer.buffer_bytes, static, grads,
-                cost.act_bytes, cost.temp_bytes, cost.work_bytes, layer.out_bytes * config.micro_batch / self.graph.micro_batch)
+                cost.act_bytes, cost.temp_bytes, cost.work_bytes, cost.held_bytes, layer.out_bytes * config.micro_batch / self.graph.micro_batch)
 
     def stage_problem(self, config: ParallelConfig, policy_sets: list[tuple[Recompute, ...]], headroom: float = 0.0) -> StageProblem:
         """The stage-split instance of `config`: one column per candidate per-layer policy set."""
@@ -255,7 +255,7 @@ class Evaluator:
             static = static - column("grad_bytes")
         return StageProblem(
             # the loss's temporaries sit on the stage holding the loss, once: additive like the states
-            layer_time_s=column("fwd_s") + column("bwd_s"), layer_static_bytes=static + column("temp_bytes"),
+            layer_time_s=column("fwd_s") + column("bwd_s"), layer_static_bytes=static + column("temp_bytes") + column("held_bytes"),
             layer_act_bytes=column("act_bytes"), num_stages=chunks, in_flight=np.array(in_flight),
             mem_cap_bytes=np.array(caps), stage_speed=np.array(speeds), num_microbatches=config.num_microbatches,
             devices=config.pp,
@@ -391,6 +391,7 @@ class Evaluator:
             in_flight=in_flight, zero=state_zero(config), dense_shard_group=config.shard_ranks, expert_shard_group=expert_group,
             gathered_params=self.code.zero3_fetch.gathered_layers * largest_params if config.zero == 3 else 0.0,
             temp_bytes=max(total[COL["temp_bytes"]], total[COL["work_bytes"]]), grads_at_peak=config.num_microbatches > 1,
+            held_bytes=total[COL["held_bytes"]] if total[COL["temp_bytes"]] >= total[COL["work_bytes"]] else 0.0,
             grads_pooled=grads_pooled(config), chunks=config.vpp, comm_buffer_bytes=recv_bytes,
             frozen_params=frozen, buffer_bytes=total[COL["buffer_bytes"]], **state_options(config, self.precision),
         )

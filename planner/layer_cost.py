@@ -17,7 +17,7 @@ from costmodel.op_table import OpTable
 from planner.fusion import ElementwiseKernels, fused_works
 from planner.graph import Layer, Op, OpKind, Recompute
 from planner.layer_comm import CpComm, cp_exposed_s, ep_all_to_all_fwd_s, overlapped_tp_comm_s
-from planner.loss_cost import LossKernel, fused_loss_saving, loss_temp_copies
+from planner.loss_cost import LossKernel, fused_loss_saving, loss_held_copies, loss_temp_copies
 from planner.op_kinds import VIEW_TARGETS
 from planner.op_sac_cost import op_sac_kept, op_sac_reruns_collectives
 from planner.parallel_overhead import blocking_collective_kind, sync_wait_s, tp_host_s
@@ -91,6 +91,7 @@ class LayerCost:
     act_bytes: float
     temp_bytes: float = 0.0
     work_bytes: float = 0.0  # `_recompute_work_bytes`: a stage's peak holds its largest, not their sum
+    held_bytes: float = 0.0  # reserved beside the loss's temporaries (`_loss_bytes`)
     cp_fwd_comm_s: float = 0.0  # the forward's part of cp_comm_s
     # (forward, backward with recompute) seconds of the context-parallel exchange hidden behind the
     # layer's compute: its links are busy then, for whatever else would hide there (`planner.estimate`)
@@ -263,20 +264,19 @@ def _recompute_work_bytes(layer: Layer, ctx: LayerContext, plan: TpPlan, tp: int
     return max(0.0, _activation_bytes(layer, replace(ctx, recompute=Recompute.NONE), plan, tp) - kept_bytes)
 
 
-def _loss_temp_bytes(layer: Layer, plan: TpPlan, ctx: LayerContext) -> float:
-    """Transient bytes of the layer's loss at the step's peak (`loss_cost.loss_temp_copies` of the
-    local share of its input)."""
-    losses = [op for op in layer.ops if op.kind == OpKind.LOSS]
-    if not losses:
-        return 0.0
+def _loss_bytes(layer: Layer, plan: TpPlan, ctx: LayerContext) -> tuple[float, float]:
+    """Transient bytes of the layer's loss at the step's peak and the bytes the allocator holds
+    reserved beside them (`loss_cost.loss_temp_copies` and `loss_held_copies` of the local share of
+    its input)."""
     reads = input_bytes_of(layer)
     activation_bytes = bytes_per_element(base_dtype(ctx.dtype))
-    temp = 0.0
-    for op in losses:
+    temp = held = 0.0
+    for op in (op for op in layer.ops if op.kind == OpKind.LOSS):
         split = _split_of(op, plan)
-        copies = loss_temp_copies(op, layer, ctx.loss, split, activation_bytes)
-        temp += copies * reads[op.name] * ctx.batch_scale / (split * ctx.cp)
-    return temp
+        share = reads[op.name] * ctx.batch_scale / (split * ctx.cp)
+        temp += loss_temp_copies(op, layer, ctx.loss, split, activation_bytes) * share
+        held += loss_held_copies(op, layer, ctx.loss, activation_bytes) * share
+    return temp, held
 
 
 def _time_s(works: list[OpWork], ctx: LayerContext) -> float:
@@ -367,6 +367,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
     # a loss run whole keeps whole logits, most of its layer's saved bytes (the rest is priced whole too)
     act_split = 1 if any(op.kind == OpKind.LOSS and op.name not in plan.split_ops for op in layer.ops) else plan.tp
     act_bytes = _activation_bytes(layer, ctx, plan, act_split)
+    temp_bytes, held_bytes = _loss_bytes(layer, plan, ctx)
     return LayerCost(
         fwd_s=fwd_s,
         bwd_s=bwd_s,
@@ -377,6 +378,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         cp_fwd_comm_s=cp_fwd_comm_s,
         cp_hidden_s=(hidden_fwd_s, hidden_bwd_s),
         act_bytes=act_bytes,
-        temp_bytes=_loss_temp_bytes(layer, plan, ctx),
+        temp_bytes=temp_bytes,
         work_bytes=_recompute_work_bytes(layer, ctx, plan, act_split, act_bytes),
+        held_bytes=held_bytes,
     )

@@ -50,6 +50,18 @@ def loss_temp_copies(op: Op, layer: Layer, kernel: LossKernel, split: int, activ
     return LOSS_PARALLEL_TEMP_INPUT_COPIES if split > 1 else LOSS_TEMP_INPUT_COPIES
 
 
+def loss_held_copies(op: Op, layer: Layer, kernel: LossKernel, activation_bytes: int) -> float:
+    """Bytes of loss `op`'s input, in copies of it, that the CUDA caching allocator keeps reserved but
+    unallocated at the step's peak. The torch loss upcasts half-precision logits; the training step
+    drops them before backward (torchtitan's `del pred`; `Plan.apply` holds no reference), and the
+    loss backward's allocations, fp32 and logits-sized, are each larger than their freed block,
+    which stays reserved beside them until the logits' gradient (half precision again) reuses it:
+    the half-precision logits' bytes. None in fp32 (the upcast is the logits themselves) or with a
+    fused or in-place loss (its half-precision gradient reuses the block at once)."""
+    fraction = _half_precision_logits_fraction(op, layer, activation_bytes)
+    return fraction if kernel is LossKernel.TORCH and fraction < 1.0 else 0.0
+
+
 def fused_loss_saving(layer: Layer, kernel: LossKernel, recompute: Recompute, reads: dict[str, float],
                       activation_bytes: int) -> float:
     """Saved bytes (traced micro-batch) a fused loss keeps fewer than the traced torch loss: the fp32

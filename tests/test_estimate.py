@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from costmodel.comm import Collective, collective_time_s
 from costmodel.compute import (ATTENTION_BWD_EFFICIENCY_RATIO, ATTENTION_FWD_EFFICIENCY_RATIO, matmul_efficiency,
                                peak_flops_per_s)
-from costmodel.memory import STATE_BYTES_PER_PARAM, Optimizer
+from costmodel.memory import ALLOCATOR_FRAGMENTATION_FRACTION, CUDA_CONTEXT_BYTES, STATE_BYTES_PER_PARAM, Optimizer
 from costmodel.profile_loader import load_cluster
 from planner.api import evaluate
 from planner.config import ParallelConfig, Schedule
@@ -456,6 +456,21 @@ def test_loss_temporaries_are_two_fp32_logits_on_the_last_stage(gpt350m):
     row = estimate.memory[0]
     assert row["temp_bytes"] == pytest.approx(LOSS_TEMP_INPUT_COPIES * 16 * 256 * gpt350m.dims.vocab * 4, rel=1e-3)
     assert row["grads_bytes"] == 0.0 and row["activations_bytes"] > 4 * gpt350m.params
+
+
+@pytest.mark.parametrize("loss,held_per_logit", [("torch", 2), ("fused", 0), ("inplace", 0)])
+def test_the_dropped_half_precision_logits_stay_reserved_beside_the_fp32_loss(gpt350m, loss, held_per_logit):
+    # The torch loss upcasts the bf16 logits (2 B each) and the step drops them before backward; the
+    # loss backward's allocations are fp32 logits (4 B each), larger than the freed block, which the
+    # caching allocator keeps reserved beside them: overhead at the forward's end, not allocated.
+    # A fused or in-place loss writes a bf16 logits gradient into it at once. One replica (no
+    # reduce-stream gradient pool): overhead = CUDA context + 5% of the allocated bytes + the held block.
+    b, s = 16, 256
+    evaluator = Evaluator(gpt350m, load_cluster("a100-80g:1x1"), code=TrainingCode.of(loss=loss))
+    row = evaluator.estimate(ParallelConfig(dp=1, micro_batch=b, num_microbatches=1), b).memory[0]
+    allocated = row["total_bytes"] - row["overhead_bytes"]
+    held = row["overhead_bytes"] - CUDA_CONTEXT_BYTES - ALLOCATOR_FRAGMENTATION_FRACTION * allocated
+    assert held == pytest.approx(held_per_logit * b * s * gpt350m.dims.vocab, rel=1e-3, abs=1.0)
 
 
 @pytest.mark.parametrize("vocab", [4096, 4099])
