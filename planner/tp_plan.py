@@ -76,7 +76,7 @@ def stream_boundary(graph: ModelGraph, layer: Layer, tp: int, device: DeviceSpec
     if layer.kind == LayerKind.BLOCK or block is None:
         return None, None
     boundary = layout_for(block, tp, device, node, dtype, cache, graph).boundary
-    return boundary, (float(graph.layers[index - 1].out_bytes) if index > 0 else None)
+    return boundary, (float(graph.layers[index - 1].out_bytes) or None if index > 0 else None)
 
 
 def tied_pins(graph: ModelGraph, layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str,

@@ -203,6 +203,20 @@ def test_evaluate_fp32_prices_fp32_states_and_peak(capsys):
     assert results["fp32"]["step_time_s"] > results["bf16"]["step_time_s"]
 
 
+def test_evaluate_sp_gather_regathered_keeps_the_gathered_inputs_split(capsys):
+    """--sp-gather regathered (Megatron-LM) keeps a 1/tp share of each all-gathered matmul input where
+    the default keeps it whole: per block the inputs of q/k/v and of fc1, 2 B x b s h each, and the
+    head's input once, (1 - 1/tp) of each fewer (gpt3-125m: 12 blocks, h 768; tp 2, micro-batch 4
+    of 128 tokens, no recompute)."""
+    base = ["evaluate", *RUN_ARGS, "--tp", "2", "--pp", "1", "--micro-batch", "4", "--recompute", "none", "--json"]
+    activations = {}
+    for gather in ("kept", "regathered"):
+        code, out, _ = run([*base, "--sp-gather", gather], capsys)
+        assert code == 0
+        activations[gather] = json.loads(out)["memory"][0]["activations_bytes"]
+    assert activations["kept"] - activations["regathered"] == pytest.approx((2 * 12 + 1) * 2 * 4 * 128 * 768 / 2, rel=1e-6)
+
+
 def test_evaluate_fused_loss_holds_less_on_the_loss_stage(capsys):
     """--loss fused: the last stage keeps bf16 logits instead of fp32 log-probabilities and holds one
     bf16 gradient instead of two fp32 tensors: 2 + 6 B less per logit of a micro-batch
