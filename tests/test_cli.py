@@ -203,6 +203,16 @@ def test_evaluate_fp32_prices_fp32_states_and_peak(capsys):
     assert results["fp32"]["step_time_s"] > results["bf16"]["step_time_s"]
 
 
+@pytest.mark.parametrize("recompute,warned", [("none", True), ("full", False)])
+def test_a_peak_within_the_memory_error_of_capacity_is_flagged(capsys, recompute, warned):
+    # llama3-8b on 32 H100, 8K tokens, dp32 ZeRO-2, one sequence per micro-batch: 98% of memory without
+    # recompute (within the model's 10% memory error of capacity), well under it with full recompute.
+    args = ["evaluate", "--model", "llama3-8b", "--seq-len", "8192", "--cluster", "h100-sxm:4x8", "--global-batch", "256",
+            "--tp", "1", "--pp", "1", "--zero", "2", "--micro-batch", "1", "--recompute", recompute]
+    code, out, _ = run(args, capsys)
+    assert code == 0 and ("within the cost model's memory error" in " ".join(out.split())) == warned
+
+
 def test_evaluate_sp_gather_regathered_keeps_the_gathered_inputs_split(capsys):
     """--sp-gather regathered (Megatron-LM) keeps a 1/tp share of each all-gathered matmul input where
     the default keeps it whole: per block the inputs of q/k/v and of fc1, 2 B x b s h each, and the
