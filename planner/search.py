@@ -240,7 +240,7 @@ class _Pass:
                                                                 "backward gives the next stages' weights no gradient; use "
                                                                 "another schedule"))
                 continue
-            # equal times: the one needing less memory first (ZeRO-2 over ZeRO-1 on one micro-batch)
+            # equal times: the one needing less memory first
             bisect.insort(ranked, (estimate.step_time_s, config, estimate), key=lambda item: (item[0], item[2].peak_memory_bytes))
         return ranked
 
