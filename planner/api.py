@@ -7,7 +7,7 @@ from pathlib import Path
 from costmodel.errors import ProfileError
 from costmodel.hardware import Cluster
 from costmodel.profile_loader import load_cluster
-from planner.config import CONFIG_KEYS, ParallelConfig, Schedule
+from planner.config import CONFIG_KEYS, ParallelConfig, Schedule, sequence_parallel_for
 from planner.errors import check_positive_int, invalid
 from planner.graph import ModelGraph, Recompute
 from planner.result import Estimate, Plan, stored_reference
@@ -123,7 +123,10 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
     hardware = _cluster(cluster)
     evaluator = Evaluator(graph, hardware, dtype, code=code)
     if planned is None:
-        return evaluator.estimate(make_config(config, hardware.num_devices, global_batch), global_batch)
+        full = make_config(config, hardware.num_devices, global_batch)
+        if not isinstance(config, ParallelConfig):  # degrees a user gives: sequence parallelism where it can run
+            full = dataclasses.replace(full, sequence_parallel=sequence_parallel_for(graph.stream_tokens, full.tp, full.cp))
+        return evaluator.estimate(full, global_batch)
     full, boundaries, policies = _planned_choices(planned, graph, global_batch)
     return evaluator.estimate(full, global_batch, boundaries=boundaries, recompute_per_layer=policies)
 

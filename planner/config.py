@@ -168,3 +168,10 @@ class ParallelConfig:
         if self.offload_optimizer:
             parts.append("offload")
         return " ".join(parts)
+
+
+def sequence_parallel_for(stream_tokens: int, tp: int, cp: int) -> bool:
+    """Whether tensor parallelism splits the residual stream by sequence (Megatron-SP): where tp x cp
+    divides each sequence's `stream_tokens`. Otherwise (ViT's 197 tokens at tp 2) the layout keeps the
+    stream replicated on the tp ranks, norms and residuals whole, as Megatron-LM without SP."""
+    return stream_tokens % (tp * cp) == 0

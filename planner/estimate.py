@@ -16,8 +16,7 @@ compute, recompute, exposed tensor/context/expert-parallel communication, expose
 - the CP ring overlaps with attention and keeps its links busy: DP and FSDP traffic over the same
   links hides only in the compute it leaves, over other links in the ring's exposed time too
   (`mesh.cp_shares_shard_links`, `LayerCost.windows_s`); EP all-to-all is exposed;
-- pipeline p2p sits on the critical path of the schedule (`costmodel.pipeline`), at the links of the
-  slower of its two ends;
+- pipeline p2p sits on the critical path of the schedule (`costmodel.pipeline`), at the slower end's links;
 - the sum of a tied weight's gradients between the first and last stages is exposed after the
   schedule (counted with the data-parallel traffic, `state_cost.tied_gradient_sum_s`).
 """
@@ -143,7 +142,8 @@ class Evaluator:
                 table=self.table_for(device, self.dtype_for(device)), attention=self.code.attention,
                 tp_overlap=self.code.tp_overlap, loss=self.code.loss, elementwise=self.code.elementwise,
                 cp_comm=self.code.cp_comm, sp_gather=self.code.sp_gather, oversubscription=self.cluster.oversubscription)
-            cost = price_layer(layer, tp_plan_for(layer, config.tp, device, node, ctx.dtype, self.layout_cache, self.graph), ctx)
+            plan = tp_plan_for(layer, config.tp, device, node, ctx.dtype, self.layout_cache, self.graph, config.sequence_parallel)
+            cost = price_layer(layer, plan, ctx)
             self._layer_cache[key] = cost
         return cost
 
@@ -202,8 +202,8 @@ class Evaluator:
         cost = self.layer_cost(index, config, device, node, policy)
         copies = self.graph.stage_copy_params[index] if config.pp > 1 else 0
         shared = layer.params - layer.expert_params + copies
-        whole = (tp_plan_for(layer, config.tp, device, node, self.dtype_for(device), self.layout_cache, self.graph).whole_params
-                 if config.tp > 1 and layer.ops else 0)  # kept whole by every tp rank (`TpPlan.whole_params`)
+        whole = (tp_plan_for(layer, config.tp, device, node, self.dtype_for(device), self.layout_cache, self.graph,
+                             config.sequence_parallel).whole_params if config.tp > 1 and layer.ops else 0)  # `TpPlan.whole_params`
         dense = (shared + min(whole, shared) * (config.tp - 1)) / config.tp
         expert = layer.expert_params / (config.ep * config.tp)
         frozen = layer.frozen_params / config.tp
@@ -392,8 +392,8 @@ class Evaluator:
             gathered_params=self.code.zero3_fetch.gathered_layers * largest_params if config.zero == 3 else 0.0,
             temp_bytes=max(total[COL["temp_bytes"]], total[COL["work_bytes"]]), grads_at_peak=config.num_microbatches > 1,
             held_bytes=total[COL["held_bytes"]] if total[COL["temp_bytes"]] >= total[COL["work_bytes"]] else 0.0,
-            grads_pooled=grads_pooled(config), chunks=config.vpp, comm_buffer_bytes=recv_bytes,
-            frozen_params=frozen, buffer_bytes=total[COL["buffer_bytes"]], **state_options(config, self.precision),
+            grads_pooled=grads_pooled(config), chunks=config.vpp, comm_buffer_bytes=recv_bytes, frozen_params=frozen,
+            buffer_bytes=total[COL["buffer_bytes"]], **state_options(config, self.precision),
         )
         owned = (dense - frozen) / dense_shard + expert / expert_shard
         host_bytes = host_state_bytes(owned, frozen / dense_shard) if config.offload_optimizer else 0.0

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from costmodel.hardware import Cluster
-from planner.config import ParallelConfig, Schedule, check_zero_bubble_sharding, torch_runs_rounds
+from planner.config import ParallelConfig, Schedule, check_zero_bubble_sharding, sequence_parallel_for, torch_runs_rounds
 from planner.errors import PlannerError, invalid
 from planner.mesh import stage_devices
 from planner.graph import ModelGraph, Recompute
@@ -126,10 +126,6 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict, gl
         if tp > 1 and not has_ops:
             space.rejected.append(Rejection(f"tp={tp}", "the model was traced at module level; tensor parallelism needs its op graph"))
             continue
-        if graph.stream_tokens % tp:
-            space.rejected.append(Rejection(f"tp={tp}", f"sequence parallelism would split each sequence's {graph.stream_tokens} tokens "
-                                                       f"{tp} ways, which must divide them"))
-            continue
         tp_options.append(tp)
     tp_options = _fixed(constraints, "tp", tp_options, space, "tensor parallelism",
                         f" ({per_node} devices per node, {dims.heads} attention heads)" if dims.heads else "")
@@ -148,7 +144,7 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict, gl
     layers, dp_options = len(graph.layers), _fixed(constraints, "dp", divisors(devices), space, "data parallelism")
     for tp in tp_options:
         for cp in cp_options:
-            if devices % (tp * cp) or graph.stream_tokens % (tp * cp):
+            if devices % (tp * cp) or graph.stream_tokens % cp:
                 continue
             fitting = [p for p in divisors(devices // (tp * cp)) if p <= layers]
             pp_all = [p for p in fitting if _stages_on_one_device_type(cluster, p, space)]
@@ -296,6 +292,7 @@ def configs_for(degrees: tuple[int, int, int, int, int], graph: ModelGraph, glob
                     for recompute in policies:
                         yield ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp, micro_batch=mb,
                                              num_microbatches=m, zero=zero, recompute=recompute, schedule=schedule,
+                                             sequence_parallel=sequence_parallel_for(graph.stream_tokens, tp, cp),
                                              offload_optimizer=bool(constraints.get("offload_optimizer", False)),
                                              dp_replicate=replicas)
 
@@ -375,7 +372,8 @@ def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, gl
                       f"which must divide seq_len={graph.seq_len}; pick another cp or a seq_len multiple of {2 * config.cp}")
     if config.tp > 1 and config.sequence_parallel and graph.stream_tokens % config.seq_split:
         raise invalid(f"tp={config.tp}: sequence parallelism splits each sequence's {graph.stream_tokens} tokens "
-                      f"{config.seq_split} ways (tp x cp), which must divide them; pick a tp that does")
+                      f"{config.seq_split} ways (tp x cp), which must divide them; pick a tp that does, or "
+                      f"sequence_parallel=False (the stream stays whole on the tp ranks)")
     chunks = config.pp * config.vpp
     if chunks > len(graph.layers):
         raise invalid(f"pp*vpp={chunks}: more pipeline chunks than the model's {len(graph.layers)} layers")

@@ -27,7 +27,7 @@ LAYOUT_REL_GAP = 1e-4
 
 def solve_layer_layout(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str, shard_params: bool = True,
                        pins: dict[str, frozenset[Placement]] | None = None, boundary: TensorLayout | None = None,
-                       input_bytes: float | None = None) -> Layout:
+                       input_bytes: float | None = None, sequence_parallel: bool = True) -> Layout:
     """The sharding ILP's layout of `layer` at degree `tp`, priced on `device` in a tp group inside `node`.
 
     Args:
@@ -36,6 +36,7 @@ def solve_layer_layout(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec
         pins: placements allowed to modules sharing a weight with an earlier layer (`tied_pins`).
         boundary, input_bytes: the layout and bytes of the activation entering the layer, when the
             layers around it fix them (`stream_boundary`).
+        sequence_parallel: offer S(sequence) layouts (`planner.config.sequence_parallel_for`).
     """
     group = axis_group(tp, 1, node.devices_per_node)
 
@@ -45,26 +46,27 @@ def solve_layer_layout(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec
     def comm_time_s(kind, size_bytes: float) -> float:
         return collective_time_s(Collective(str(kind)), size_bytes, group, node)
 
-    return solve_layout(layer.ops, tp, compute_time_s, comm_time_s, sequence_parallel=True, boundary=boundary,
+    return solve_layout(layer.ops, tp, compute_time_s, comm_time_s, sequence_parallel=sequence_parallel, boundary=boundary,
                         input_bytes=input_bytes, shard_params=shard_params, pins=pins, time_limit_s=LAYOUT_TIME_LIMIT_S,
                         rel_gap=LAYOUT_REL_GAP)
 
 
 def layout_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str, cache: dict,
-               graph: ModelGraph) -> Layout:
+               graph: ModelGraph, sequence_parallel: bool = True) -> Layout:
     """`solve_layer_layout` of `layer` (a layer of `graph`), kept in `cache` by layer signature (the
     caller's cache lives as long as its device profiles, so a device name is a safe key)."""
-    pins = tied_pins(graph, layer, tp, device, node, dtype, cache)
-    boundary, input_bytes = stream_boundary(graph, layer, tp, device, node, dtype, cache)
+    pins = tied_pins(graph, layer, tp, device, node, dtype, cache, sequence_parallel)
+    boundary, input_bytes = stream_boundary(graph, layer, tp, device, node, dtype, cache, sequence_parallel)
     key = (layer.signature or layer.name, tp, device.name, node.devices_per_node, dtype, tuple(sorted(pins.items())),
-           boundary, input_bytes)
+           boundary, input_bytes, sequence_parallel)
     if key not in cache:
-        cache[key] = solve_layer_layout(layer, tp, device, node, dtype, pins=pins, boundary=boundary, input_bytes=input_bytes)
+        cache[key] = solve_layer_layout(layer, tp, device, node, dtype, pins=pins, boundary=boundary, input_bytes=input_bytes,
+                                        sequence_parallel=sequence_parallel)
     return cache[key]
 
 
 def stream_boundary(graph: ModelGraph, layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str,
-                    cache: dict) -> tuple[TensorLayout | None, float | None]:
+                    cache: dict, sequence_parallel: bool = True) -> tuple[TensorLayout | None, float | None]:
     """(layout, bytes) of the activation entering `layer`, or (None, None) for the solver to choose.
 
     The blocks choose the residual stream's layout (S(sequence) under sequence parallelism), and
@@ -75,12 +77,12 @@ def stream_boundary(graph: ModelGraph, layer: Layer, tp: int, device: DeviceSpec
     block = next((other for other in graph.layers if other.kind == LayerKind.BLOCK and other.ops), None)
     if layer.kind == LayerKind.BLOCK or block is None:
         return None, None
-    boundary = layout_for(block, tp, device, node, dtype, cache, graph).boundary
+    boundary = layout_for(block, tp, device, node, dtype, cache, graph, sequence_parallel).boundary
     return boundary, (float(graph.layers[index - 1].out_bytes) or None if index > 0 else None)
 
 
 def tied_pins(graph: ModelGraph, layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str,
-              cache: dict) -> dict[str, frozenset[Placement]]:
+              cache: dict, sequence_parallel: bool = True) -> dict[str, frozenset[Placement]]:
     """Placements allowed to each module of `layer` that shares its weight with a module of an earlier
     layer (a head tied to the embedding): those splitting the weight along the dimension the earlier
     module's layout splits it (or keeping it whole when that one does), as one parameter must be."""
@@ -91,7 +93,7 @@ def tied_pins(graph: ModelGraph, layer: Layer, tp: int, device: DeviceSpec, node
         if not reusing:
             continue
         owner_index, owner = users[0]
-        owner_layout = layout_for(graph.layers[owner_index], tp, device, node, dtype, cache, graph)
+        owner_layout = layout_for(graph.layers[owner_index], tp, device, node, dtype, cache, graph, sequence_parallel)
         dim = weight_split_dim(owner.kind, owner_layout.per_fqn.get(owner.fqn, Placement.REPLICATE))
         for op in reusing:
             pins[op.fqn] = frozenset(p for p in Placement if weight_split_dim(op.kind, p) == dim)
@@ -99,11 +101,11 @@ def tied_pins(graph: ModelGraph, layer: Layer, tp: int, device: DeviceSpec, node
 
 
 def tp_plan_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype: str, cache: dict,
-                graph: ModelGraph) -> TpPlan:
+                graph: ModelGraph, sequence_parallel: bool = True) -> TpPlan:
     """The TpPlan of `layer` (a layer of `graph`) at degree `tp` (replicated at tp=1 or for layers without ops)."""
     if tp == 1 or not layer.ops:
         return TpPlan(tp)
-    layout = layout_for(layer, tp, device, node, dtype, cache, graph)
+    layout = layout_for(layer, tp, device, node, dtype, cache, graph, sequence_parallel)
     # The layout is kept by signature, so it may have been solved on another layer of the same
     # structure: its choices (in op order, the boundary last) name that layer's ops.
     own = dict(zip((choice.name for choice in layout.choices), (op.name for op in layer.ops)))
@@ -138,6 +140,6 @@ def layouts_for(evaluator, config) -> dict[str, str]:
         if not layer.ops or layer.signature in seen:
             continue
         seen.add(layer.signature)
-        layout = layout_for(layer, config.tp, device, node, dtype, evaluator.layout_cache, evaluator.graph)
+        layout = layout_for(layer, config.tp, device, node, dtype, evaluator.layout_cache, evaluator.graph, config.sequence_parallel)
         out.update({fqn: str(p) for fqn, p in layout.per_fqn.items()})
     return out

@@ -50,6 +50,7 @@ from planner.zoo.layers import INIT_STD
 from tests.fixtures import custom_models
 
 SEQ_LEN = 32
+IMAGE_SIZE = 32
 GLOBAL_BATCH = 8
 STEPS = 2
 LEARNING_RATE = 0.5
@@ -92,7 +93,12 @@ SPECS = {
                  f"vocab: {VOCAB}\nmax_seq_len: {SEQ_LEN}\n",
     "moe": f"arch: moe\nlayers: 2\nhidden: 128\nheads: 4\nkv_heads: 2\nffn_hidden: 256\nvocab: {VOCAB}\n"
            f"max_seq_len: {SEQ_LEN}\nexperts: 4\ntop_k: 2\nmoe_ffn_hidden: 128\nshared_experts: 1\n",
+    # A vision transformer on IMAGE_SIZE images of 8 x 8 patches: 16 patches and the class token, 17
+    # tokens, which tp 2 does not split by sequence.
+    "vit": f"arch: vit\nlayers: 2\nhidden: 64\nheads: 4\nffn_hidden: 128\nimage_size: {IMAGE_SIZE}\npatch_size: 8\nclasses: 10\n",
 }
+# Specs whose models take images (batches of GLOBAL_BATCH x 3 x IMAGE_SIZE x IMAGE_SIZE), not tokens.
+IMAGE_SPECS = ("vit",)
 # Models trained with modules frozen (requires_grad=False), as fine-tuning runs freeze them: spec
 # name -> (the spec it copies, the frozen modules).
 FROZEN = {"gpt-frozen": ("gpt", ("embed", "layers.0")),
@@ -121,8 +127,10 @@ def _build(spec_path: str) -> torch.nn.Module:
     return model
 
 
-def _batches() -> list[torch.Tensor]:
+def _batches(spec_path: str) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(SEED + 1)
+    if Path(spec_path).stem in IMAGE_SPECS:
+        return [torch.randn((GLOBAL_BATCH, 3, IMAGE_SIZE, IMAGE_SIZE), generator=generator) for _ in range(STEPS)]
     return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=generator) for _ in range(STEPS)]
 
 
@@ -154,7 +162,7 @@ def _reference(spec_path: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = _build(spec_path)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     losses = []
-    for tokens in _batches():
+    for tokens in _batches(spec_path):
         loss = _loss_fn(spec_path)(model(tokens), tokens) if spec_path in LOGITS_MODELS else model(tokens)
         loss.backward()
         optimizer.step()
@@ -190,7 +198,7 @@ def _train(plan: Plan, spec_path: str) -> dict:
     optimizer = torch.optim.SGD(list(applied.parameters()), lr=LEARNING_RATE)
     losses, kept_outputs = [], 0
     counter = _CollectiveCounter()
-    for step, tokens in enumerate(_batches()):
+    for step, tokens in enumerate(_batches(spec_path)):
         # the last step: a pipeline's first also runs its stages' shape inference (a forward and backward)
         with counter if step == STEPS - 1 else contextlib.nullcontext():
             loss = applied.forward_backward(applied.local_batch(tokens))
@@ -353,6 +361,8 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         # a roomy device never is; this case sets it to run the selective wrapper under TP.
         ("tp_selective", dataclasses.replace(sp_plan, memory_plan={"recompute": {"selective": all_blocks}}), gpt),
         ("tp_gathered", _time_only_layouts(_plan(mixed, "cpu:1x2", tp=2, pp=1), mixed), mixed),
+        ("tp_odd_tokens", planner.plan(str(spec_dir / "vit.yaml"), "cpu:1x2", global_batch=GLOBAL_BATCH, dtype="fp32", tp=2),
+         spec_dir / "vit.yaml"),
         ("dp_zero3", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=3), gpt),
         ("dp_zero1_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=1, micro_batch=2), gpt),
         ("dp_zero2_accumulate", _plan(gpt, "cpu:1x2", dp=2, tp=1, pp=1, zero=2, micro_batch=2), gpt),
@@ -647,6 +657,16 @@ def test_selective_recompute_keeps_the_projections_before_the_attention_kernel_o
     kept = [op.__name__ for op in recorder.ops if policy(forward, op) == CheckpointPolicy.MUST_SAVE]
     matmuls = [op.__name__ for op in recorder.ops if op in SAVED_OPS]
     assert kept == matmuls[:3] and len(matmuls) == 4
+
+
+def test_tensor_parallel_on_tokens_it_does_not_split(trained):
+    # ViT's 17 tokens (16 patches and the class token) do not split 2 ways by sequence: the plan keeps
+    # the residual stream replicated on the tp ranks (no sequence parallelism: norms whole, o_proj and
+    # fc2 reduced whole) and trains as one process does. The search refused tp here before.
+    plan = trained["tp_odd_tokens"][0]
+    assert (plan.config.tp, plan.config.sequence_parallel) == (2, False)
+    assert plan.layouts["layers.0.attn_norm"] == "replicate"
+    _check(trained["tp_odd_tokens"])
 
 
 def test_tensor_parallel_selective_recompute(trained):

@@ -59,7 +59,7 @@ def expected_degrees(dims: ModelDims, num_layers: int, seq_len: int, devices: in
         dp = devices // (tp * cp * pp)
         tp_ok = tp <= per_node and dims.heads % tp == 0 and (tp == 1 or dims.kv_heads % tp == 0 or tp % dims.kv_heads == 0)
         cp_ok = (cp == 1 or seq_len % (2 * cp) == 0) and cp <= CP_MAX and (cp == 1 or seq_len >= CP_MIN_SEQ_LEN or short_cp)
-        split_ok = seq_len % (tp * cp) == 0  # each rank's sequence-parallel share is whole tokens
+        split_ok = seq_len % cp == 0  # each cp rank's share is whole tokens (tp keeps the stream whole where it cannot split it)
         if not (tp_ok and cp_ok and split_ok and pp <= num_layers):
             continue
         eps = [e for e in divisors(dp) if dims.experts % e == 0] if dims.experts else [1]  # groups inside dp
@@ -123,13 +123,16 @@ def test_grouped_query_heads_allow_tp_that_divides_or_is_a_multiple_of_kv_heads(
     assert any(r.what == "tp=2" and "3 key/value heads" in r.reason for r in odd.rejected)
 
 
-def test_tp_must_divide_the_tokens_sequence_parallelism_splits():
-    # ViT-L/16 at 224 px: 196 patches and the class token, 197 tokens, which no tp > 1 divides;
-    # sequence parallelism would leave ranks uneven shares of the stream.
+def test_tp_on_tokens_it_does_not_divide_runs_without_sequence_parallelism():
+    # ViT-L/16 at 224 px: 196 patches and the class token, 197 tokens, which no tp > 1 divides:
+    # sequence parallelism would leave ranks uneven shares of the stream, so those configurations keep
+    # the stream whole on the tp ranks (Megatron-LM's tensor parallelism without SP).
     dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=24)
-    space = enumerate_degrees(fake_graph(dims, seq_len=197), load_cluster("a100-80g:1x8"), {})
-    assert {tp for _, tp, *_ in space.degrees} == {1}
-    assert any(r.what == "tp=2" and "197 tokens 2 ways" in r.reason for r in space.rejected)
+    graph = fake_graph(dims, seq_len=197)
+    space = enumerate_degrees(graph, load_cluster("a100-80g:1x8"), {})
+    assert {tp for _, tp, *_ in space.degrees} == {1, 2, 4, 8}
+    configs = [config for degrees in space.degrees for config in configs_for(degrees, graph, 64, {})]
+    assert configs and all(config.sequence_parallel == (config.tp == 1) for config in configs)
 
 
 def test_module_level_trace_allows_only_tp1():
