@@ -52,6 +52,13 @@ EXPLAIN_EXAMPLES_PER_REASON = 3
 RUNNER_UP_REFINE_BUDGET_S = 20.0
 RUNNER_UP_ILP_TIME_LIMIT_S = 1.0
 
+# How far over memory (a fraction of capacity) a pipelined candidate without recompute may be for its
+# recompute twin to be refined per layer at the candidate's bound (`Search.run`). A search-speed
+# choice, measured (this machine, `python benchmarks/search_speed.py`): with no limit the four cases
+# took 6.5-23 s instead of 2.9-7.5 s for the same plans; mixtral-8x7b on 2 x 8 H100 at 4K tokens, 16
+# sequences at tp 2, missed by 1.0% a plan (one layer recomputed) whose candidate was 0.6% over.
+PIPELINED_TWIN_OVERSHOOT = 0.05
+
 
 # Constraints whose value is a positive integer; the other fixed ones take a listed value.
 _POSITIVE_KEYS = {"tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "top", "dp_replicate"} | BOUND_KEYS
@@ -177,12 +184,13 @@ class _Pass:
         # the per-layer memory plan (`_refine_front`) can take that twin's recompute away layer by
         # layer, down to the candidate's own time, so the twin goes back in at the candidate's
         # bound. The memory plan chooses among the same per-layer policies from any twin, so one is
-        # enough. Pipelined twins keep their own bound: their memory plan also re-splits the stages
-        # and takes seconds (interleaved), and on large models most candidates would pay for it.
+        # enough. A pipelined twin goes back in only where its candidate misses by a few percent
+        # (`PIPELINED_TWIN_OVERSHOOT`): its memory plan also re-splits the stages and takes seconds
+        # (interleaved), which every such candidate of a large model would pay for.
         saver: dict[ParallelConfig, tuple[int, ParallelConfig]] = {}
         if "recompute" not in constraints:
             for _, order, config in sorted(heap, key=lambda item: item[1]):
-                if config.recompute != Recompute.NONE and config.pp == 1:
+                if config.recompute != Recompute.NONE:
                     twin = dataclasses.replace(config, recompute=Recompute.NONE)
                     if twin not in saver or config.recompute == Recompute.FULL:
                         saver[twin] = (order, config)
@@ -222,7 +230,9 @@ class _Pass:
                         f"over its {host['host_capacity_bytes'] / 2**30:.1f} GiB share")})
                 continue
             if estimate is None or not estimate.fits:
-                if config in saver and saver[config][0] not in done:
+                near = estimate is not None and max(row["total_bytes"] / (row["capacity_bytes"] * (1 - headroom))
+                                                    for row in estimate.memory) <= 1 + PIPELINED_TWIN_OVERSHOOT
+                if config in saver and saver[config][0] not in done and (config.pp == 1 or near):
                     tight.add(saver[config][0])
                     heapq.heappush(heap, (bound_s, *saver[config]))
                 need = floor_bytes if estimate is None else estimate.peak_memory_bytes
