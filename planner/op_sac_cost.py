@@ -24,9 +24,10 @@ def op_sac_kept(layer: Layer) -> set[str]:
 
 
 def op_sac_reruns_collectives(layer: Layer, collectives: tuple[tuple[Collective, float, str], ...]) -> list[bool]:
-    """Per collective of a tensor-parallel layout's `collectives` ((kind, bytes, producer)), whether op-level checkpointing's rerun repeats it: its output (a
-    collective's output is not kept) feeds a matmul that is recomputed, e.g. the sequence-parallel
-    all-gather before k_proj when only q_proj and v_proj outputs are kept."""
+    """Per collective of a tensor-parallel layout's `collectives` ((kind, bytes, producer)), whether
+    op-level checkpointing's rerun repeats it: its output (a collective's output is not kept) feeds a
+    matmul that is recomputed, e.g. the sequence-parallel all-gather before k_proj when only q_proj
+    and v_proj outputs are kept."""
     kept = op_sac_kept(layer)
     rerun_inputs = {name for op in layer.ops if op.kind == OpKind.MATMUL and op.name not in kept for name in op.inputs}
     return [producer in rerun_inputs for _, _, producer in collectives]
