@@ -254,6 +254,9 @@ def pipeline_bound_s(config: ParallelConfig, bound: WorkBound) -> float:
 
     - 1F1B and interleaved: its last backward must also cross them back, so step >= m T_d +
       sum_{d' < d} T_d' / vpp for every d; over every split, `fill_bound_s` with share 1 / vpp.
+      Point-to-point transfers count only on one micro-batch's trip through every chunk and back
+      (`critical_transfers` of one micro-batch): the steady state's hide in the slack of stages
+      faster than the slowest, which the bound cannot rule out.
     - Zero bubble: the deferred weight gradients end each device's work, so step >= m T_d + F_{<d}
       (the forward time of the devices before d) >= m T_d + phi (sum_{d' < d} T_d' - t_1), i.e.
       `fill_bound_s` with share phi, minus phi t_1; and the first forward crosses every device.
@@ -269,7 +272,8 @@ def pipeline_bound_s(config: ParallelConfig, bound: WorkBound) -> float:
         return max(busy_s, bound.microbatch_fwd_s, fill_s) + transfers_s
     if config.schedule == Schedule.GPIPE:
         return bound.microbatch_s + (m - 1) * busy_s / m + transfers_s
-    return max(busy_s, fill_bound_s(bound.microbatch_s, m, pp, 1 / vpp)) + transfers_s
+    latency_s = bound.microbatch_s + pipeline.critical_transfers(config.schedule, pp, 1, vpp) * bound.p2p_s
+    return max(busy_s, fill_bound_s(bound.microbatch_s, m, pp, 1 / vpp), latency_s)
 
 
 def memory_floor_bytes(evaluator: Evaluator, config: ParallelConfig) -> float:
