@@ -8,9 +8,9 @@ for that:
 - "kept": autograd saves the gathered tensor itself, whole on every tp rank. PyTorch's DTensor
   styles run so (`ColwiseParallel` behind a `PrepareModuleInput`, as torchtitan and `Plan.apply`
   use them): the layer keeps (tp - 1) / tp of each gathered input more than Korthikanti's
-  34 s b h / t. For a GPT block that is s b h (4 + 30 / t): measured per block on gloo ranks with
-  `Plan.apply` at 12.5% over 34 / t at tp 2 and 37% at tp 4 (benchmarks/fidelity.py; the formula
-  gives 11.8% and 35%).
+  34 s b h / t. For a GPT block that is s b h (4 + 30 / t), 11.8% over 34 / t at tp 2 and 35% at
+  tp 4; measured per block with `Plan.apply` on gloo ranks, 12.5% and 37% (a saved-tensor probe
+  outside the repository; the step's peak at tp 2 then came within 0.1 MiB of the price).
 - "regathered": the matmul saves its sequence-split input and all-gathers it again in backward,
   overlapped with the input-gradient GEMM (Megatron-LM's `LinearWithGradAccumulationAndAsyncCommunication`,
   Megatron-Core, Megatron-DeepSpeed): the layer keeps 34 s b h / t.
