@@ -156,6 +156,8 @@ class ParallelConfig:
 
     def short(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.tp > 1 and not self.sequence_parallel:
+            parts.insert(2, "no-sp")  # tensor parallelism with the stream replicated (`sequence_parallel_for`)
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
         if self.ep > 1:

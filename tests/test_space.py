@@ -133,6 +133,7 @@ def test_tp_on_tokens_it_does_not_divide_runs_without_sequence_parallelism():
     assert {tp for _, tp, *_ in space.degrees} == {1, 2, 4, 8}
     configs = [config for degrees in space.degrees for config in configs_for(degrees, graph, 64, {})]
     assert configs and all(config.sequence_parallel == (config.tp == 1) for config in configs)
+    assert all(("no-sp" in config.short()) == (config.tp > 1) for config in configs)  # the tables say so
 
 
 def test_module_level_trace_allows_only_tp1():
