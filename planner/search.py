@@ -230,9 +230,7 @@ class _Pass:
                         f"over its {host['host_capacity_bytes'] / 2**30:.1f} GiB share")})
                 continue
             if estimate is None or not estimate.fits:
-                near = estimate is not None and max(row["total_bytes"] / (row["capacity_bytes"] * (1 - headroom))
-                                                    for row in estimate.memory) <= 1 + PIPELINED_TWIN_OVERSHOOT
-                if config in saver and saver[config][0] not in done and (config.pp == 1 or near):
+                if config in saver and saver[config][0] not in done and (config.pp == 1 or _just_over(estimate, headroom)):
                     tight.add(saver[config][0])
                     heapq.heappush(heap, (bound_s, *saver[config]))
                 need = floor_bytes if estimate is None else estimate.peak_memory_bytes
@@ -253,6 +251,12 @@ class _Pass:
             # equal times: the one needing less memory first
             bisect.insort(ranked, (estimate.step_time_s, config, estimate), key=lambda item: (item[0], item[2].peak_memory_bytes))
         return ranked
+
+
+def _just_over(estimate, headroom: float) -> bool:
+    """Whether a priced configuration misses memory by at most `PIPELINED_TWIN_OVERSHOOT`."""
+    return estimate is not None and max(row["total_bytes"] / (row["capacity_bytes"] * (1 - headroom))
+                                        for row in estimate.memory) <= 1 + PIPELINED_TWIN_OVERSHOOT
 
 
 def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str = "bf16", code: TrainingCode = TrainingCode(),

@@ -73,10 +73,12 @@ def stream_boundary(graph: ModelGraph, layer: Layer, tp: int, device: DeviceSpec
     `Plan.apply` runs every layer on that one stream layout: a layer outside the blocks (embedding,
     head) gets the first block's boundary, and the bytes it receives are the previous layer's
     output (the solver's default, the layer's largest output, would be the head's logits)."""
-    index = next(i for i, own in enumerate(graph.layers) if own is layer)
-    block = next((other for other in graph.layers if other.kind == LayerKind.BLOCK and other.ops), None)
-    if layer.kind == LayerKind.BLOCK or block is None:
+    if layer.kind == LayerKind.BLOCK:  # every block's layout call comes here first: no scan of the layers
         return None, None
+    block = next((other for other in graph.layers if other.kind == LayerKind.BLOCK and other.ops), None)
+    if block is None:
+        return None, None
+    index = next(i for i, own in enumerate(graph.layers) if own is layer)
     boundary = layout_for(block, tp, device, node, dtype, cache, graph, sequence_parallel).boundary
     return boundary, (float(graph.layers[index - 1].out_bytes) or None if index > 0 else None)
 
