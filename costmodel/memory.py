@@ -220,6 +220,7 @@ def stage_memory(
     gathered_params: float = 0.0,
     comm_buffer_bytes: float = 0.0,
     temp_bytes: float = 0.0,
+    work_bytes: float = 0.0,
     optimizer: Optimizer | str = Optimizer.ADAM_MIXED,
     weight_bytes_per_param: float | None = None,
     grad_bytes_per_param: float | None = None,
@@ -267,6 +268,9 @@ def stage_memory(
         gathered_params: ZeRO-3 only: parameters all-gathered at once on this device.
         comm_buffer_bytes: communication buffers at the peak.
         temp_bytes: transient workspace at the peak.
+        work_bytes: the largest recompute working set: what a recomputed layer holds again while its
+            backward runs. It comes after the forward's end and can reuse the blocks `held_bytes`
+            keeps, so the transients at the peak are max(temp_bytes + held_bytes, work_bytes).
         optimizer: optimizer and precision.
         weight_bytes_per_param: overrides the optimizer's weight bytes.
         grad_bytes_per_param: overrides the optimizer's gradient bytes.
@@ -314,7 +318,9 @@ def stage_memory(
         params=params, expert_params=expert_params, activation_bytes_per_microbatch=activation_bytes_per_microbatch,
         in_flight=in_flight, comm_buffer_bytes=comm_buffer_bytes, temp_bytes=temp_bytes, context_bytes=context_bytes,
         fragmentation_fraction=fragmentation_fraction, buffer_bytes=buffer_bytes, held_bytes=held_bytes,
+        work_bytes=work_bytes,
     )
+    temp_bytes, held_bytes = max(temp_bytes, work_bytes), max(0.0, temp_bytes + held_bytes - max(temp_bytes, work_bytes))
     for name, degree in (("tp", tp), ("ep", ep), ("expert_tp", expert_tp), ("chunks", chunks)):
         if not isinstance(degree, int) or degree < 1:
             raise ValueError(f"{name}={degree!r}: must be a positive integer")

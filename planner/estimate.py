@@ -254,11 +254,10 @@ class Evaluator:
             # recompute choice changes that moment. A reduce stream's pool keeps them reserved throughout.
             static = static - column("grad_bytes")
         return StageProblem(
-            # the loss's temporaries sit on the stage holding the loss, once: additive like the states
-            layer_time_s=column("fwd_s") + column("bwd_s"), layer_static_bytes=static + column("temp_bytes") + column("held_bytes"),
-            layer_act_bytes=column("act_bytes"), num_stages=chunks, in_flight=np.array(in_flight),
-            mem_cap_bytes=np.array(caps), stage_speed=np.array(speeds), num_microbatches=config.num_microbatches,
-            devices=config.pp,
+            layer_time_s=column("fwd_s") + column("bwd_s"), layer_static_bytes=static, layer_act_bytes=column("act_bytes"),
+            num_stages=chunks, in_flight=np.array(in_flight), mem_cap_bytes=np.array(caps), stage_speed=np.array(speeds),
+            num_microbatches=config.num_microbatches, devices=config.pp,
+            layer_transient_bytes=column("temp_bytes") + column("held_bytes"), layer_work_bytes=column("work_bytes"),
         )
 
     def split(self, config: ParallelConfig, policies: tuple[Recompute, ...], headroom: float = 0.0) -> tuple[tuple[int, ...], bool]:
@@ -390,8 +389,8 @@ class Evaluator:
             params=dense + expert, expert_params=expert, activation_bytes_per_microbatch=total[COL["act_bytes"]],
             in_flight=in_flight, zero=state_zero(config), dense_shard_group=config.shard_ranks, expert_shard_group=expert_group,
             gathered_params=self.code.zero3_fetch.gathered_layers * largest_params if config.zero == 3 else 0.0,
-            temp_bytes=max(total[COL["temp_bytes"]], total[COL["work_bytes"]]), grads_at_peak=config.num_microbatches > 1,
-            held_bytes=total[COL["held_bytes"]] if total[COL["temp_bytes"]] >= total[COL["work_bytes"]] else 0.0,
+            temp_bytes=total[COL["temp_bytes"]], work_bytes=total[COL["work_bytes"]], held_bytes=total[COL["held_bytes"]],
+            grads_at_peak=config.num_microbatches > 1,
             grads_pooled=grads_pooled(config), chunks=config.vpp, comm_buffer_bytes=recv_bytes, frozen_params=frozen,
             buffer_bytes=total[COL["buffer_bytes"]], **state_options(config, self.precision),
         )

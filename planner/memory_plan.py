@@ -5,9 +5,10 @@ re-decides the policy per layer together with the split (`stage_ilp.split_ilp` w
 policy), so only as many layers recompute as memory requires, e.g. full recompute on the first
 pipeline stage (which holds the most micro-batches in flight) and none on the last.
 
-The ILP's stage memory is additive per layer; the estimate's is not everywhere (with one
-micro-batch the gradients and the activations peak at different moments, a pipelined ZeRO-3 stage
-peaks at one of two moments). So each answer is priced by the estimate, and the ILP is solved again
+The ILP's stage memory is one moment's: the states, the activations in flight and the larger of the
+transients and the largest recompute working set; the estimate's peak is not always that moment
+(with one micro-batch the gradients and the activations peak at different moments, a pipelined
+ZeRO-3 stage peaks at one of two moments). So each answer is priced by the estimate, and the ILP is solved again
 with capacities that give it the room the estimate found, for a few rounds, starting once from the
 ILP's own capacities and once from capacities calibrated on the uniform policy: the best answer
 that the estimate says fits is kept.

@@ -19,8 +19,8 @@ from ortools.math_opt.python import mathopt
 
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.milp import SolveStatus, solve_milp
-from planner.stage_problem import StageProblem, StageSplit, make_split
-from planner.stages import least_pressure_split, least_stage_layer_mem_bytes, raise_if_no_split_fits, split_dp
+from planner.stage_problem import LAYER_ARRAYS, StageProblem, StageSplit, make_split
+from planner.stages import least_pressure_split, raise_if_no_split_fits, split_dp
 
 TIME_UNIT_FLOOR_S = 1e-12  # keeps the MILP's time normalisation finite when every layer time is 0
 
@@ -37,8 +37,11 @@ def split_ilp(problem: StageProblem, time_limit_s: float = 10.0, rel_gap: float 
         count[r,s]      sum_c n[r, s, c] = u[r, s] - u[r, s-1]
         complete/order  u[r, s] >= len_r f[r, s];  u[r+1, s] <= len_{r+1} f[r, s]  (stages <= s hold a layer prefix)
         nonempty[s]     sum_{r,c} n[r, s, c] >= 1
-        memory[d]       sum_{s on d} (sum_{r,c} (w[r, c] + in_flight_s a[r, c]) n[r, s, c] + overhead_s)
+        memory[d]       sum_{s on d} (sum_{r,c} (w[r, c] + in_flight_s a[r, c]) n[r, s, c] + overhead_s) + z[d]
                         <= sum_{s on d} cap_s   (device d's chunks, `StageProblem.devices`)
+        transient[d]    z[d] >= sum_{s on d} sum_{r,c} e[r, c] n[r, s, c]  (transients, summed)
+        work[r,s,c]     z[d] >= r[r, c] y[r, s, c],  n[r, s, c] <= len_r y[r, s, c]  (y binary: the
+                        largest recompute working set on the device, where r[r, c] > 0)
         t_max[d]        t_max >= sum_{s on d} T_s, T_s = sum_{r,c} t[r, c] n[r, s, c] / speed_s
     Objective: (m - 1) t_max + sum_s T_s / v, with v = S / D chunks per device: 1F1B's with one
     chunk per device, and the interleaved schedule's (m - 1 + p / v) T for p equal devices of time T
@@ -59,7 +62,7 @@ def split_ilp(problem: StageProblem, time_limit_s: float = 10.0, rel_gap: float 
     """
     start_s = time.perf_counter()
     if problem.devices == problem.num_stages:  # chunks sharing a device: the MILP alone decides
-        raise_if_no_split_fits(problem, least_stage_layer_mem_bytes(problem))
+        raise_if_no_split_fits(problem, problem.segment_mem_bytes())
     runs = _Runs.of(problem)
     model = mathopt.Model(name="stage_split")
     # time_unit_s: stage times enter the model divided by it, so the solver sees coefficients of order 1
@@ -78,7 +81,7 @@ def split_ilp(problem: StageProblem, time_limit_s: float = 10.0, rel_gap: float 
         time_limit_s=time_limit_s,
         rel_gap=rel_gap,
         what="stage split",
-        hint=None if hint is None else variables.values_of(hint, runs, time_unit_s, problem.devices),
+        hint=None if hint is None else variables.values_of(hint, runs, time_unit_s, problem),
     )
     if result.status == SolveStatus.INFEASIBLE:
         raise PlannerError(PlannerErrorKind.INSUFFICIENT_MEMORY, "stage split: the MILP found no split that fits memory")
@@ -90,14 +93,8 @@ def _best_single_choice_split(problem: StageProblem) -> StageSplit | None:
     """The best `split_dp` result over "every layer takes choice c", or None when no such split fits."""
     best = None
     for c in range(problem.num_choices):
-        one_choice = replace(
-            problem,
-            layer_time_s=problem.layer_time_s[:, c],
-            layer_static_bytes=problem.layer_static_bytes[:, c],
-            layer_act_bytes=problem.layer_act_bytes[:, c],
-        )
-        choices = np.zeros(problem.num_layers, dtype=int)
-        if np.any(least_pressure_split(one_choice, one_choice.stage_layer_mem_bytes(choices)) > problem.mem_cap_bytes):
+        one_choice = problem.one_choice(c)
+        if np.any(least_pressure_split(one_choice, one_choice.segment_mem_bytes()) > problem.mem_cap_bytes):
             continue
         split = split_dp(one_choice)
         if best is None or split.objective_s < best.objective_s:
@@ -107,14 +104,14 @@ def _best_single_choice_split(problem: StageProblem) -> StageSplit | None:
 
 @dataclass(frozen=True)
 class _Runs:
-    """Maximal runs of identical consecutive layers (same time, static and activation bytes for every choice)."""
+    """Maximal runs of identical consecutive layers (the same values in every per-layer array, for every choice)."""
 
     start: tuple[int, ...]
     length: tuple[int, ...]
 
     @classmethod
     def of(cls, problem: StageProblem) -> _Runs:
-        rows = np.concatenate([problem.layer_time_s, problem.layer_static_bytes, problem.layer_act_bytes], axis=1)
+        rows = np.concatenate([getattr(problem, name) for name in LAYER_ARRAYS], axis=1)
         new_run = np.concatenate([[True], np.any(rows[1:] != rows[:-1], axis=1)])
         start = np.flatnonzero(new_run)
         length = np.diff(np.append(start, problem.num_layers))
@@ -132,6 +129,8 @@ class _RunVariables:
     count: dict  # (r, s, c) -> n[r, s, c]: layers of run r on stage s with choice c (integer)
     full: dict  # (r, s) -> f[r, s]: run r lies wholly on stages <= s (binary; r < R-1, s < S-1)
     t_max: mathopt.Variable  # the slowest stage's time / time_unit_s
+    transient: dict  # d -> z[d]: device d's transient bytes / its capacity
+    used: dict  # (r, s, c) -> y[r, s, c]: stage s holds a layer of run r with choice c (binary; where r[r, c] > 0)
 
     @classmethod
     def add(cls, model: mathopt.Model, runs: _Runs, problem: StageProblem) -> _RunVariables:
@@ -148,10 +147,14 @@ class _RunVariables:
             for c in range(problem.num_choices)
         }
         full = {(r, s): model.add_binary_variable(name=f"f[{r},{s}]") for r in range(len(runs) - 1) for s in range(last)}
-        return cls(prefix, count, full, model.add_variable(lb=0.0, name="t_max"))
+        transient = {d: model.add_variable(lb=0.0, name=f"z[{d}]") for d in range(problem.devices)}
+        used = {(r, s, c): model.add_binary_variable(name=f"y[{r},{s},{c}]")
+                for (r, s, c) in count if problem.layer_work_bytes[runs.start[r], c] > 0}
+        return cls(prefix, count, full, model.add_variable(lb=0.0, name="t_max"), transient, used)
 
-    def values_of(self, split: StageSplit, runs: _Runs, time_unit_s: float, devices: int) -> dict:
-        """Variable values of a known split (the solver's first incumbent) on `devices` devices."""
+    def values_of(self, split: StageSplit, runs: _Runs, time_unit_s: float, problem: StageProblem) -> dict:
+        """Variable values of a known split of `problem` (the solver's first incumbent)."""
+        devices = problem.devices
         device_time_s = np.bincount(np.arange(len(split.stage_time_s)) % devices, weights=split.stage_time_s)
         values = {self.t_max: float(device_time_s.max()) / time_unit_s}
         stage_of = np.repeat(np.arange(len(split.stage_time_s)), np.diff(split.boundaries))
@@ -162,6 +165,15 @@ class _RunVariables:
         for (r, s, c), var in self.count.items():
             layers = slice(runs.start[r], runs.start[r] + runs.length[r])
             values[var] = float(np.sum((stage_of[layers] == s) & (np.asarray(split.choices)[layers] == c)))
+        for key, var in self.used.items():
+            values[var] = float(values[self.count[key]] > 0)
+        rows, device_of = np.arange(len(split.choices)), stage_of % devices
+        transient = np.bincount(device_of, problem.layer_transient_bytes[rows, split.choices], devices)
+        work = np.zeros(devices)
+        np.maximum.at(work, device_of, problem.layer_work_bytes[rows, split.choices])
+        caps = np.bincount(np.arange(problem.num_stages) % devices, problem.mem_cap_bytes, devices)
+        for d, var in self.transient.items():
+            values[var] = float(max(transient[d], work[d]) / caps[d])
         return values
 
     def decode(self, values, runs: _Runs, problem: StageProblem) -> tuple[np.ndarray, np.ndarray]:
@@ -213,7 +225,16 @@ def _add_memory_constraints(model, variables: _RunVariables, runs: _Runs, proble
             for c in range(problem.num_choices)
         ]
         overhead = sum(problem.stage_overhead_bytes[s] for s in stages)
-        model.add_linear_constraint(mathopt.fast_sum(terms) <= (cap - overhead) / cap, name=f"memory[{d}]")
+        transient = variables.transient[d]
+        model.add_linear_constraint(mathopt.fast_sum(terms) + transient <= (cap - overhead) / cap, name=f"memory[{d}]")
+        summed = [problem.layer_transient_bytes[start, c] / cap * variables.count[r, s, c]
+                  for s in stages for r, start in enumerate(runs.start) for c in range(problem.num_choices)]
+        model.add_linear_constraint(transient >= mathopt.fast_sum(summed), name=f"transient[{d}]")
+        for (r, s, c), used in variables.used.items():
+            if s % problem.devices == d:
+                model.add_linear_constraint(variables.count[r, s, c] <= runs.length[r] * used, name=f"used[{r},{s},{c}]")
+                model.add_linear_constraint(transient >= problem.layer_work_bytes[runs.start[r], c] / cap * used,
+                                            name=f"work[{r},{s},{c}]")
 
 
 def _add_stage_time_constraints(model, variables: _RunVariables, runs: _Runs, problem: StageProblem, time_unit_s: float) -> list:

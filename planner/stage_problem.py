@@ -5,25 +5,32 @@ numpy arrays; nothing here knows about torch or hardware.
 
 Model. Stage s holds layers [b_s, b_{s+1}) and, per layer l, one choice c_l (e.g. a recompute policy;
 a single choice when the arrays are 1-D). With t, w, a the per-layer time, static bytes and activation
-bytes of one micro-batch::
+bytes of one micro-batch, and e, r its transient bytes (alive at one moment of the step, so summed:
+the loss's temporaries) and its recompute working set (alive only while that layer's backward runs,
+so only the stage's largest counts)::
 
     T_s   = sum_{l in s} t[l, c_l] / speed_s                                   (stage time)
-    M_s   = sum_{l in s} (w[l, c_l] + in_flight_s * a[l, c_l]) + overhead_s    (stage memory)
+    M_s   = sum_{l in s} (w[l, c_l] + in_flight_s * a[l, c_l])
+            + max(sum_{l in s} e[l, c_l], max_{l in s} r[l, c_l]) + overhead_s  (stage memory)
     step  = (m - 1) * max_s T_s + sum_s T_s                                    (1F1B with unequal stages)
-    subject to M_s <= cap_s (`split_ilp`: summed over the chunks of one device) and every stage holding
-    at least one layer.
+    subject to M_s <= cap_s (`split_ilp`: over the chunks of one device, with the device's transient
+    term) and every stage holding at least one layer.
 
 Solvers: `planner.stages` (`split_dp`, exact with one choice per layer; `split_uniform`, the
 baseline) and `planner.stage_ilp` (`split_ilp`, per-layer choices).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from planner.errors import invalid
 from planner.milp import SolveStatus
+
+
+# The per-layer arrays of a `StageProblem`, [L, C] each.
+LAYER_ARRAYS = ("layer_time_s", "layer_static_bytes", "layer_act_bytes", "layer_transient_bytes", "layer_work_bytes")
 
 
 @dataclass(frozen=True)
@@ -44,8 +51,15 @@ class StageProblem:
         num_microbatches: m, micro-batches per step.
         stage_overhead_bytes: [S] fixed bytes per stage (buffers, communication scratch); zeros if None.
         devices: D, when the S stages are chunks of an interleaved pipeline: stage s runs on device
-            s % D, whose chunks share their summed capacity (`split_ilp`; the DPs keep each chunk
-            under its own, which implies it). None: every stage has a device of its own.
+            s % D, whose chunks share their summed capacity (`split_ilp`, whose transient term is the
+            device's; the DPs keep each chunk under its own, which implies it). None: every stage has
+            a device of its own.
+        layer_transient_bytes: bytes each layer holds at one moment of the step beside its stage's
+            other transients (the loss's temporaries and the blocks the allocator keeps with them);
+            zeros if None.
+        layer_work_bytes: bytes each layer holds again while its backward recomputes it; a stage
+            recomputes one layer at a time, so only its largest counts (against the transients,
+            whose blocks it can reuse); zeros if None.
     """
 
     layer_time_s: np.ndarray
@@ -58,6 +72,8 @@ class StageProblem:
     num_microbatches: int
     stage_overhead_bytes: np.ndarray | None = None
     devices: int | None = None
+    layer_transient_bytes: np.ndarray | None = None
+    layer_work_bytes: np.ndarray | None = None
 
     def __post_init__(self):
         if not isinstance(self.num_stages, (int, np.integer)) or self.num_stages < 1:
@@ -65,7 +81,10 @@ class StageProblem:
         if not isinstance(self.num_microbatches, (int, np.integer)) or self.num_microbatches < 1:
             raise invalid(f"num_microbatches={self.num_microbatches!r}: must be a positive integer")
         time_s = _per_layer("layer_time_s", self.layer_time_s)
-        for name in ("layer_time_s", "layer_static_bytes", "layer_act_bytes"):
+        for name in ("layer_transient_bytes", "layer_work_bytes"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.zeros_like(time_s))
+        for name in LAYER_ARRAYS:
             value = _per_layer(name, getattr(self, name))
             if value.shape != time_s.shape:
                 raise invalid(
@@ -109,12 +128,37 @@ class StageProblem:
         device_time_s = np.bincount(np.arange(self.num_stages) % self.devices, weights=stage_time_s)
         return (self.num_microbatches - 1) * float(device_time_s.max()) + float(stage_time_s.sum()) * self.devices / self.num_stages
 
-    def stage_layer_mem_bytes(self, choices: np.ndarray) -> np.ndarray:
-        """[S, L] bytes layer l would add to stage s with the given per-layer choice indices."""
+    def one_choice(self, choice: int) -> StageProblem:
+        """The problem with every layer taking choice `choice`."""
+        return replace(self, **{name: getattr(self, name)[:, choice] for name in LAYER_ARRAYS})
+
+    def _layer_values(self, choices: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """([S, L] additive bytes of layer l on stage s, [L] transient bytes, [L] recompute working
+        set) with the given per-layer choice indices; None: each at its least over the choices."""
+        per_choice = self.layer_static_bytes[None, :, :] + self.in_flight[:, None, None] * self.layer_act_bytes[None, :, :]
+        if choices is None:
+            return per_choice.min(axis=2), self.layer_transient_bytes.min(axis=1), self.layer_work_bytes.min(axis=1)
         rows = np.arange(self.num_layers)
-        static = self.layer_static_bytes[rows, choices]
-        act = self.layer_act_bytes[rows, choices]
-        return static[None, :] + self.in_flight[:, None] * act[None, :]
+        return per_choice[:, rows, choices], self.layer_transient_bytes[rows, choices], self.layer_work_bytes[rows, choices]
+
+    def segment_mem_bytes(self, choices: np.ndarray | None = None) -> np.ndarray:
+        """[s, j, i]: memory of stage s holding layers [i, j) (inf where j <= i), with the given
+        per-layer choice indices. None: every value at its least over the choices, a lower bound
+        on any choice vector's (exact with one choice)."""
+        additive, transient, work = self._layer_values(choices)
+        transient_sum = segment_sums(transient[None, :])[0]
+        largest_work = segment_maxima(work)
+        return segment_sums(additive) + np.maximum(transient_sum, largest_work)[None] + self.stage_overhead_bytes[:, None, None]
+
+    def stage_mem_bytes(self, boundaries, choices: np.ndarray) -> np.ndarray:
+        """[S] memory of each stage of the split `boundaries` (every stage holding a layer) with the
+        given per-layer choice indices."""
+        additive, transient, work = self._layer_values(choices)
+        starts, ends = np.asarray(boundaries[:-1]), np.asarray(boundaries[1:])
+        prefix = np.concatenate([np.zeros((self.num_stages, 1)), np.cumsum(additive, axis=1)], axis=1)
+        stages = np.arange(self.num_stages)
+        return (prefix[stages, ends] - prefix[stages, starts] + self.stage_overhead_bytes
+                + np.maximum(np.add.reduceat(transient, starts), np.maximum.reduceat(work, starts)))
 
 
 @dataclass(frozen=True)
@@ -125,7 +169,7 @@ class StageSplit:
         boundaries: S+1 cut points from 0 to L; stage s holds layers [boundaries[s], boundaries[s+1]).
         choices: per-layer choice index (all 0 when the problem has one choice).
         stage_time_s: T_s per stage (layer times / stage speed).
-        stage_mem_bytes: memory per device of each stage.
+        stage_mem_bytes: memory of each stage on its own (chunks sharing a device each count their transients).
         objective_s: (m - 1) * max(T_s) + sum(T_s) (`StageProblem.objective_s` when stages share devices).
         method: "dp", "ilp" or "uniform".
         status: a `SolveStatus`; "infeasible" only from `split_uniform` (the split overflows memory).
@@ -170,8 +214,7 @@ def make_split(problem, boundaries, choices, method, status, gap, solve_time_s) 
     rows = np.arange(problem.num_layers)
     stage_of = np.repeat(np.arange(problem.num_stages), np.diff(boundaries))
     time_s = np.bincount(stage_of, problem.layer_time_s[rows, choices], problem.num_stages) / problem.stage_speed
-    mem_bytes = problem.stage_layer_mem_bytes(choices)[stage_of, rows]
-    stage_mem_bytes = np.bincount(stage_of, mem_bytes, problem.num_stages) + problem.stage_overhead_bytes
+    stage_mem_bytes = problem.stage_mem_bytes(boundaries, choices)
     return StageSplit(
         boundaries=tuple(int(b) for b in boundaries),
         choices=tuple(int(c) for c in choices),
@@ -183,3 +226,29 @@ def make_split(problem, boundaries, choices, method, status, gap, solve_time_s) 
         gap=float(gap),
         solve_time_s=solve_time_s,
     )
+
+
+def segment_sums(stage_layer_values: np.ndarray) -> np.ndarray:
+    """[S, L] per-stage layer values -> segment array: [s, j, i] = sum over layers [i, j), inf where j <= i.
+
+    Segment arrays are indexed [stage, end, start] so the DPs reduce over contiguous memory.
+    """
+    num_stages, num_layers = stage_layer_values.shape
+    prefix = np.concatenate([np.zeros((num_stages, 1)), np.cumsum(stage_layer_values, axis=1)], axis=1)
+    sums = prefix[:, :, None] - prefix[:, None, :]
+    return np.where(_nonempty(num_layers)[None, :, :], sums, np.inf)
+
+
+def segment_maxima(layer_values: np.ndarray) -> np.ndarray:
+    """[L] layer values -> [j, i] = max over layers [i, j), -inf where j <= i."""
+    num_layers = len(layer_values)
+    from_start = np.where(np.triu(np.ones((num_layers, num_layers), dtype=bool)), layer_values[None, :], -np.inf)
+    running = np.maximum.accumulate(from_start, axis=1)  # [i, k] = max over layers [i, k]
+    maxima = np.full((num_layers + 1, num_layers + 1), -np.inf)
+    maxima[1:, :-1] = running.T
+    return np.where(_nonempty(num_layers), maxima, -np.inf)
+
+
+def _nonempty(num_layers: int) -> np.ndarray:
+    """[j, i]: True where the segment [i, j) holds a layer."""
+    return np.tril(np.ones((num_layers + 1, num_layers + 1), dtype=bool), k=-1)

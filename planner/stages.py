@@ -12,8 +12,8 @@ Problem and result types: `planner.stage_problem`; the MILP with per-layer choic
   every sum equal, so it ends after two or three O(S L^2) numpy DPs.
 * `split_uniform`: equal layer counts, the baseline a user would otherwise write by hand.
 
-Memory feasibility is exact too: memory is additive per layer, so the split of least memory pressure
-(a min-max DP) fits iff any split fits (`raise_if_no_split_fits`).
+Memory feasibility is exact too: the split of least memory pressure (a min-max DP over the segments'
+memory) fits iff any split fits (`raise_if_no_split_fits`).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import numpy as np
 
 from planner.errors import PlannerError, PlannerErrorKind, invalid
 from planner.milp import SolveStatus
-from planner.stage_problem import StageProblem, StageSplit, make_split, pipeline_step_time_s
+from planner.stage_problem import StageProblem, StageSplit, make_split, pipeline_step_time_s, segment_sums
 
 GIB_BYTES = 2**30  # only for rendering error messages
 
@@ -45,15 +45,14 @@ def split_dp(problem: StageProblem) -> StageSplit:
     if problem.num_choices != 1:
         raise invalid(f"layer_time_s: {problem.num_choices} choices per layer; split_dp takes one, use split_ilp")
     choices = np.zeros(problem.num_layers, dtype=int)
-    stage_layer_mem_bytes = problem.stage_layer_mem_bytes(choices)
     if problem.num_stages == problem.num_layers:
-        return _one_layer_per_stage(problem, stage_layer_mem_bytes, choices, start_s)
-    fast = _balanced_split_if_it_fits(problem, stage_layer_mem_bytes)
+        return _one_layer_per_stage(problem, choices, start_s)
+    fast = _balanced_split_if_it_fits(problem, choices)
     if fast is not None:
         return make_split(problem, fast, choices, "dp", SolveStatus.OPTIMAL, 0.0, time.perf_counter() - start_s)
-    raise_if_no_split_fits(problem, stage_layer_mem_bytes)
-    segment_mem_bytes = _segment_sums(stage_layer_mem_bytes) + problem.stage_overhead_bytes[:, None, None]
-    segment_time_s = _segment_sums(problem.layer_time_s[:, 0][None, :] / problem.stage_speed[:, None])
+    segment_mem_bytes = problem.segment_mem_bytes(choices)
+    raise_if_no_split_fits(problem, segment_mem_bytes)
+    segment_time_s = segment_sums(problem.layer_time_s[:, 0][None, :] / problem.stage_speed[:, None])
     segment_time_s[segment_mem_bytes > problem.mem_cap_bytes[:, None, None]] = np.inf
     m = problem.num_microbatches
 
@@ -74,7 +73,7 @@ def split_dp(problem: StageProblem) -> StageSplit:
     return make_split(problem, best, choices, "dp", SolveStatus.OPTIMAL, 0.0, time.perf_counter() - start_s)
 
 
-def _balanced_split_if_it_fits(problem: StageProblem, stage_layer_mem_bytes: np.ndarray) -> np.ndarray | None:
+def _balanced_split_if_it_fits(problem: StageProblem, choices: np.ndarray) -> np.ndarray | None:
     """On equally fast stages, the least-max split when it also fits memory; None otherwise.
 
     With equal speeds sum_s T_s is the same for every split, so the objective (m - 1) max + sum is
@@ -84,22 +83,18 @@ def _balanced_split_if_it_fits(problem: StageProblem, stage_layer_mem_bytes: np.
     speed = problem.stage_speed
     if not np.all(speed == speed[0]):
         return None
-    segment_time_s = _segment_sums(problem.layer_time_s[:, 0][None, :] / speed[0])[0]
+    segment_time_s = segment_sums(problem.layer_time_s[:, 0][None, :] / speed[0])[0]
     shape = (problem.num_stages, *segment_time_s.shape)
     boundaries = _best_split(np.broadcast_to(segment_time_s, shape), np.maximum)
-    prefix = np.concatenate([np.zeros((problem.num_stages, 1)), np.cumsum(stage_layer_mem_bytes, axis=1)], axis=1)
-    stages = np.arange(problem.num_stages)
-    need_bytes = prefix[stages, boundaries[1:]] - prefix[stages, boundaries[:-1]] + problem.stage_overhead_bytes
-    return boundaries if np.all(need_bytes <= problem.mem_cap_bytes) else None
+    return boundaries if np.all(problem.stage_mem_bytes(boundaries, choices) <= problem.mem_cap_bytes) else None
 
 
-def _one_layer_per_stage(problem: StageProblem, stage_layer_mem_bytes: np.ndarray, choices: np.ndarray,
-                         start_s: float) -> StageSplit:
+def _one_layer_per_stage(problem: StageProblem, choices: np.ndarray, start_s: float) -> StageSplit:
     """The only contiguous split when there are as many stages as layers (no O(S L^2) DP needed)."""
-    need_bytes = np.diag(stage_layer_mem_bytes) + problem.stage_overhead_bytes
+    boundaries = np.arange(problem.num_layers + 1)
+    need_bytes = problem.stage_mem_bytes(boundaries, choices)
     if np.any(need_bytes > problem.mem_cap_bytes):
         raise _no_split_fits(problem, need_bytes)
-    boundaries = np.arange(problem.num_layers + 1)
     return make_split(problem, boundaries, choices, "dp", SolveStatus.OPTIMAL, 0.0, time.perf_counter() - start_s)
 
 
@@ -123,18 +118,6 @@ def split_uniform(problem: StageProblem) -> StageSplit:
     if np.any(np.asarray(split.stage_mem_bytes) > problem.mem_cap_bytes):
         split = replace(split, status=SolveStatus.INFEASIBLE)
     return replace(split, solve_time_s=time.perf_counter() - start_s)
-
-
-def _segment_sums(stage_layer_values: np.ndarray) -> np.ndarray:
-    """[S, L] per-stage layer values -> segment array: [s, j, i] = sum over layers [i, j), inf where j <= i.
-
-    Segment arrays are indexed [stage, end, start] so the DPs reduce over contiguous memory.
-    """
-    num_stages, num_layers = stage_layer_values.shape
-    prefix = np.concatenate([np.zeros((num_stages, 1)), np.cumsum(stage_layer_values, axis=1)], axis=1)
-    sums = prefix[:, :, None] - prefix[:, None, :]
-    lower = np.tril(np.ones((num_layers + 1, num_layers + 1), dtype=bool), k=-1)
-    return np.where(lower[None, :, :], sums, np.inf)
 
 
 def _best_split(segments: np.ndarray, combine: np.ufunc) -> np.ndarray | None:
@@ -171,26 +154,20 @@ def _segment_values(segments: np.ndarray, boundaries: np.ndarray) -> np.ndarray:
     return segments[np.arange(len(boundaries) - 1), boundaries[1:], boundaries[:-1]]
 
 
-def least_stage_layer_mem_bytes(problem: StageProblem) -> np.ndarray:
-    """[S, L] bytes of layer l on stage s with its least-memory choice for that stage."""
-    per_choice = problem.layer_static_bytes[None, :, :] + problem.in_flight[:, None, None] * problem.layer_act_bytes[None, :, :]
-    return per_choice.min(axis=2)
+def least_pressure_split(problem: StageProblem, segment_mem_bytes: np.ndarray) -> np.ndarray:
+    """[S] bytes per stage of the split minimising max_s M_s / cap_s (a min-max DP over
+    `StageProblem.segment_mem_bytes`).
 
-
-def least_pressure_split(problem: StageProblem, stage_layer_mem_bytes: np.ndarray) -> np.ndarray:
-    """[S] bytes per stage of the split minimising max_s M_s / cap_s (a min-max DP).
-
-    Memory is additive per layer, so this split fits iff any split fits; with per-layer choices, pass
-    each layer's least-memory choice per stage.
+    This split fits iff any split fits; with per-layer choices, pass the segments' least memory
+    (`segment_mem_bytes()`), a lower bound: nothing fits when even it does not.
     """
-    need_bytes = _segment_sums(stage_layer_mem_bytes) + problem.stage_overhead_bytes[:, None, None]
-    boundaries = _best_split(need_bytes / problem.mem_cap_bytes[:, None, None], np.maximum)
-    return _segment_values(need_bytes, boundaries)
+    boundaries = _best_split(segment_mem_bytes / problem.mem_cap_bytes[:, None, None], np.maximum)
+    return _segment_values(segment_mem_bytes, boundaries)
 
 
-def raise_if_no_split_fits(problem: StageProblem, stage_layer_mem_bytes: np.ndarray) -> None:
+def raise_if_no_split_fits(problem: StageProblem, segment_mem_bytes: np.ndarray) -> None:
     """Raise INSUFFICIENT_MEMORY, naming how much memory the least-pressured split needs, if nothing fits."""
-    stage_need_bytes = least_pressure_split(problem, stage_layer_mem_bytes)
+    stage_need_bytes = least_pressure_split(problem, segment_mem_bytes)
     if np.all(stage_need_bytes <= problem.mem_cap_bytes):
         return
     raise _no_split_fits(problem, stage_need_bytes)

@@ -27,14 +27,18 @@ def one_f_one_b_in_flight(num_stages: int, num_microbatches: int) -> np.ndarray:
 
 def brute_force_objective_s(problem: StageProblem) -> float:
     """Least (m-1)*max + sum over every contiguous split and every per-layer choice vector; inf if none
-    fits. With stages sharing devices (stage s on device s % D): memory and the max over each
-    device's stages summed, the sum divided by the S / D stages per device."""
+    fits. A device's memory: its layers' static and in-flight activation bytes, its overheads, and
+    the larger of its layers' summed transients and its largest recompute working set. With stages
+    sharing devices (stage s on device s % D): the max over each device's stages summed, the sum
+    divided by the S / D stages per device."""
     layers, stages = problem.num_layers, problem.num_stages
     choice_vectors = np.array(list(product(range(problem.num_choices), repeat=layers)))
     rows = np.arange(layers)
     time_s = problem.layer_time_s[rows, choice_vectors]
     static = problem.layer_static_bytes[rows, choice_vectors]
     act = problem.layer_act_bytes[rows, choice_vectors]
+    transient = problem.layer_transient_bytes[rows, choice_vectors]
+    work = problem.layer_work_bytes[rows, choice_vectors]
     best = np.inf
     for cuts in combinations(range(1, layers), stages - 1):
         bounds = (0, *cuts, layers)
@@ -46,7 +50,11 @@ def brute_force_objective_s(problem: StageProblem) -> float:
             for s in range(stages)
         ])
         device_of = np.arange(stages) % problem.devices
-        device_mem = np.stack([stage_mem[device_of == d].sum(axis=0) for d in range(problem.devices)])
+        device_layers = [np.concatenate([np.arange(bounds[s], bounds[s + 1]) for s in range(stages) if device_of[s] == d])
+                         for d in range(problem.devices)]
+        device_mem = np.stack([stage_mem[device_of == d].sum(axis=0)
+                               + np.maximum(transient[:, layers].sum(axis=1), work[:, layers].max(axis=1))
+                               for d, layers in enumerate(device_layers)])
         device_cap = np.array([problem.mem_cap_bytes[device_of == d].sum() for d in range(problem.devices)])
         device_time = np.stack([stage_time[device_of == d].sum(axis=0) for d in range(problem.devices)])
         fits = np.all(device_mem <= device_cap[:, None], axis=0)
@@ -78,6 +86,8 @@ def stage_problems(draw, max_choices: int, shared_devices: bool = False) -> Stag
         layer_time_s=per_type(0, 10)[layer_type],
         layer_static_bytes=per_type(0, 5)[layer_type],
         layer_act_bytes=per_type(0, 5)[layer_type],
+        layer_transient_bytes=per_type(0, 3)[layer_type] * draw(st.booleans()),
+        layer_work_bytes=per_type(0, 12)[layer_type] * draw(st.booleans()),
         num_stages=num_stages,
         in_flight=one_f_one_b_in_flight(num_stages, num_microbatches),
         mem_cap_bytes=per_stage(st.integers(1, 60)),
@@ -93,8 +103,14 @@ def assert_valid_split(problem: StageProblem, split) -> None:
     assert bounds[0] == 0 and bounds[-1] == problem.num_layers and np.all(np.diff(bounds) >= 1)
     assert len(split.choices) == problem.num_layers
     device_of = np.arange(problem.num_stages) % problem.devices
-    device_mem = np.bincount(device_of, weights=split.stage_mem_bytes)
-    assert np.all(device_mem <= np.bincount(device_of, weights=problem.mem_cap_bytes) * (1 + 1e-9))
+    rows, choices = np.arange(problem.num_layers), np.array(split.choices)
+    stage_of = np.repeat(np.arange(problem.num_stages), np.diff(bounds))
+    additive = problem.layer_static_bytes[rows, choices] + problem.in_flight[stage_of] * problem.layer_act_bytes[rows, choices]
+    for d in range(problem.devices):
+        layers = device_of[stage_of] == d
+        need = (additive[layers].sum() + problem.stage_overhead_bytes[device_of == d].sum()
+                + max(problem.layer_transient_bytes[rows, choices][layers].sum(), problem.layer_work_bytes[rows, choices][layers].max()))
+        assert need <= problem.mem_cap_bytes[device_of == d].sum() * (1 + 1e-9)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
