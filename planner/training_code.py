@@ -31,6 +31,11 @@ from planner.sp_gather import SpGather
 from planner.state_cost import DpSync, Zero3Fetch
 
 
+# Choices besides each field's default that `Plan.apply` runs: torch picks the attention kernel
+# (`flash2` is PyTorch's SDPA on Hopper up to torch 2.10), and context parallelism runs either exchange.
+APPLIED_BESIDES_DEFAULTS = {"attention": ("flash2",), "cp_comm": ("a2a",)}
+
+
 @dataclass(frozen=True)
 class TrainingCode:
     """The training code's kernels and state synchronisation (module docstring)."""
@@ -79,6 +84,10 @@ class TrainingCode:
         """`options` that differ from the defaults."""
         default = TrainingCode().options()
         return {name: value for name, value in self.options().items() if value != default[name]}
+
+    def not_applied(self) -> dict[str, str | bool]:
+        """`changed` choices that `Plan.apply` does not run: it runs PyTorch's and FSDP2's own."""
+        return {name: value for name, value in self.changed().items() if value not in APPLIED_BESIDES_DEFAULTS.get(name, ())}
 
     @classmethod
     def choices(cls, name: str) -> tuple[str | bool, ...]:

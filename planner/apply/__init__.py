@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -331,9 +332,13 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
             process-group work, when the model or world size does not match the plan.
     """
     device = _check_arguments(plan, model, device)
+    config, code = plan.config, TrainingCode.of(**plan.training_code)
+    if other := code.not_applied():
+        warnings.warn(f"Plan.apply runs PyTorch's own {', '.join(other)}: the plan was priced for training code with "
+                      f"{', '.join(f'{name}={value}' for name, value in other.items())}, so this run's time and memory "
+                      f"may differ from its estimate", stacklevel=3)
     check_world_size(plan)
     match, tp_plan = check_applicable(plan, model)
-    config, code = plan.config, TrainingCode.of(**plan.training_code)
     loss_module = getattr(model, "loss", None)
     if config.pp > 1 and loss_fn is None and not isinstance(loss_module, nn.modules.loss._Loss):
         raise invalid("loss_fn: the model has no `loss` module; pass loss_fn=(logits, targets) -> loss for pipelining")
