@@ -7,6 +7,9 @@ place. HiGHS takes float coefficients, so costs stay in seconds and bytes with n
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -76,9 +79,10 @@ def solve_milp(
     )
     hints = [] if hint is None else [mathopt.SolutionHint(variable_values=dict(hint))]
     start_s = time.perf_counter()
-    result = mathopt.solve(
-        model, mathopt.SolverType.HIGHS, params=params, model_params=mathopt.ModelSolveParameters(solution_hints=hints)
-    )
+    with _c_stdout_silenced():
+        result = mathopt.solve(
+            model, mathopt.SolverType.HIGHS, params=params, model_params=mathopt.ModelSolveParameters(solution_hints=hints)
+        )
     solve_time_s = time.perf_counter() - start_s
     reason = result.termination.reason
     if reason == mathopt.TerminationReason.INFEASIBLE:
@@ -94,3 +98,20 @@ def solve_milp(
     gap = abs(bounds.primal_bound - bounds.dual_bound) / max(abs(bounds.primal_bound), GAP_DENOMINATOR_FLOOR)
     status = SolveStatus.OPTIMAL if reason == mathopt.TerminationReason.OPTIMAL else SolveStatus.TIME_LIMIT
     return MilpResult(status, objective, gap, solve_time_s, result.variable_values())
+
+
+@contextlib.contextmanager
+def _c_stdout_silenced():
+    """The process's C-level stdout sent to the null device: HiGHS prints a debugging line there
+    whenever it repairs a solution of its presolved problem ("HighsMipSolverData::
+    transformNewIntegerFeasibleSolution tmpSolver.run();", ERGO-Code/HiGHS#2783, in the HiGHS that
+    OR-Tools bundles), whatever its output options; a solve writes nothing of ours there."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)

@@ -6,6 +6,7 @@ for rounding at the memory cap.
 """
 from __future__ import annotations
 
+import os
 import time
 from itertools import combinations, product
 
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.errors import PlannerError, PlannerErrorKind
-from planner.milp import SolveStatus
+from planner.milp import SolveStatus, _c_stdout_silenced
 from planner.stage_ilp import split_ilp
 from planner.stage_problem import StageProblem
 from planner.stages import split_dp, split_uniform
@@ -301,3 +302,12 @@ def test_dp_is_fast(layers, stages, limit_s):
     split = split_dp(problem)
     assert time.perf_counter() - start_s < limit_s
     assert split.status == SolveStatus.OPTIMAL
+
+
+def test_solver_output_on_the_c_stdout_is_silenced(capfd):
+    # HiGHS prints a debugging line on the C stdout when it repairs a presolved solution, whatever
+    # its options (planner.milp); nothing else runs there during a solve.
+    with _c_stdout_silenced():
+        os.write(1, b"from the solver\n")
+    os.write(1, b"after the solve\n")
+    assert capfd.readouterr().out == "after the solve\n"
