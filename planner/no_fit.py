@@ -8,7 +8,9 @@ floor order (at most `CLOSEST_MISS_PRICINGS` of them) and the closest named is a
 A remedy is named only where it can help: more devices always can, while every micro-batch size,
 ZeRO stage, recompute policy and (unless forbidden) optimizer offload were tried already, so those
 are named only when a fixed choice held them back, each with what the closest miss then needs
-(priced), and not where that is no less.
+(priced), and not where that is no less. ZeRO-3 shards over the data-parallel ranks, which the
+closest miss may not have: that remedy is searched again with it fixed, over every degree the
+constraints allow, and names the configuration that then fits or comes closest.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import dataclasses
 import math
 import re
 from collections import Counter
+from typing import Callable
 
 from costmodel import memory as memory_model
 from costmodel.offload import host_state_bytes
@@ -79,20 +82,26 @@ def _lever(evaluator: Evaluator, label: str, variant: ParallelConfig, need_bytes
     except PlannerError:
         return label
     peak_bytes = evaluator.estimate(variant, global_batch, headroom=headroom).peak_memory_bytes
+    return _verdict(label, "the closest", peak_bytes, need_bytes, usable_bytes)
+
+
+def _verdict(label: str, what: str, peak_bytes: float, need_bytes: float, usable_bytes: float) -> str | None:
+    """`label` with what `what` then holds; None where that is no less than `need_bytes`."""
     if peak_bytes >= need_bytes:
         return None
-    verdict = "fits at" if peak_bytes <= usable_bytes else "needs"
-    return f"{label} (the closest then {verdict} {peak_bytes / GIB:.1f} GiB)"
+    return f"{label} ({what} then {'fits at' if peak_bytes <= usable_bytes else 'needs'} {peak_bytes / GIB:.1f} GiB)"
 
 
 def nothing_fits(evaluator: Evaluator, global_batch: int, closest: tuple[float, ParallelConfig] | None, evaluated: int,
                  rejected: list[Rejection], host_miss=None, constraints: dict | None = None,
-                 headroom: float = 0.0) -> PlannerError:
+                 headroom: float = 0.0, retry: Callable[[dict], tuple[float, ParallelConfig] | None] = lambda extra: None) -> PlannerError:
     """INSUFFICIENT_MEMORY naming the `closest` miss and what would fit: more devices, and the levers
     a fixed choice held back (module docstring). When offloading the optimizer made a configuration
     fit the devices but not the host's memory (`host_miss`), that leads: more host memory, or more
     devices to shard the states over (unless ZeRO is fixed at 0). INVALID_INPUT with the commonest
-    reasons when no configuration was valid at all (`rejected`). `constraints`: the user's fixed choices.
+    reasons when no configuration was valid at all (`rejected`). `constraints`: the user's fixed choices;
+    `retry(extra)`: (peak, config) of the search with `extra` fixed too, its best fit or its closest
+    miss (None when nothing was valid).
 
     The devices named are at least what the model states need, sharded whole (ZeRO-3, offloaded
     where allowed), and at least the closest miss's peak scaled to the capacity."""
@@ -135,12 +144,16 @@ def nothing_fits(evaluator: Evaluator, global_batch: int, closest: tuple[float, 
             config, micro_batch=1, num_microbatches=config.num_microbatches * config.micro_batch)))
     # ZeRO needs data-parallel ranks to shard over: none when the fixed tp and pp take every device.
     shardable = cluster.num_devices // ((constraints.get("tp") or 1) * (constraints.get("pp") or 1)) > 1 and constraints.get("dp") != 1
-    if ("zero" in constraints and config.zero < 3 and shardable) or constraints.get("recompute", Recompute.FULL) != Recompute.FULL:
-        levers.append(("allowing zero=3 with recompute=full", dataclasses.replace(
-            config, zero=3 if shardable else config.zero, recompute=Recompute.FULL)))
+    saver = {"zero": 3} if "zero" in constraints and config.zero < 3 and shardable else {}
+    if constraints.get("recompute", Recompute.FULL) != Recompute.FULL:
+        saver["recompute"] = Recompute.FULL
     if not offload_tried and not config.offload_optimizer:
         levers.append(("allowing optimizer offload", dataclasses.replace(config, offload_optimizer=True)))
     remedies += [_lever(evaluator, label, variant, need, usable, global_batch, headroom) for label, variant in levers]
+    if saver:
+        label = "allowing " + " with ".join(f"{name}={value}" for name, value in saver.items())
+        found = retry(saver)
+        remedies.append(found and _verdict(label, found[1].short(), found[0], need, usable))
     of = f"{capacity / GIB:.1f} GiB" + (f" ({usable / GIB:.1f} GiB under the {headroom:.0%} headroom)" if headroom else "")
     return PlannerError(
         PlannerErrorKind.INSUFFICIENT_MEMORY,

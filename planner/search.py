@@ -287,9 +287,16 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     candidates_total, evaluated, screened = tally.total, tally.evaluated, tally.screened
 
     if not ranked:
+        def retry(extra: dict) -> tuple[float, ParallelConfig] | None:
+            """(peak bytes, config) of the best plan under the constraints with `extra` fixed, else of its closest miss."""
+            again = _Pass(Counter(), {}, [])
+            found = again.run(evaluator, space, graph, global_batch, {**constraints, **extra}, headroom, 1, False)
+            return ((found[0][2].peak_memory_bytes, found[0][1]) if found else
+                    closest_miss(evaluator, again.closest_miss, again.screened_misses, global_batch, headroom))
+
         closest = closest_miss(evaluator, tally.closest_miss, tally.screened_misses, global_batch, headroom)
         raise nothing_fits(evaluator, global_batch, closest, evaluated + screened,
-                           rejected[len(space.rejected):] or rejected, tally.host_miss, constraints, headroom)
+                           rejected[len(space.rejected):] or rejected, tally.host_miss, constraints, headroom, retry)
 
     ranked, plan_memory, unrefined = _refine_front(evaluator, ranked, global_batch, headroom, fixed="recompute" in constraints)
     best_config, best_estimate = ranked[0][1:3]

@@ -363,17 +363,32 @@ def test_nothing_fits_names_the_priced_peak_of_the_closest_miss():
 
 
 def test_nothing_fits_suggests_only_what_the_closest_miss_lacks():
-    # gpt3-13b on two a100-40g with ZeRO fixed at 0: the remedies name ZeRO-3 with full recompute.
+    # gpt3-13b on two a100-40g with ZeRO fixed at 0: the remedies name ZeRO-3.
     graph = planner.trace("gpt3-13b", seq_len=1024)
     with pytest.raises(PlannerError) as error:
         planner.plan(graph, "a100-40g:1x2", global_batch=8, allow_offload=False, zero=0, micro_batch=1)
     message = error.value.message
-    assert "z0" in message and "zero=3 with recompute=full" in message
+    assert "z0" in message and "allowing zero=3 (" in message
     assert "micro-batch" not in message
     # On one device ZeRO shards nothing: more devices is the remedy, not ZeRO-3.
     with pytest.raises(PlannerError) as error:
         planner.plan(graph, "a100-40g:1x1", global_batch=8, allow_offload=False, micro_batch=1, recompute="full")
     assert "devices" in error.value.message and "zero=3" not in error.value.message
+
+
+def test_the_zero3_remedy_is_searched_over_the_degrees_that_can_shard():
+    # With ZeRO fixed at 1, the closest miss of Llama 3 70B on 16 H100s is dp1 tp8 pp2, where ZeRO-3
+    # would shard nothing. The remedy names the configuration ZeRO-3 then fits, and it does.
+    graph = planner.trace("llama3-70b", seq_len=8192)
+    with pytest.raises(PlannerError) as error:
+        planner.plan(graph, "h100-sxm:2x8", global_batch=64, zero=1, allow_offload=False)
+    message = error.value.message
+    closest = re.search(r"the closest \((dp\d+) tp\d+", message)
+    remedy = re.search(r"allowing zero=3 \(dp(\d+) tp(\d+) pp(\d+) (?:cp(\d+) )?mb(\d+)x(\d+) z3 (\w+) (\w+) then fits at", message)
+    assert closest and closest.group(1) == "dp1" and remedy, message
+    dp, tp, pp, cp, mb = (int(g or 1) for g in remedy.groups()[:5])
+    config = dict(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=mb, zero=3, recompute=remedy.group(7), schedule=remedy.group(8))
+    assert dp > 1 and planner.evaluate(graph, "h100-sxm:2x8", config, global_batch=64).fits
 
 
 @pytest.mark.parametrize("constraints, reason, example", [
