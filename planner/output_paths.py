@@ -3,12 +3,14 @@
 A command that fails on a bad output path after planning loses the work, and one that fails after
 writing some of its outputs leaves them half-written; so `plan`, `sweep` and `report` check every
 path they will write first. A file path is probed by creating it (and removing it again when it was
-not there): what the file system refuses (`/proc`, a read-only mount, a directory's name) is found
-before anything is computed.
+not there), a folder that is missing or will take files by creating and removing a folder in it:
+what the file system refuses (`/proc`, a read-only mount, a directory's name) is found before
+anything is computed, even by root, whom permission bits do not stop.
 """
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from planner.errors import invalid
@@ -35,8 +37,7 @@ def check_writable_file(path: str | Path, option: str) -> Path:
     if not folder.is_dir():
         raise invalid(f"{option} {path}: {folder} is not a directory; give another path")
     if folder != path.parent:
-        if not os.access(folder, os.W_OK):
-            raise invalid(f"{option} {path}: {folder} is not writable; give another path")
+        _probe(folder, path, option)
         return path
     existed = path.exists()
     try:
@@ -58,6 +59,17 @@ def check_writable_dir(path: str | Path, option: str) -> Path:
     folder = _nearest_existing(path)
     if not folder.is_dir():
         raise invalid(f"{option} {path}: {folder} is a file, not a directory; give a folder path")
-    if not os.access(folder, os.W_OK):
-        raise invalid(f"{option} {path}: {folder} is not writable; give another path")
+    _probe(folder, path, option)
     return path
+
+
+def _probe(folder: Path, path: Path, option: str) -> None:
+    """Creates and removes a folder in `folder`, where `path`'s folders or files will go.
+
+    Raises:
+        PlannerError: INVALID_INPUT naming `option` when the file system refuses it.
+    """
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".paraplan-probe-", dir=folder))
+    except OSError as error:
+        raise invalid(f"{option} {path}: {folder} cannot take new files ({error.strerror}); give another path") from None

@@ -549,6 +549,9 @@ def test_output_paths_are_checked_before_any_work_and_nothing_is_half_written(ca
     code, _, err = run(["plan", *RUN_ARGS, "--out", str(plan_out), "--timeline", "/proc/paraplan-x.png"], capsys)
     assert code == 2 and err.startswith("paraplan: --timeline /proc/paraplan-x.png: cannot be written")
     assert not plan_out.exists()
+    # A file or folder under a folder to be made where the file system refuses one (even to root).
+    code, _, err = run(["plan", *RUN_ARGS, "--out", "/proc/paraplan-sub/p.json"], capsys)
+    assert code == 2 and err.startswith("paraplan: --out /proc/paraplan-sub/p.json: /proc cannot take new files")
     (tmp_path / "afile").write_text("")
     results = tmp_path / "r.csv"
     sweep_args = ["sweep", "--models", "gpt3-125m", "--devices", "a100-80g", "--cluster-sizes", "8", "--global-batches", "32",
@@ -556,6 +559,8 @@ def test_output_paths_are_checked_before_any_work_and_nothing_is_half_written(ca
     for option in ("--plan-dir", "--charts"):
         code, _, err = run([*sweep_args, option, str(tmp_path / "afile" / "sub")], capsys)
         assert code == 2 and f"paraplan: {option} {tmp_path / 'afile' / 'sub'}: {tmp_path / 'afile'} is a file" in err
+        code, _, err = run([*sweep_args, option, "/proc/paraplan-charts"], capsys)
+        assert code == 2 and f"paraplan: {option} /proc/paraplan-charts: /proc cannot take new files" in err
     assert not results.exists()
     (tmp_path / "report.md").mkdir()
     code, _, err = run(["report", str(results), "--out", str(tmp_path / "report.md")], capsys)
