@@ -637,3 +637,12 @@ def test_training_code_flags_offer_exactly_the_cost_models_choices(command):
         assert tuple(action.choices) == TrainingCode.choices(name)
         assert action.default is None
         assert inspect.signature(plan).parameters[name].default == default
+
+
+@pytest.mark.parametrize("pp,named", [(1, False), (2, True)])
+def test_the_time_caption_names_tied_weights_only_where_stages_could_split_them(capsys, pp, named):
+    # gpt3-125m ties its embedding and head: their gradients are summed across pipeline stages only.
+    args = ["evaluate", *RUN_ARGS, "--tp", "1", "--pp", str(pp), "--zero", "0"]
+    code, out, _ = run(args, capsys)
+    text = " ".join(out.split())
+    assert code == 0 and "FSDP2's buffer copies" in text and ("tied across pipeline stages" in text) == named

@@ -55,8 +55,9 @@ def time_table(estimate: Estimate) -> Table:
             continue
         table.add_row(key.removesuffix("_s").replace("_", " "), fmt_seconds(value), f"{value / estimate.step_time_s:.1%}")
     if estimate.time_breakdown.get("dp_comm_exposed_s", 0.0) > 0 or estimate.time_breakdown.get("fsdp_comm_exposed_s", 0.0) > 0:
-        table.caption = ("dp comm includes the gradient sum of weights tied across pipeline stages; dp/fsdp comm "
-                         "include FSDP2's buffer copies, even on one rank")
+        pipelined = estimate.config is not None and estimate.config.pp > 1
+        table.caption = (("dp comm includes the gradient sum of any weights tied across pipeline stages; " if pipelined else "")
+                         + "dp/fsdp comm include FSDP2's buffer copies, even on one rank")
     return table
 
 
