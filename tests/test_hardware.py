@@ -400,6 +400,15 @@ def _cells(text: str) -> dict[str, list[str]]:
     return {row[0]: row[1:] for row in rows if row}
 
 
+def test_hardware_list_keeps_every_name_whole_at_80_columns():
+    # The names are what a user types next (`--cluster h100-hbm2e:4x8`): at a pipe's default width
+    # other columns fold their text, and no name is cut.
+    console = Console(record=True, width=80, color_system=None)
+    console.print(render_hardware_list())
+    first_cells = {line.split("│")[1].strip() for line in console.export_text().splitlines() if line.startswith("│")}
+    assert set(list_devices()) | set(list_links()) | set(list_clusters()) <= first_cells
+
+
 def test_hardware_list_shows_every_device_link_and_cluster():
     cells = _cells(_text(render_hardware_list()))
     assert set(list_devices()) | set(list_links()) | set(list_clusters()) <= cells.keys()

@@ -32,30 +32,42 @@ def render_hardware_list() -> RenderableType:
     """
     problems: list[str] = []
     devices = Table(title="Devices", title_justify="left")
+    device_names = list_devices()
     for column in ("Device", f"{LIST_DTYPE} TFLOP/s", "Memory GiB", "Mem TB/s", "Node", "NIC", "$/device-h"):
-        devices.add_column(column, justify="left" if column in ("Device", "Node", "NIC") else "right")
-    for name, device in _loaded(list_devices(), load_device, problems):
+        _name_column(devices, column, device_names) if column == "Device" else devices.add_column(
+            column, justify="left" if column in ("Node", "NIC") else "right", overflow="fold")
+    for name, device in _loaded(device_names, load_device, problems):
         peak = device.peak_flops_per_s.get(LIST_DTYPE)
         _row(devices, name, f"{peak / FLOPS_PER_TFLOP:.1f}" if peak else MISSING,
              f"{device.mem_bytes / BYTES_PER_GIB:.1f}", f"{device.mem_bw_bytes_per_s / BYTES_PER_TB:.2f}",
              f"{device.devices_per_node} x {_link_brief(device.intra_link)}", _link_brief(device.nic),
              f"{device.price_per_hour:.2f}" if device.price_per_hour else MISSING)
     links = Table(title="Links (intra-node links and NICs the devices and clusters name)", title_justify="left")
+    link_names = list_links()
     for column in ("Link", "Kind", "GB/s per direction", "Latency us", "Efficiency"):
-        links.add_column(column, justify="left" if column in ("Link", "Kind") else "right")
-    for name, link in _loaded(list_links(), load_link, problems):
+        _name_column(links, column, link_names) if column == "Link" else links.add_column(
+            column, justify="left" if column == "Kind" else "right", overflow="fold")
+    for name, link in _loaded(link_names, load_link, problems):
         _row(links, name, str(link.kind), f"{link.bw_bytes_per_s / BYTES_PER_GB:g}", f"{link.latency_s * US_PER_S:g}",
              f"{link.efficiency:g}")
     clusters = Table(title="Clusters", title_justify="left")
+    cluster_names = list_clusters()
     for column in ("Cluster", "Devices", "Nodes", "Node groups", "Oversubscription"):
-        clusters.add_column(column, justify="right" if column in ("Devices", "Nodes") else "left")
-    for name, cluster in _loaded(list_clusters(), load_cluster, problems):
+        _name_column(clusters, column, cluster_names) if column == "Cluster" else clusters.add_column(
+            column, justify="right" if column in ("Devices", "Nodes") else "left", overflow="fold")
+    for name, cluster in _loaded(cluster_names, load_cluster, problems):
         _row(clusters, name, str(cluster.num_devices), str(cluster.num_nodes), _groups_brief(cluster),
              f"{cluster.oversubscription:g}:1")
     if not problems:
         return Group(devices, links, clusters)
     return Group(devices, links, clusters, Text("Not listed, their profiles do not load:", style="bold red"),
                  *(Text(f"  {problem}", style="red") for problem in problems))
+
+
+def _name_column(table: Table, header: str, names: list[str]) -> None:
+    """A column of the names a user types: never cut, whatever the terminal's width (the other
+    columns fold their text instead)."""
+    table.add_column(header, no_wrap=True, min_width=max(map(len, names), default=len(header)))
 
 
 def _loaded(names: list[str], load, problems: list[str]):
