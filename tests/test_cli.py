@@ -646,3 +646,15 @@ def test_the_time_caption_names_tied_weights_only_where_stages_could_split_them(
     code, out, _ = run(args, capsys)
     text = " ".join(out.split())
     assert code == 0 and "FSDP2's buffer copies" in text and ("tied across pipeline stages" in text) == named
+
+
+def test_a_model_without_a_token_sequence_reads_in_samples(capsys):
+    # A ResNet's images count one token per sample (README): the plan speaks of samples; a language
+    # model's of tokens.
+    code, out, _ = run(["plan", "--model", "tests.fixtures.custom_models:resnet_factory", "--cluster", "a100-80g:1x2",
+                        "--global-batch", "64"], capsys)
+    text = " ".join(out.split())
+    assert code == 0 and "global batch 64 samples" in text and " samples/s" in text and "tokens" not in text
+    code, out, _ = run(["plan", *RUN_ARGS], capsys)
+    text = " ".join(out.split())
+    assert code == 0 and "global batch 32 x 128 tokens" in text and " tokens/s" in text and "samples" not in text

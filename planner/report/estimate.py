@@ -22,6 +22,15 @@ def estimate_json(estimate: Estimate) -> dict:
     return estimate.to_dict()
 
 
+def throughput_unit(estimate: Estimate) -> str:
+    """"samples" for a model without a token sequence (one token per sample, README), else "tokens"."""
+    config = estimate.config
+    if config is None:
+        return "tokens"
+    sequences = config.dp * config.micro_batch * config.num_microbatches
+    return "samples" if round(estimate.tokens_per_s * estimate.step_time_s / sequences) == 1 else "tokens"
+
+
 def summary_table(estimate: Estimate, title: str) -> Table:
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column("what", style="bold")
@@ -29,7 +38,7 @@ def summary_table(estimate: Estimate, title: str) -> Table:
     if estimate.config is not None:
         table.add_row("config", estimate.config.short())
     table.add_row("step time", fmt_seconds(estimate.step_time_s))
-    table.add_row("throughput", f"{estimate.tokens_per_s:,.0f} tokens/s")
+    table.add_row("throughput", f"{estimate.tokens_per_s:,.0f} {throughput_unit(estimate)}/s")
     table.add_row("model TFLOP/s per device", f"{estimate.tflops_per_gpu:.1f}")
     table.add_row("MFU", f"{estimate.mfu:.1%}")
     # The fullest stage against its own device (on a mixed cluster the largest bytes may sit on the larger device).

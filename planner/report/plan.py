@@ -8,7 +8,7 @@ from rich.table import Table
 
 from planner.config import ParallelConfig
 from planner.result import Plan
-from planner.report.estimate import memory_table, summary_table, time_table, trace_notes
+from planner.report.estimate import memory_table, summary_table, throughput_unit, time_table, trace_notes
 from planner.report.units import bar, fmt_bytes, fmt_seconds
 
 
@@ -136,7 +136,8 @@ def rejected_table(plan: Plan) -> Table:
 
 def render_plan(plan: Plan, explain: bool = False) -> Group:
     search = plan.search
-    title = (f"Plan for {plan.model} on {plan.cluster}: global batch {plan.global_batch} x {plan.seq_len} tokens "
+    batch = f"{plan.global_batch} samples" if throughput_unit(plan.estimate) == "samples" else f"{plan.global_batch} x {plan.seq_len} tokens"
+    title = (f"Plan for {plan.model} on {plan.cluster}: global batch {batch} "
              f"({search.get('candidates_evaluated', 0)} of {search.get('candidates_total', 0)} candidates priced in {search.get('time_s', 0):.2f} s"
              + (f"; {search['runner_ups_unrefined']} runner-ups that might beat it were not refined per layer within the "
                 f"time budget" if search.get("runner_ups_unrefined") else "") + ")")
