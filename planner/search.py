@@ -325,6 +325,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
             "pruned_by_bound": reasons.get("bound", 0),
             "status": "optimal" if not unrefined else "best found",
             "runner_ups_unrefined": unrefined,
+            "not_searched": list(space.not_searched),
             "rejected_counts": dict(reasons),
         },
         alternatives=_alternatives(evaluator, ranked, top),

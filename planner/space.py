@@ -57,6 +57,7 @@ class Space:
 
     degrees: list[tuple[int, int, int, int, int]] = field(default_factory=list)  # (dp, tp, pp, cp, ep)
     rejected: list[Rejection] = field(default_factory=list)
+    not_searched: list[str] = field(default_factory=list)  # what the search leaves out for speed, and how to price it
 
 
 def divisors(n: int) -> list[int]:
@@ -137,6 +138,7 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict, gl
                                                   "searched at such lengths while what the global batch leaves beside dp fits in "
                                                   "a node, to keep the search fast, though it can win by splitting activations "
                                                   "in place of tp; give --cp to price it"))
+        space.not_searched.append(f"cp > 1 below {CP_MIN_SEQ_LEN} tokens per sequence (give --cp to price it)")
     if "cp" in constraints:
         cp_options = cp_all
     cp_options = _fixed(constraints, "cp", cp_options, space, "context parallelism",

@@ -29,7 +29,7 @@ from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.estimate import Evaluator
 from planner.graph import Recompute
-from planner.space import check_config, configs_for, enumerate_degrees
+from planner.space import CP_MIN_SEQ_LEN, check_config, configs_for, enumerate_degrees
 from planner.stages import split_uniform
 
 # Relative tolerance for comparing step times that come from the same arithmetic in another order.
@@ -694,3 +694,14 @@ def test_head_tied_to_a_whole_embedding_is_planned_whole(tmp_path):
                for name in ("gpt2", str(untied))}
     assert (layouts["gpt2"]["embed.tok"], layouts["gpt2"]["head"]) == ("replicate", "replicate")
     assert (layouts[str(untied)]["embed.tok"], layouts[str(untied)]["head"]) == ("replicate", "rowwise")
+
+
+def test_the_plan_says_what_the_search_left_out_for_speed():
+    # Context parallelism is not searched below CP_MIN_SEQ_LEN tokens (where the batch leaves dp a
+    # node's worth of devices): the plan says so, and not once --cp is given or sequences are long.
+    graph = planner.trace("gpt3-125m", seq_len=128)
+    assert planner.plan(graph, "a100-80g:1x8", global_batch=32).search["not_searched"] == [
+        f"cp > 1 below {CP_MIN_SEQ_LEN} tokens per sequence (give --cp to price it)"]
+    assert planner.plan(graph, "a100-80g:1x8", global_batch=32, cp=1).search["not_searched"] == []
+    long = planner.trace("gpt3-125m", seq_len=CP_MIN_SEQ_LEN)
+    assert planner.plan(long, "a100-80g:1x8", global_batch=32).search["not_searched"] == []

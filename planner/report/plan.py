@@ -140,7 +140,8 @@ def render_plan(plan: Plan, explain: bool = False) -> Group:
     title = (f"Plan for {plan.model} on {plan.cluster}: global batch {batch} "
              f"({search.get('candidates_evaluated', 0)} of {search.get('candidates_total', 0)} candidates priced in {search.get('time_s', 0):.2f} s"
              + (f"; {search['runner_ups_unrefined']} runner-ups that might beat it were not refined per layer within the "
-                f"time budget" if search.get("runner_ups_unrefined") else "") + ")")
+                f"time budget" if search.get("runner_ups_unrefined") else "")
+             + "".join(f"; not searched: {what}" for what in search.get("not_searched", ())) + ")")
     parts = [summary_table(plan.estimate, title), mesh_table(plan), stage_table(plan), time_table(plan.estimate),
              memory_table(plan.estimate), memory_plan_table(plan)]
     if plan.layouts:
