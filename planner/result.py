@@ -16,6 +16,8 @@ PLAN_SUFFIXES = (".json", ".yaml", ".yml")
 
 
 # Plan fields `Plan.from_dict` reads, with their JSON types; the rest are optional.
+# The configuration keys every plan carries (DESIGN.md's command-line contract); others have defaults.
+CONFIG_CONTRACT_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "num_microbatches", "zero", "recompute", "schedule")
 _REQUIRED_FIELDS = {"model": str, "cluster": str, "global_batch": int, "seq_len": int, "dtype": str, "config": dict,
                     "step_time_s": (int, float), "tokens_per_s": (int, float), "tflops_per_gpu": (int, float),
                     "mfu": (int, float), "peak_memory_bytes": (int, float), "fits": bool, "time_breakdown": dict,
@@ -59,6 +61,10 @@ def _check_plan_values(data: dict, recompute: dict, fix: str) -> None:
             raise invalid(f"plan field `{key}`: {data[key]} is not positive; {fix}")
     if data["dtype"] not in TRAINING_DTYPES:
         raise invalid(f"plan field `dtype`: {data['dtype']!r} is not one of {', '.join(TRAINING_DTYPES)}; {fix}")
+    known = {f.name for f in fields(ParallelConfig)}
+    for key in (*CONFIG_CONTRACT_KEYS, *data["config"]):
+        if key not in data["config"] or key not in known:
+            raise invalid(f"plan field `config.{key}`: {'missing' if key in known else 'not a configuration field'}; {fix}")
     policies = {str(policy) for policy in Recompute}
     known_layers = set(data.get("layer_names", [])) or {name for stage in data["stages"] for name in stage["layer_names"]}
     listed = [name for names in recompute.values() for name in names]

@@ -164,6 +164,19 @@ def test_a_plan_file_with_values_no_plan_has_is_refused_naming_the_field(small_p
     assert error.value.message.startswith(message) and "\n" not in error.value.message
 
 
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda config: config.pop("pp"), "plan field `config.pp`: missing"),
+    (lambda config: config.update(pipeline=2), "plan field `config.pipeline`: not a configuration field"),
+])
+def test_a_plan_file_whose_config_lacks_or_adds_a_field_is_refused_naming_it(small_plan, edit, message):
+    # A missing pp would otherwise read as pp=1 and fail later on the stages, naming neither.
+    data = json.loads(small_plan.to_json())
+    edit(data["config"])
+    with pytest.raises(PlannerError) as error:
+        Plan.from_dict(data)
+    assert error.value.message.startswith(message) and "\n" not in error.value.message
+
+
 def test_a_traced_graph_is_not_re_planned_at_another_sequence_length(small_graph):
     with pytest.raises(PlannerError, match="seq_len=256: the traced graph of gpt3-125m is of seq_len=128"):
         planner.plan(small_graph, NODE, global_batch=32, seq_len=256)
