@@ -26,7 +26,8 @@ from costmodel.hardware import Cluster
 from planner.bounds import (WorkBound, mean_capacity_bytes, memory_floor_bytes, pipeline_bound_s, tail_bound_s, work_bound,
                             work_bound_key)
 from planner.config import ParallelConfig, Schedule
-from planner.errors import PlannerError, check_positive_int, invalid
+from planner.constraints import check_constraints
+from planner.errors import PlannerError, check_positive_int
 from planner.estimate import Evaluator
 from planner.graph import ModelGraph, Recompute
 from planner.memory_plan import MEMORY_ILP_TIME_LIMIT_S, chunk_boundaries, memory_plan, uniform_recompute
@@ -34,12 +35,6 @@ from planner.no_fit import batch_reason, closest_miss, nothing_fits
 from planner.result import Alternative, Plan
 from planner.space import Rejection, check_config, configs_for, divisors, enumerate_degrees, max_micro_batch, why_no_configs
 from planner.training_code import TrainingCode
-
-# Constraint keys `plan` accepts besides the fixed choices; anything else is a typo.
-BOUND_KEYS = {f"{bound}_{axis}" for bound in ("min", "max") for axis in ("tp", "pp", "dp", "cp", "ep")}
-FIXED_KEYS = {"tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "zero", "recompute", "schedule", "offload_optimizer",
-              "dp_replicate"}
-OTHER_KEYS = {"schedules", "allow_tp_across_nodes", "mem_headroom", "top", "exhaustive", "allow_offload"}
 
 # Examples of each rejection reason kept for `--explain`.
 EXPLAIN_EXAMPLES_PER_REASON = 3
@@ -58,45 +53,6 @@ RUNNER_UP_ILP_TIME_LIMIT_S = 1.0
 # took 6.5-23 s instead of 2.9-7.5 s for the same plans; mixtral-8x7b on 2 x 8 H100 at 4K tokens, 16
 # sequences at tp 2, missed by 1.0% a plan (one layer recomputed) whose candidate was 0.1% over.
 PIPELINED_TWIN_OVERSHOOT = 0.05
-
-
-# Constraints whose value is a positive integer; the other fixed ones take a listed value.
-_POSITIVE_KEYS = {"tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "top", "dp_replicate"} | BOUND_KEYS
-_FLAG_KEYS = {"offload_optimizer", "allow_tp_across_nodes", "exhaustive", "allow_offload"}
-
-
-def check_constraints(constraints: dict) -> None:
-    """Raises PlannerError (INVALID_INPUT) naming the first unknown constraint or bad value."""
-    import difflib
-
-    for key, value in constraints.items():
-        if key not in BOUND_KEYS | FIXED_KEYS | OTHER_KEYS:
-            near = difflib.get_close_matches(key, sorted(BOUND_KEYS | FIXED_KEYS | OTHER_KEYS), n=1)
-            hint = f"; did you mean {near[0]}?" if near else ""
-            raise invalid(f"constraint {key!r}: unknown{hint}")
-        if key in _POSITIVE_KEYS:
-            check_positive_int(key, value)
-        if key in _FLAG_KEYS and not isinstance(value, bool):
-            raise invalid(f"{key}={value!r}: must be true or false")
-        choices = {"zero": (0, 1, 2, 3), "recompute": tuple(str(p) for p in Recompute),
-                   "schedule": tuple(str(s) for s in Schedule)}.get(key)
-        if choices and (isinstance(value, bool) or str(value) not in {str(c) for c in choices}):
-            raise invalid(f"{key}={value!r}: use one of {', '.join(str(c) for c in choices)}")
-        if key == "schedules" and (not isinstance(value, (list, tuple)) or not {str(v) for v in value} <= {str(s) for s in Schedule}):
-            raise invalid(f"schedules={value!r}: must be a list of {', '.join(str(s) for s in Schedule)}")
-    replicas = constraints.get("dp_replicate", 1)
-    if replicas > 1 and constraints.get("zero") == 0:
-        raise invalid(f"dp_replicate={replicas} with zero=0: hybrid sharding replicates ZeRO shards, and zero=0 shards "
-                      f"nothing; fix zero 1-3 or drop dp_replicate")
-    if replicas > 1 and constraints.get("ep", 1) > 1:
-        raise invalid(f"dp_replicate={replicas} with ep={constraints['ep']}: hybrid sharding of expert-parallel models is "
-                      f"not supported; drop one of them")
-    if constraints.get("offload_optimizer") and constraints.get("allow_offload") is False:
-        raise invalid("offload_optimizer=True with allow_offload=False (--offload-optimizer with --no-offload): they "
-                      "contradict; drop one of them")
-    headroom = constraints.get("mem_headroom", 0.0)
-    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0.0 <= headroom < 0.9:
-        raise invalid(f"mem_headroom={headroom!r}: must be a number in [0, 0.9)")
 
 
 def _reason_key(reason: str) -> str:

@@ -461,6 +461,10 @@ BAD_INPUT = [
                  id="plan with hybrid sharding and no ZeRO"),
     pytest.param(["plan", *RUN_ARGS, "--offload-optimizer", "--no-offload"], "(--offload-optimizer with --no-offload): they contradict",
                  id="offload both asked for and refused"),
+    pytest.param(["plan", *RUN_ARGS, "--pp", "1", "--vpp", "2"], "vpp=2 with pp=1: a pipeline schedule needs pipeline stages",
+                 id="virtual stages without a pipeline"),
+    pytest.param(["plan", *RUN_ARGS, "--pp", "1", "--schedule", "zb"], "schedule=zb with pp=1: a pipeline schedule needs",
+                 id="a pipeline schedule without a pipeline"),
     pytest.param(["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--cp", "8", "--cp-comm", "a2a"],
                  "cp=8 with cp_comm=a2a: the all-to-all splits each rank's 12 query", id="Ulysses cp not dividing the heads"),
 ]

@@ -331,7 +331,7 @@ def _constraints(entry: _Entry | None) -> dict:
         return {}
     if not isinstance(entry.value, dict):
         raise invalid(f"{entry.where}: expected a mapping such as {{zero: 1, max_pp: 8}}")
-    from planner.search import BOUND_KEYS, FIXED_KEYS, OTHER_KEYS, check_constraints
+    from planner.constraints import BOUND_KEYS, FIXED_KEYS, OTHER_KEYS, check_constraints
 
     allowed = sorted((BOUND_KEYS | FIXED_KEYS | OTHER_KEYS) - set(RESERVED_CONSTRAINTS))
     for key in entry.value:
