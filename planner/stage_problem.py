@@ -142,23 +142,32 @@ class StageProblem:
         return per_choice[:, rows, choices], self.layer_transient_bytes[rows, choices], self.layer_work_bytes[rows, choices]
 
     def segment_mem_bytes(self, choices: np.ndarray | None = None) -> np.ndarray:
-        """[s, j, i]: memory of stage s holding layers [i, j) (inf where j <= i), with the given
-        per-layer choice indices. None: every value at its least over the choices, a lower bound
-        on any choice vector's (exact with one choice)."""
+        """[s, j, i]: memory of stage s holding layers [i, j) on its own (inf where j <= i), with the
+        given per-layer choice indices. None: every value at its least over the choices, a lower
+        bound on any choice vector's (exact with one choice). Chunks sharing a device are each
+        charged `_chunk_work_bytes`."""
         additive, transient, work = self._layer_values(choices)
         transient_sum = segment_sums(transient[None, :])[0]
-        largest_work = segment_maxima(work)
+        largest_work = segment_maxima(work) if self.devices == self.num_stages else self._chunk_work_bytes(work)
         return segment_sums(additive) + np.maximum(transient_sum, largest_work)[None] + self.stage_overhead_bytes[:, None, None]
 
     def stage_mem_bytes(self, boundaries, choices: np.ndarray) -> np.ndarray:
-        """[S] memory of each stage of the split `boundaries` (every stage holding a layer) with the
-        given per-layer choice indices."""
+        """[S] memory of each stage of the split `boundaries` (every stage holding a layer) on its
+        own, with the given per-layer choice indices (`segment_mem_bytes`)."""
         additive, transient, work = self._layer_values(choices)
         starts, ends = np.asarray(boundaries[:-1]), np.asarray(boundaries[1:])
         prefix = np.concatenate([np.zeros((self.num_stages, 1)), np.cumsum(additive, axis=1)], axis=1)
         stages = np.arange(self.num_stages)
+        largest_work = np.maximum.reduceat(work, starts) if self.devices == self.num_stages else self._chunk_work_bytes(work)
         return (prefix[stages, ends] - prefix[stages, starts] + self.stage_overhead_bytes
-                + np.maximum(np.add.reduceat(transient, starts), np.maximum.reduceat(work, starts)))
+                + np.maximum(np.add.reduceat(transient, starts), largest_work))
+
+    def _chunk_work_bytes(self, work: np.ndarray) -> float:
+        """The working set a chunk is charged where v chunks share a device, each under its own cap:
+        1/v of the model's largest. Over the device's chunks that is at least the device's
+        max(transients, largest working set), where charging each chunk its own largest would count
+        it v times."""
+        return float(work.max()) * self.devices / self.num_stages
 
 
 @dataclass(frozen=True)

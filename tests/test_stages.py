@@ -6,6 +6,7 @@ for rounding at the memory cap.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from itertools import combinations, product
@@ -311,3 +312,19 @@ def test_solver_output_on_the_c_stdout_is_silenced(capfd):
         os.write(1, b"from the solver\n")
     os.write(1, b"after the solve\n")
     assert capfd.readouterr().out == "after the solve\n"
+
+
+def test_chunks_sharing_a_device_are_charged_its_recompute_working_set_once():
+    # Four one-layer chunks on two devices (interleaved, v = 2), each layer recomputing 10 bytes in
+    # its backward, 6 bytes of cap per chunk (12 per device). A device recomputes one layer at a time:
+    # it needs 10 of its 12. Each chunk is charged half the working set, 5 of its 6, so the split fits;
+    # charging each its own 10 would refuse it, though split_ilp (device-level) accepts it.
+    problem = StageProblem(layer_time_s=np.ones(4), layer_static_bytes=np.zeros(4), layer_act_bytes=np.zeros(4),
+                           num_stages=4, in_flight=np.ones(4), mem_cap_bytes=np.full(4, 6.0), stage_speed=np.ones(4),
+                           num_microbatches=2, devices=2, layer_work_bytes=np.full(4, 10.0))
+    assert split_dp(problem).stage_mem_bytes == (5.0, 5.0, 5.0, 5.0)
+    assert split_ilp(problem).status == SolveStatus.OPTIMAL
+    over = dataclasses.replace(problem, mem_cap_bytes=np.full(4, 4.5))  # a device's 9 bytes cannot hold 10
+    for solver in (split_dp, split_ilp):
+        with pytest.raises(PlannerError):
+            solver(over)
