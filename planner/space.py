@@ -10,6 +10,8 @@ ep divides the experts and dp*cp; dp is what is left. Micro-batches divide the p
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from costmodel.hardware import Cluster
@@ -111,6 +113,12 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict, gl
     for key in ("tp", "pp", "dp", "cp"):
         if key in constraints and devices % constraints[key]:
             space.rejected.append(Rejection(f"{key}={constraints[key]}", f"does not divide the cluster's {devices} devices"))
+    fixed = {key: constraints[key] for key in ("dp", "tp", "pp", "cp") if key in constraints}
+    product = math.prod(fixed.values())
+    if len(fixed) > 1 and (devices % product or (len(fixed) == 4 and product != devices)):
+        raise invalid(f"{' x '.join(f'{key}={value}' for key, value in fixed.items())} = {product} devices: "
+                      f"{'does not divide' if devices % product else 'is not'} the cluster's {devices}; "
+                      f"fix degrees whose product {'divides' if len(fixed) < 4 else 'equals'} {devices}")
     tp_options = []
     for tp in divisors(devices):
         # A tp the user fixes may cross nodes, as `evaluate` prices it; the search keeps to a node.

@@ -167,9 +167,14 @@ def test_dense_models_have_ep1_only_and_fixed_ep_is_rejected():
 
 
 def test_a_fixed_pipeline_degree_that_cannot_be_says_why():
-    # 8 devices with tp=8 leave one device per tensor-parallel group: pp=2 cannot be.
+    # 8 devices with tp=8 leave one device per tensor-parallel group: pp=2 cannot be, nor can the
+    # tp=2 and cp=2 of a 2-device cluster; the fixed degrees' product says so.
     dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=24)
-    assert "pp=2: not possible with tp=8 and cp=1 on 8 devices" in refusal(dims, "a100-80g:1x8", {"tp": 8, "pp": 2})
+    assert refusal(dims, "a100-80g:1x8", {"tp": 8, "pp": 2}) == ("tp=8 x pp=2 = 16 devices: does not divide the cluster's 8; "
+                                                                 "fix degrees whose product divides 8")
+    assert refusal(dims, "a100-80g:1x2", {"tp": 2, "cp": 2}, seq_len=1024).startswith("tp=2 x cp=2 = 4 devices")
+    # A product that divides the devices, leaving cp = 2 to fill them: cp is not searched at 2048 tokens.
+    assert "give --cp to price it" in refusal(dims, "a100-80g:1x8", {"tp": 2, "pp": 2, "dp": 1})
 
 
 def test_a_fixed_tensor_degree_is_refused_for_its_own_reason_only():
