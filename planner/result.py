@@ -7,9 +7,10 @@ from pathlib import Path
 
 from costmodel.profile_files import PROFILE_SUFFIXES
 from planner.config import TRAINING_DTYPES, ParallelConfig
-from planner.errors import invalid
+from planner.errors import PlannerError, invalid
 from planner.graph import Recompute
 from planner.tp_strategies import Placement
+from planner.training_code import TrainingCode
 
 SCHEMA_VERSION = 1
 PLAN_SUFFIXES = (".json", ".yaml", ".yml")
@@ -65,6 +66,7 @@ def _check_plan_values(data: dict, recompute: dict, fix: str) -> None:
     for key in (*CONFIG_CONTRACT_KEYS, *data["config"]):
         if key not in data["config"] or key not in known:
             raise invalid(f"plan field `config.{key}`: {'missing' if key in known else 'not a configuration field'}; {fix}")
+    _check_plan_against_config(data, fix)
     policies = {str(policy) for policy in Recompute}
     known_layers = set(data.get("layer_names", [])) or {name for stage in data["stages"] for name in stage["layer_names"]}
     listed = [name for names in recompute.values() for name in names]
@@ -81,6 +83,23 @@ def _check_plan_values(data: dict, recompute: dict, fix: str) -> None:
     bad = next(((fqn, value) for fqn, value in data.get("layouts", {}).items() if value not in placements), None)
     if bad:
         raise invalid(f"plan field `layouts.{bad[0]}`: {bad[1]!r} is not a placement ({', '.join(sorted(placements))}); {fix}")
+
+
+def _check_plan_against_config(data: dict, fix: str) -> None:
+    """PlannerError naming the first plan field that disagrees with the plan's own configuration."""
+    config = data["config"]
+    if len(data["stages"]) != config["pp"]:
+        count = len(data["stages"])
+        raise invalid(f"plan field `stages`: {count} stage{'s' * (count != 1)}, but config.pp = {config['pp']}; {fix}")
+    if config["tp"] > 1 and not data.get("layouts"):
+        raise invalid(f"plan field `layouts`: none, but config.tp = {config['tp']} needs each module's placement; {fix}")
+    if config["cp"] > 1 and data["seq_len"] % (2 * config["cp"]):
+        raise invalid(f"plan field `seq_len`: {data['seq_len']} tokens, which 2 x config.cp = {2 * config['cp']} chunks "
+                      f"do not divide; {fix}")
+    try:
+        TrainingCode.of(**data.get("training_code", {}))
+    except PlannerError as error:
+        raise invalid(f"plan field `training_code`: {error.message}") from None
 
 
 def contiguous_runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
@@ -350,7 +369,12 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        return cls.from_dict(json.loads(text))
+        """The plan `to_json` wrote; PlannerError when `text` is not JSON (`from_dict` for its fields)."""
+        try:
+            data = json.loads(text)
+        except ValueError as error:
+            raise invalid(f"plan JSON: not JSON ({error}); pass what Plan.to_json wrote") from None
+        return cls.from_dict(data)
 
     def save(self, path: str | Path) -> None:
         """Writes the plan to a .json or .yaml file, creating its folder."""

@@ -145,6 +145,8 @@ def test_plan_is_the_fastest_fitting_candidate(small_plan, small_graph):
 def test_plan_round_trips_through_json(small_plan):
     assert planner.Plan.from_json(small_plan.to_json()) == small_plan
     assert planner.Plan.from_dict(small_plan.to_dict()) == small_plan
+    with pytest.raises(PlannerError, match=r"^plan JSON: not JSON \(Expecting"):
+        planner.Plan.from_json("{")
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -165,13 +167,20 @@ def test_a_plan_file_with_values_no_plan_has_is_refused_naming_the_field(small_p
 
 
 @pytest.mark.parametrize(("edit", "message"), [
-    (lambda config: config.pop("pp"), "plan field `config.pp`: missing"),
-    (lambda config: config.update(pipeline=2), "plan field `config.pipeline`: not a configuration field"),
+    (lambda plan: plan["config"].pop("pp"), "plan field `config.pp`: missing"),
+    (lambda plan: plan["config"].update(pipeline=2), "plan field `config.pipeline`: not a configuration field"),
+    (lambda plan: plan["config"].update(pp=2, num_microbatches=plan["config"]["num_microbatches"]),
+     "plan field `stages`: 1 stage, but config.pp = 2"),
+    (lambda plan: plan["config"].update(tp=2) or plan.update(layouts={}), "plan field `layouts`: none, but config.tp = 2"),
+    (lambda plan: plan["config"].update(cp=2) or plan.update(seq_len=130), "plan field `seq_len`: 130 tokens, which 2 x config.cp = 4"),
+    (lambda plan: plan.update(training_code={"cp_comm": "ring"}), "plan field `training_code`: cp_comm='ring': use one of"),
 ])
 def test_a_plan_file_whose_config_lacks_or_adds_a_field_is_refused_naming_it(small_plan, edit, message):
-    # A missing pp would otherwise read as pp=1 and fail later on the stages, naming neither.
+    # Each would otherwise load and then fail in Plan.apply with a traceback, or run another program
+    # than the one priced (a missing pp read as 1; cp chunks dropping the tokens past 2 x cp x 32).
     data = json.loads(small_plan.to_json())
-    edit(data["config"])
+    data["config"].update(tp=1, pp=1, cp=1)
+    edit(data)
     with pytest.raises(PlannerError) as error:
         Plan.from_dict(data)
     assert error.value.message.startswith(message) and "\n" not in error.value.message
