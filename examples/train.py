@@ -15,6 +15,7 @@ lack bf16 GEMM instructions).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -86,10 +87,18 @@ def train(plan_path: str, model_name: str | None, steps: int) -> int:
             if all(applied.mesh[axis].get_local_rank() == 0 for axis in ("dp", "cp", "tp")):
                 print(f"step {step}: loss {loss.item():.4f} ({times_s[-1]:.3f} s)", flush=True)
     if rank == 0:
-        print(f"median step time {statistics.median(times_s):.3f} s; predicted {plan.estimate.step_time_s:.3f} s")
+        measured = times_s[1:] or times_s  # the first step warms up (allocations, kernel selection)
+        which = f"steps 2-{len(times_s)}" if len(times_s) > 1 else "step 1"
+        print(f"median step time {statistics.median(measured):.3f} s ({which}); predicted {plan.estimate.step_time_s:.3f} s")
     dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # Leave without finalising the interpreter: gloo's worker threads can still hold tensors then and
+    # abort a rank whose work is done ("terminate called without an active exception",
+    # pytorch/pytorch#179291), which torchrun reports as a failed run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
