@@ -193,6 +193,10 @@ def _ep_options(graph: ModelGraph, dp: int, constraints: dict, space: Space) -> 
     experts = graph.dims.experts
     if not experts:
         return _fixed(constraints, "ep", [1], space, "expert parallelism", ": the model has no experts")
+    if not graph.dims.top_k:
+        return _fixed(constraints, "ep", [1], space, "expert parallelism",
+                      f": the {experts} experts' block states no `top_k` or `num_experts_per_tok`, which the "
+                      "all-to-all's volume needs")
     fixed = constraints.get("ep")
     rejection = Rejection(f"ep={fixed}", f"does not divide the {experts} experts")
     if fixed and experts % fixed and rejection not in space.rejected:

@@ -274,6 +274,10 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+# Experts held in one module stack their weights: (experts, in_features, out_features).
+STACKED_EXPERT_WEIGHT_RANK = 3
+
+
 def _infer_dims(model: nn.Module, layers: Sequence[Layer]) -> ModelDims:
     """Architecture facts read off the trace when the source does not give them."""
     blocks = [layer for layer in layers if layer.kind == LayerKind.BLOCK]
@@ -285,9 +289,7 @@ def _infer_dims(model: nn.Module, layers: Sequence[Layer]) -> ModelDims:
                       if op.kind == OpKind.EMBEDDING), None)
     ffn = max((op.attrs["out_features"] for op in ops if op.kind == OpKind.MATMUL
                and op.attrs.get("in_features") == hidden), default=0)
-    experts = next((len(m) for name, m in model.named_modules()
-                    if name.rsplit(".", 1)[-1] == EXPERTS_MODULE
-                    and isinstance(m, nn.ModuleList)), 0)
+    experts, top_k = _expert_counts(model)
     return ModelDims(
         hidden=hidden,
         heads=attention.attrs["heads"] if attention else 0,
@@ -296,4 +298,21 @@ def _infer_dims(model: nn.Module, layers: Sequence[Layer]) -> ModelDims:
         vocab=embedding.attrs["num_embeddings"] if embedding else 0,
         ffn_hidden=ffn if ffn > hidden else 0,
         experts=experts,
+        top_k=top_k,
     )
+
+
+def _expert_counts(model: nn.Module) -> tuple[int, int]:
+    """(experts, experts per token) of the first submodule named `experts`: a ModuleList of experts,
+    or one module whose weights stack them on dim 0 (the zoo's `GroupedLinear`); the count per
+    token from its parent's `top_k` or `num_experts_per_tok` (0 where it states neither)."""
+    for name, module in model.named_modules():
+        parent, _, leaf = name.rpartition(".")
+        if leaf != EXPERTS_MODULE:
+            continue
+        stacked = next((p.shape[0] for p in module.parameters() if p.dim() == STACKED_EXPERT_WEIGHT_RANK), 0)
+        experts = len(module) if isinstance(module, nn.ModuleList) else stacked
+        owner = model.get_submodule(parent)
+        top_k = getattr(owner, "top_k", None) or getattr(owner, "num_experts_per_tok", None) or 0
+        return experts, top_k if isinstance(top_k, int) else 0
+    return 0, 0

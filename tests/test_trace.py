@@ -479,3 +479,17 @@ def test_module_with_real_weights_is_traced_on_a_meta_copy():
         assert (ours.params, ours.fwd_flops, ours.bwd_flops, ours.saved_bytes) == (
             built_on_meta.params, built_on_meta.fwd_flops, built_on_meta.bwd_flops,
             built_on_meta.saved_bytes)
+
+
+def test_a_factorys_mixture_of_experts_is_planned_with_expert_parallelism_as_its_spec_is():
+    # The experts and experts per token are read off the module (the `experts` submodule's stacked
+    # weights, its block's `top_k`), so ep is searched and priced as for the same spec.
+    from tests.fixtures.custom_models import TINY_MOE_SPEC
+
+    graph = trace(f"{FIXTURES}:tiny_moe_factory", seq_len=64)
+    assert (graph.dims.experts, graph.dims.top_k) == (TINY_MOE_SPEC["experts"], TINY_MOE_SPEC["top_k"])
+    config = {"dp": 2, "tp": 1, "pp": 1, "ep": 2, "micro_batch": 2, "zero": 1, "recompute": "none"}
+    factory, spec = (planner.evaluate(source, "a100-80g:1x2", config, global_batch=8)
+                     for source in (graph, trace(parse_spec(TINY_MOE_SPEC, "tiny-moe"), seq_len=64)))
+    assert factory.step_time_s == pytest.approx(spec.step_time_s, rel=1e-9) and factory.time_breakdown["ep_comm_s"] > 0
+    assert planner.plan(graph, "a100-80g:1x2", global_batch=8, ep=2).config.ep == 2
