@@ -920,7 +920,7 @@ def test_a_batch_the_plan_cannot_take_fails_in_one_line(spec_dir, batch, message
 
 @pytest.mark.parametrize(("output", "loss_fn", "message"), [
     (lambda t: (t.float(), t.float().mean()), None, "forward_backward: the model returned a tuple, not a scalar loss"),
-    (lambda t: t.float(), None, "forward_backward: the model returned a tensor of shape (8, 32), not a scalar loss"),
+    (lambda t: t.float(), None, "forward_backward: the model returned a tensor of shape (4, 32), not a scalar loss"),
     (lambda t: t.float(), lambda out, t: {"loss": out.mean()}, "forward_backward: the loss_fn returned a dict, not a scalar loss"),
 ])
 def test_a_step_without_a_scalar_loss_fails_in_one_line(spec_dir, output, loss_fn, message):
@@ -930,8 +930,27 @@ def test_a_step_without_a_scalar_loss_fails_in_one_line(spec_dir, output, loss_f
     plan = _plan(spec_dir / "gpt.yaml", "cpu:1x2", dp=2, tp=1, pp=1)
     applied = AppliedPlan(plan=plan, mesh=None, modules=(model,), stages=(), schedule=None, loss_fn=loss_fn, recomputed={})
     with pytest.raises(PlannerError) as error:
-        applied.forward_backward(torch.zeros(GLOBAL_BATCH, SEQ_LEN, dtype=torch.long))
+        applied.forward_backward(torch.zeros(GLOBAL_BATCH // 2, SEQ_LEN, dtype=torch.long))  # this rank's half
     assert error.value.message.startswith(message) and "\n" not in error.value.message
+
+
+def test_a_step_given_the_global_batch_instead_of_the_ranks_slice_fails_in_one_line(spec_dir):
+    # Each of dp = 2 ranks would otherwise train on the whole batch, twice the plan's step.
+    plan = _plan(spec_dir / "gpt.yaml", "cpu:1x2", dp=2, tp=1, pp=1)
+    applied = AppliedPlan(plan=plan, mesh=None, modules=(torch.nn.Module(),), stages=(), schedule=None, loss_fn=None, recomputed={})
+    with pytest.raises(PlannerError, match=r"^tokens of 8 sequences: forward_backward takes this rank's 4 of the global "
+                                           r"batch; pass applied.local_batch\(batch\)$"):
+        applied.forward_backward(torch.zeros(GLOBAL_BATCH, SEQ_LEN, dtype=torch.long))
+
+
+def test_a_model_the_plan_was_applied_to_is_refused_a_second_time(spec_dir, monkeypatch):
+    plan = _plan(spec_dir / "gpt.yaml", "cpu:1x2", tp=2, pp=1)
+    model = _build(str(spec_dir / "gpt.yaml"))
+    model._paraplan_applied = True  # what Plan.apply sets before it splits and wraps the modules
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(PlannerError, match=r"^model: a plan was applied to it already"):
+        plan.apply(model)
+    assert not dist.is_initialized()
 
 
 def test_wrong_world_size_fails_before_process_group(spec_dir, monkeypatch):

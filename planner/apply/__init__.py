@@ -152,6 +152,9 @@ class AppliedPlan:
             The mean loss of this rank's slice where `has_loss`, else None.
         """
         config = self.plan.config
+        if isinstance(tokens, torch.Tensor) and tokens.dim() and tokens.shape[0] != self.plan.global_batch // config.dp:
+            raise invalid(f"tokens of {tokens.shape[0]} sequences: forward_backward takes this rank's "
+                          f"{self.plan.global_batch // config.dp} of the global batch; pass applied.local_batch(batch)")
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
             first = any(stage.is_first for stage in self.stages)
@@ -286,6 +289,9 @@ def apply_note(plan: Plan, model) -> str:
     return ""
 
 
+APPLIED_MARK = "_paraplan_applied"  # set on a model once `Plan.apply` starts splitting and wrapping its modules
+
+
 def _check_arguments(plan, model, device) -> torch.device:
     """The device to run on; PlannerError when the plan, the model or the device cannot be applied."""
     if not isinstance(plan, Plan):
@@ -293,6 +299,9 @@ def _check_arguments(plan, model, device) -> torch.device:
     if not isinstance(model, nn.Module):
         raise invalid(f"model: expected the nn.Module the plan was made for, built with its weights, got "
                       f"{type(model).__name__}; build it first (examples/train.py shows how)")
+    if getattr(model, APPLIED_MARK, False):
+        raise invalid("model: a plan was applied to it already (its modules are split and wrapped); build a fresh one, "
+                      "with the same seed on every rank, for each Plan.apply")
     if any(tensor.is_meta for tensor in (*model.parameters(), *model.buffers())):
         raise invalid("model: its parameters are on the meta device (no weights); build it on a real device "
                       "(the same seed on every rank) before applying the plan")
@@ -343,6 +352,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
     if config.pp > 1 and loss_fn is None and not isinstance(loss_module, nn.modules.loss._Loss):
         raise invalid("loss_fn: the model has no `loss` module; pass loss_fn=(logits, targets) -> loss for pipelining")
 
+    setattr(model, APPLIED_MARK, True)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     _init_process_group(device)
