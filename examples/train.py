@@ -89,7 +89,7 @@ def train(plan_path: str, model_name: str | None, steps: int) -> int:
     if rank == 0:
         measured = times_s[1:] or times_s  # the first step warms up (allocations, kernel selection)
         which = f"steps 2-{len(times_s)}" if len(times_s) > 1 else "step 1"
-        print(f"median step time {statistics.median(measured):.3f} s ({which}); predicted {plan.estimate.step_time_s:.3f} s")
+        print(f"median step time {statistics.median(measured):.3f} s ({which}); predicted {plan.estimate.step_time_s:.3f} s on {plan.cluster}")
     dist.destroy_process_group()
     return 0
 

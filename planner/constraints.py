@@ -24,7 +24,7 @@ def check_constraints(constraints: dict) -> None:
     for key, value in constraints.items():
         if key not in BOUND_KEYS | FIXED_KEYS | OTHER_KEYS:
             near = difflib.get_close_matches(key, sorted(BOUND_KEYS | FIXED_KEYS | OTHER_KEYS), n=1)
-            hint = f"; did you mean {near[0]}?" if near else ""
+            hint = f"; did you mean {near[0]}?" if near else f"; use one of {', '.join(sorted(FIXED_KEYS | BOUND_KEYS | OTHER_KEYS))}"
             raise invalid(f"constraint {key!r}: unknown{hint}")
         if key in _POSITIVE_KEYS:
             check_positive_int(key, value)

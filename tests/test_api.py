@@ -214,6 +214,9 @@ def test_plan_rejects_an_unknown_constraint(small_graph):
         planner.plan(small_graph, NODE, global_batch=32, tpp=2)
     assert error.value.kind == PlannerErrorKind.INVALID_INPUT
     assert "'tpp'" in error.value.message and "did you mean tp" in error.value.message
+    # A name like none of them lists them all.
+    with pytest.raises(PlannerError, match=r"^constraint 'tensor_parallel': unknown; use one of allow_offload, .*, tp, vpp, zero$"):
+        planner.plan(small_graph, NODE, global_batch=32, tensor_parallel=2)
 
 
 def test_plan_says_what_would_fit_when_nothing_does():

@@ -60,7 +60,7 @@ def check_world_size(plan: Plan) -> None:
     size = world_size()
     if size != plan.config.devices:
         raise invalid(f"world size {size}: the plan ({plan.config.short()}) needs {plan.config.devices} processes; "
-                      f"start torchrun with --nproc-per-node {plan.config.devices} (or re-plan for {size} devices)")
+                      f"start torchrun with --nproc-per-node {plan.config.devices} (or re-plan for {size} device{'s' * (size != 1)})")
 
 
 def check_one_input(model: nn.Module) -> None:
