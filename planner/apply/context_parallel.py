@@ -27,7 +27,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_gather_single_autograd, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 from planner.errors import invalid
@@ -73,8 +73,8 @@ def _attend_whole_sequence(attention: Attention, mesh: DeviceMesh, order: torch.
     """This rank's queries against the keys and values of the whole sequence, gathered from the group
     (in rank order; `order` puts them in sequence order), each chunk of queries against the keys up
     to its end."""
-    k = all_gather_tensor_autograd(k.contiguous(), SEQUENCE_DIM, mesh.get_group())
-    v = all_gather_tensor_autograd(v.contiguous(), SEQUENCE_DIM, mesh.get_group())
+    k = all_gather_single_autograd(k.contiguous(), SEQUENCE_DIM, mesh.get_group())
+    v = all_gather_single_autograd(v.contiguous(), SEQUENCE_DIM, mesh.get_group())
     gqa = attention.kv_heads != attention.heads
     if not attention.causal:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
