@@ -16,9 +16,9 @@ SCHEMA_VERSION = 1
 PLAN_SUFFIXES = (".json", ".yaml", ".yml")
 
 
-# Plan fields `Plan.from_dict` reads, with their JSON types; the rest are optional.
 # The configuration keys every plan carries (DESIGN.md's command-line contract); others have defaults.
 CONFIG_CONTRACT_KEYS = ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "num_microbatches", "zero", "recompute", "schedule")
+# Plan fields `Plan.from_dict` reads, with their JSON types; the rest are optional.
 _REQUIRED_FIELDS = {"model": str, "cluster": str, "global_batch": int, "seq_len": int, "dtype": str, "config": dict,
                     "step_time_s": (int, float), "tokens_per_s": (int, float), "tflops_per_gpu": (int, float),
                     "mfu": (int, float), "peak_memory_bytes": (int, float), "fits": bool, "time_breakdown": dict,
@@ -86,15 +86,16 @@ def _check_plan_values(data: dict, recompute: dict, fix: str) -> None:
 
 
 def _check_plan_against_config(data: dict, fix: str) -> None:
-    """PlannerError naming the first plan field that disagrees with the plan's own configuration."""
-    config = data["config"]
-    if len(data["stages"]) != config["pp"]:
+    """PlannerError naming the first plan field that disagrees with the plan's own configuration
+    (which validates its own values first)."""
+    config = ParallelConfig.from_dict(data["config"])
+    if len(data["stages"]) != config.pp:
         count = len(data["stages"])
-        raise invalid(f"plan field `stages`: {count} stage{'s' * (count != 1)}, but config.pp = {config['pp']}; {fix}")
-    if config["tp"] > 1 and not data.get("layouts"):
-        raise invalid(f"plan field `layouts`: none, but config.tp = {config['tp']} needs each module's placement; {fix}")
-    if config["cp"] > 1 and data["seq_len"] % (2 * config["cp"]):
-        raise invalid(f"plan field `seq_len`: {data['seq_len']} tokens, which 2 x config.cp = {2 * config['cp']} chunks "
+        raise invalid(f"plan field `stages`: {count} stage{'s' * (count != 1)}, but config.pp = {config.pp}; {fix}")
+    if config.tp > 1 and not data.get("layouts"):
+        raise invalid(f"plan field `layouts`: none, but config.tp = {config.tp} needs each module's placement; {fix}")
+    if config.cp > 1 and data["seq_len"] % (2 * config.cp):
+        raise invalid(f"plan field `seq_len`: {data['seq_len']} tokens, which 2 x config.cp = {2 * config.cp} chunks "
                       f"do not divide; {fix}")
     try:
         TrainingCode.of(**data.get("training_code", {}))
