@@ -105,9 +105,14 @@ def _c_stdout_silenced():
     """The process's C-level stdout sent to the null device: HiGHS prints a debugging line there
     whenever it repairs a solution of its presolved problem ("HighsMipSolverData::
     transformNewIntegerFeasibleSolution tmpSolver.run();", ERGO-Code/HiGHS#2783, in the HiGHS that
-    OR-Tools bundles), whatever its output options; a solve writes nothing of ours there."""
+    OR-Tools bundles), whatever its output options; a solve writes nothing of ours there. Where
+    the process has no stdout to silence, nothing is redirected."""
     sys.stdout.flush()
-    saved = os.dup(1)
+    try:
+        saved = os.dup(1)
+    except OSError:
+        yield
+        return
     try:
         with open(os.devnull, "wb") as null:
             os.dup2(null.fileno(), 1)
