@@ -11,7 +11,6 @@ ep divides the experts and dp*cp; dp is what is left. Micro-batches divide the p
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 from costmodel.hardware import Cluster
