@@ -169,8 +169,7 @@ def test_a_plan_file_with_values_no_plan_has_is_refused_naming_the_field(small_p
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda plan: plan["config"].pop("pp"), "plan field `config.pp`: missing"),
     (lambda plan: plan["config"].update(pipeline=2), "plan field `config.pipeline`: not a configuration field"),
-    (lambda plan: plan["config"].update(pp=2, num_microbatches=plan["config"]["num_microbatches"]),
-     "plan field `stages`: 1 stage, but config.pp = 2"),
+    (lambda plan: plan["config"].update(pp=2), "plan field `stages`: 1 stage, but config.pp = 2"),
     (lambda plan: plan["config"].update(tp=2) or plan.update(layouts={}), "plan field `layouts`: none, but config.tp = 2"),
     (lambda plan: plan["config"].update(cp=2) or plan.update(seq_len=130), "plan field `seq_len`: 130 tokens, which 2 x config.cp = 4"),
     (lambda plan: plan.update(training_code={"cp_comm": "ring"}), "plan field `training_code`: cp_comm='ring': use one of"),
