@@ -42,7 +42,7 @@ from planner.layer_cost import LayerContext, LayerCost, price_layer
 from planner.mesh import cp_shares_shard_links, expert_data_group, mesh_groups, pipeline_hop_times, stage_devices
 from planner.pipeline_buffers import chunk_recv_bytes, recv_buffer_bytes
 from planner.result import Estimate, StagePlan, contiguous_runs
-from planner.space import check_config
+from planner.config_check import check_config
 from planner.stage_problem import StageProblem
 from planner.state_cost import (dp_exposed_s, grads_pooled, optimizer_step_s, precision_of, state_options, state_zero,
                                  tied_gradient_sum_s, zero3_exposed_s)

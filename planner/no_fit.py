@@ -26,7 +26,8 @@ from planner.config import ParallelConfig
 from planner.errors import PlannerError, PlannerErrorKind, invalid
 from planner.estimate import Evaluator
 from planner.graph import Recompute
-from planner.space import Rejection, check_config
+from planner.config_check import check_config
+from planner.space import Rejection
 from planner.state_cost import state_options
 
 # Screened candidates priced at most to find the closest miss (each costs one estimate).

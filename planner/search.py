@@ -33,7 +33,8 @@ from planner.graph import ModelGraph, Recompute
 from planner.memory_plan import MEMORY_ILP_TIME_LIMIT_S, chunk_boundaries, memory_plan, uniform_recompute
 from planner.no_fit import batch_reason, closest_miss, nothing_fits
 from planner.result import Alternative, Plan
-from planner.space import Rejection, check_config, configs_for, divisors, enumerate_degrees, max_micro_batch, why_no_configs
+from planner.config_check import check_config
+from planner.space import Rejection, configs_for, divisors, enumerate_degrees, max_micro_batch, why_no_configs
 from planner.training_code import TrainingCode
 
 # Examples of each rejection reason kept for `--explain`.

@@ -29,7 +29,8 @@ from planner.config import ParallelConfig, Schedule
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.estimate import Evaluator
 from planner.graph import Recompute
-from planner.space import CP_MIN_SEQ_LEN, check_config, configs_for, enumerate_degrees
+from planner.config_check import check_config
+from planner.space import CP_MIN_SEQ_LEN, configs_for, enumerate_degrees
 from planner.stages import split_uniform
 
 # Relative tolerance for comparing step times that come from the same arithmetic in another order.

@@ -55,7 +55,8 @@ from planner.apply.pipeline import StageModule, build_schedule, check_runs_in_or
 from planner.apply.recompute import apply_recompute, check_recompute
 from planner.apply.tensor_parallel import TensorParallelPlan, retie, shared_parameters, tensor_parallel_plan
 from planner.apply.tied import TiedCopy, sum_tied_gradients, tie_across_stages
-from planner.apply.validate import ModelMatch, check_one_input, check_world_size, match_model, world_size
+from planner.apply.validate import (APPLIED_MARK, ModelMatch, check_arguments, check_one_input, check_world_size,
+                                   default_device, match_model, world_size)
 from planner.config import Schedule
 from planner.errors import PlannerError, invalid, unsupported
 from planner.graph import Recompute
@@ -190,13 +191,6 @@ class AppliedPlan:
         return total
 
 
-def default_device() -> torch.device:
-    """This process's GPU (torchrun's LOCAL_RANK) when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
 def language_model_loss(loss_module: nn.Module) -> Callable:
     """The zoo's LanguageModel loss as a function of (logits, tokens): float32 cross entropy."""
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -289,33 +283,6 @@ def apply_note(plan: Plan, model) -> str:
     return ""
 
 
-APPLIED_MARK = "_paraplan_applied"  # set on a model once `Plan.apply` starts splitting and wrapping its modules
-
-
-def _check_arguments(plan, model, device) -> torch.device:
-    """The device to run on; PlannerError when the plan, the model or the device cannot be applied."""
-    if not isinstance(plan, Plan):
-        raise invalid(f"plan: expected a Plan (planner.plan, Plan.load), got {type(plan).__name__}")
-    if not isinstance(model, nn.Module):
-        raise invalid(f"model: expected the nn.Module the plan was made for, built with its weights, got "
-                      f"{type(model).__name__}; build it first (examples/train.py shows how)")
-    if getattr(model, APPLIED_MARK, False):
-        raise invalid("model: a plan was applied to it already (its modules are split and wrapped); build a fresh one, "
-                      "with the same seed on every rank, for each Plan.apply")
-    if any(tensor.is_meta for tensor in (*model.parameters(), *model.buffers())):
-        raise invalid("model: its parameters are on the meta device (no weights); build it on a real device "
-                      "(the same seed on every rank) before applying the plan")
-    try:
-        device = torch.device(device) if device is not None else default_device()
-    except (RuntimeError, TypeError):
-        raise invalid(f"device={device!r}: not a device; use 'cpu' or 'cuda'") from None
-    if device.type not in ("cpu", "cuda"):
-        raise invalid(f"device='{device}': plans apply on 'cpu' (gloo) or 'cuda' (NCCL)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise invalid(f"device='{device}': no CUDA device is available here; use 'cpu', or run where GPUs are")
-    return device
-
-
 def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | None = None,
                loss_fn: Callable | None = None, mp_policy: MixedPrecisionPolicy | None = None) -> AppliedPlan:
     """Applies `plan` to `model` in this process (see the module docstring for the order).
@@ -340,7 +307,7 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
         PlannerError: INVALID_INPUT / UNSUPPORTED_MODEL with a one-line message, before any
             process-group work, when the model or world size does not match the plan.
     """
-    device = _check_arguments(plan, model, device)
+    device = check_arguments(plan, model, device)
     config, code = plan.config, TrainingCode.of(**plan.training_code)
     if other := code.not_applied():
         warnings.warn(f"Plan.apply runs PyTorch's own {', '.join(other)}: the plan was priced for training code with "

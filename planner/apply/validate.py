@@ -1,11 +1,12 @@
-"""Checks that a model and a world size are the ones a plan was made for, before any process-group work.
+"""Checks that a model, a device and a world size are the ones a plan can run on, before any process-group work.
 
 A plan names its pipeline-cut units (`StagePlan.fqns`: top-level modules, with the blocks of a
 ModuleList expanded as `layers.0`, `layers.1`, ...), the parameter count of each layer
 (`Plan.layer_params`) and per-module placements for one representative block per distinct
 structure (`Plan.layouts`). The model must have exactly those units, the same parameter count in
 every pipeline stage, and every module the layouts name; each of its blocks takes the layout of the
-representative block with the same structure (module types and parameter shapes).
+representative block with the same structure (module types and parameter shapes). The model must
+hold its weights and not have been applied to already (`check_arguments`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import inspect
 import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -239,3 +241,37 @@ def _weight_split_dim(model: nn.Module, name: str, layouts: dict[str, str]) -> i
         return weight_split_dim(kind, Placement(placement))
     raise invalid(f"model: {name} is shared with another module and split by tensor parallelism, which cannot "
                   f"split it the same way everywhere; untie it or re-plan with --tp 1")
+
+
+def default_device() -> torch.device:
+    """This process's GPU (torchrun's LOCAL_RANK) when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+APPLIED_MARK = "_paraplan_applied"  # set on a model once `Plan.apply` starts splitting and wrapping its modules
+
+
+def check_arguments(plan, model, device) -> torch.device:
+    """The device to run on; PlannerError when the plan, the model or the device cannot be applied."""
+    if not isinstance(plan, Plan):
+        raise invalid(f"plan: expected a Plan (planner.plan, Plan.load), got {type(plan).__name__}")
+    if not isinstance(model, nn.Module):
+        raise invalid(f"model: expected the nn.Module the plan was made for, built with its weights, got "
+                      f"{type(model).__name__}; build it first (examples/train.py shows how)")
+    if getattr(model, APPLIED_MARK, False):
+        raise invalid("model: a plan was applied to it already (its modules are split and wrapped); build a fresh one, "
+                      "with the same seed on every rank, for each Plan.apply")
+    if any(tensor.is_meta for tensor in (*model.parameters(), *model.buffers())):
+        raise invalid("model: its parameters are on the meta device (no weights); build it on a real device "
+                      "(the same seed on every rank) before applying the plan")
+    try:
+        device = torch.device(device) if device is not None else default_device()
+    except (RuntimeError, TypeError):
+        raise invalid(f"device={device!r}: not a device; use 'cpu' or 'cuda'") from None
+    if device.type not in ("cpu", "cuda"):
+        raise invalid(f"device='{device}': plans apply on 'cpu' (gloo) or 'cuda' (NCCL)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise invalid(f"device='{device}': no CUDA device is available here; use 'cpu', or run where GPUs are")
+    return device
