@@ -30,7 +30,7 @@ def _training_code(args) -> dict:
     (a flag not given keeps the default, or a saved plan's choice)."""
     given = {"attention": args.attention, "tp_overlap": args.tp_comm_overlap, "loss": args.loss, "zero3_fetch": args.zero3_fetch,
              "dp_sync": args.dp_sync, "elementwise": args.elementwise, "pp_buffers": args.pp_buffers, "cp_comm": args.cp_comm,
-             "sp_gather": args.sp_gather}
+             "sp_gather": args.sp_gather, "pp_outputs": args.pp_outputs}
     return {key: value for key, value in given.items() if value is not None}
 
 

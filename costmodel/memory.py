@@ -96,7 +96,8 @@ class MemoryBreakdown:
         grads_bytes: gradients.
         optimizer_bytes: optimizer states (for mixed precision, the fp32 master weights too).
         activations_bytes: activations saved for backward, over all micro-batches in flight.
-        comm_buffers_bytes: communication buffers (gradient buckets, all-gather outputs, NCCL).
+        comm_buffers_bytes: communication buffers (gradient buckets, all-gather outputs, NCCL) and a
+            pipeline's buffers (received tensors, kept outputs).
         temp_bytes: transient workspace at the peak (e.g. logits, attention scratch).
         overhead_bytes: CUDA context, allocator fragmentation, the gradient blocks reserved for a
             data-parallel reduce stream while the gradients are freed (`grads_pooled`) and other
@@ -266,7 +267,7 @@ def stage_memory(
         dense_shard_group: devices dense states are sharded over.
         expert_shard_group: devices expert states are sharded over.
         gathered_params: ZeRO-3 only: parameters all-gathered at once on this device.
-        comm_buffer_bytes: communication buffers at the peak.
+        comm_buffer_bytes: communication and pipeline buffers at the peak.
         temp_bytes: transient workspace at the peak.
         work_bytes: the largest recompute working set: what a recomputed layer holds again while its
             backward runs. It comes after the forward's end and can reuse the blocks `held_bytes`

@@ -92,7 +92,8 @@ def make_config(constraints: dict | ParallelConfig, num_devices: int, global_bat
 def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_batch: int | None = None, seq_len: int | None = None,
              dtype: str | None = None, attention: str | None = None, tp_overlap: bool | None = None, loss: str | None = None,
              zero3_fetch: str | None = None, dp_sync: str | None = None, elementwise: str | None = None,
-             pp_buffers: str | None = None, cp_comm: str | None = None, sp_gather: str | None = None) -> Estimate:
+             pp_buffers: str | None = None, cp_comm: str | None = None, sp_gather: str | None = None,
+             pp_outputs: str | None = None) -> Estimate:
     """Predict step time, throughput, MFU and per-stage memory of one configuration.
 
     `model` is as for `plan`. `config` is the degrees a user gives (`make_config`), a ParallelConfig, or a Plan: a plan is
@@ -115,7 +116,8 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
     global_batch = planned.global_batch if global_batch is None else global_batch
     check_positive_int("global_batch", global_batch)
     given = {"attention": attention, "tp_overlap": tp_overlap, "loss": loss, "zero3_fetch": zero3_fetch, "dp_sync": dp_sync,
-             "elementwise": elementwise, "pp_buffers": pp_buffers, "cp_comm": cp_comm, "sp_gather": sp_gather}
+             "elementwise": elementwise, "pp_buffers": pp_buffers, "cp_comm": cp_comm, "sp_gather": sp_gather,
+             "pp_outputs": pp_outputs}
     code = TrainingCode.of(**{**(planned.training_code if planned else {}), **{k: v for k, v in given.items() if v is not None}})
     dtype = dtype or (planned.dtype if planned else "bf16")
     planned_seq_len = planned.seq_len if planned and not isinstance(model, ModelGraph) else None  # a graph has its own
@@ -163,7 +165,7 @@ def _planned_choices(planned: Plan, graph: ModelGraph, global_batch: int) -> tup
 def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype: str = "bf16", attention: str = "flash",
          tp_overlap: bool = False, loss: str = "torch", zero3_fetch: str = "prefetch", dp_sync: str = "overlapped",
          elementwise: str = "eager", pp_buffers: str = "preallocated", cp_comm: str = "all_gather", sp_gather: str = "kept",
-         **constraints) -> Plan:
+         pp_outputs: str = "dropped", **constraints) -> Plan:
     """Search the plan with the highest throughput that fits in memory.
 
     Args:
@@ -196,6 +198,10 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
             matmuls, "kept" (the gathered tensor, saved by autograd: DTensor, torchtitan, `Plan.apply`)
             or "regathered" (the split input, gathered again in backward: Megatron-LM;
             `planner.sp_gather.SpGather`).
+        pp_outputs: what the training code's pipeline keeps of the last stage's outputs, "dropped"
+            (each while its loss runs: `Plan.apply`, Megatron-LM, DeepSpeed) or "kept" (every micro-batch's
+            logits until the step ends: torch.distributed.pipelining's `step()` default, torchtitan;
+            `planner.pipeline_buffers.PipeOutputs`).
         **constraints: fix a choice (tp=8, zero=3, schedule="1f1b", ...), bound one (max_tp=...,
             max_pp=...), mem_headroom (fraction of memory kept free), top (alternatives kept).
 
@@ -210,7 +216,8 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
     graph = model_graph(model, seq_len, dtype=dtype)
     hardware = _cluster(cluster)
     code = TrainingCode.of(attention=attention, tp_overlap=tp_overlap, loss=loss, zero3_fetch=zero3_fetch, dp_sync=dp_sync,
-                           elementwise=elementwise, pp_buffers=pp_buffers, cp_comm=cp_comm, sp_gather=sp_gather)
+                           elementwise=elementwise, pp_buffers=pp_buffers, cp_comm=cp_comm, sp_gather=sp_gather,
+                           pp_outputs=pp_outputs)
     result = search(graph, hardware, global_batch=global_batch, dtype=dtype, code=code,
                     cluster_name=stored_reference(str(cluster)) if isinstance(cluster, (str, Path)) else hardware.name,
                     **constraints)

@@ -60,6 +60,8 @@ def _add_sweep_args(sub) -> None:
     sweep.add_argument("--elementwise", choices=["eager", "fused"], help="how the training code runs memory-bound ops (as for plan)")
     sweep.add_argument("--pp-buffers", dest="pp_buffers", choices=["preallocated", "transient"],
                        help="how the training code's pipeline holds received tensors (as for plan)")
+    sweep.add_argument("--pp-outputs", dest="pp_outputs", choices=["dropped", "kept"],
+                       help="what the training code's pipeline keeps of the last stage's outputs (as for plan)")
     sweep.add_argument("--cp-comm", dest="cp_comm", choices=["all_gather", "a2a"],
                        help="how context parallelism exchanges keys and values (as for plan)")
     sweep.add_argument("--sp-gather", dest="sp_gather", choices=["kept", "regathered"],
@@ -111,6 +113,10 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool, from_pla
         parser.add_argument("--pp-buffers", choices=["preallocated", "transient"],
                             help="how the training code's pipeline holds received tensors (preallocated: a buffer per "
                                  "micro-batch, torch.distributed.pipelining and Plan.apply; transient: Megatron-LM, DeepSpeed)")
+        parser.add_argument("--pp-outputs", choices=["dropped", "kept"],
+                            help="what the training code's pipeline keeps of the last stage's outputs (dropped: each "
+                                 "lives while its loss does, Plan.apply, Megatron-LM, DeepSpeed; kept: every micro-batch's "
+                                 "logits until the step ends, torch.distributed.pipelining's step() default, torchtitan)")
         parser.add_argument("--cp-comm", choices=["all_gather", "a2a"],
                             help="how context parallelism exchanges attention's inputs (all_gather: every rank gathers the "
                                  "keys and values, ring attention, Megatron-Core p2p; a2a: DeepSpeed-Ulysses all-to-all "

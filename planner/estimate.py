@@ -40,7 +40,7 @@ from planner.estimate_assembly import assemble_estimate
 from planner.graph import LayerKind, ModelGraph, Recompute
 from planner.layer_cost import LayerContext, LayerCost, price_layer
 from planner.mesh import cp_shares_shard_links, expert_data_group, mesh_groups, pipeline_hop_times, stage_devices
-from planner.pipeline_buffers import chunk_recv_bytes, recv_buffer_bytes
+from planner.pipeline_buffers import chunk_recv_bytes, kept_output_bytes, recv_buffer_bytes
 from planner.result import Estimate, StagePlan, contiguous_runs
 from planner.config_check import check_config
 from planner.stage_problem import StageProblem
@@ -59,7 +59,7 @@ NO_ROOM_BYTES = 1.0
 # Columns of the per-layer table one device type yields for one configuration (one micro-batch).
 COLUMNS = ("fwd_s", "bwd_s", "compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "cp_hidden_fwd_s",
            "cp_hidden_bwd_s", "fsdp_exposed_s", "dense_params", "expert_params", "frozen_params", "buffer_bytes", "static_bytes", "grad_bytes",
-           "act_bytes", "temp_bytes", "work_bytes", "held_bytes", "out_bytes")
+           "act_bytes", "temp_bytes", "work_bytes", "held_bytes", "out_bytes", "loss_input_bytes")
 COL = {name: i for i, name in enumerate(COLUMNS)}
 
 
@@ -89,9 +89,7 @@ class Evaluator:
         self.dtype = dtype
         self.precision = precision_of(dtype)
         self.table = table
-        self._layer_cache: dict = {}
-        self._table_cache: dict = {}
-        self._time_cache: dict = {}
+        self._layer_cache, self._table_cache, self._time_cache = {}, {}, {}  # per layer, per config table, per time table
         self._stage_devices: dict = {}
         self._device_types: dict = {}
         self._policies: dict = {}
@@ -112,10 +110,8 @@ class Evaluator:
 
     def table_for(self, device: DeviceSpec, dtype: str) -> OpTable | None:
         """The op table given to the Evaluator, else the one `device`'s profile names for `dtype` (`op_tables`)."""
-        if self.table is not None:
-            return self.table
         path = device.op_tables.get(dtype)
-        return load_op_table(path) if path else None
+        return self.table if self.table is not None else load_op_table(path) if path else None
 
     def dtype_for(self, device: DeviceSpec) -> str:
         """The compute dtype on `device`: the requested one, or fp16 where a device lacks bf16 (V100)."""
@@ -223,7 +219,8 @@ class Evaluator:
         exposed = exposed_fwd_s + exposed_bwd_s
         return (fwd, cost.total_s + exposed - fwd, cost.fwd_s + cost.bwd_s, cost.recompute_s, cost.tp_comm_s, cost.cp_comm_s,
                 cost.ep_comm_s, *cost.cp_hidden_s, exposed, dense, expert, frozen, layer.buffer_bytes, static, grads,
-                cost.act_bytes, cost.temp_bytes, cost.work_bytes, cost.held_bytes, layer.out_bytes * config.micro_batch / self.graph.micro_batch)
+                cost.act_bytes, cost.temp_bytes, cost.work_bytes, cost.held_bytes, layer.out_bytes * config.micro_batch / self.graph.micro_batch,
+                cost.loss_input_bytes)
 
     def stage_problem(self, config: ParallelConfig, policy_sets: list[tuple[Recompute, ...]], headroom: float = 0.0) -> StageProblem:
         """The stage-split instance of `config`: one column per candidate per-layer policy set."""
@@ -243,7 +240,9 @@ class Evaluator:
             speeds.append(ref_total / float(own[:, COL["fwd_s"]].sum() + own[:, COL["bwd_s"]].sum()))
             usable = device.mem_bytes * (1 - headroom) / (1 + memory_model.ALLOCATOR_FRAGMENTATION_FRACTION)
             boundary = float(own[:-1, COL["out_bytes"]].max(initial=0.0))  # the cuts are not known yet: the largest
-            recv = chunk_recv_bytes(self.code.pp_buffers, chunk, chunks, boundary, boundary, config.num_microbatches, config.seq_split)
+            kept = kept_output_bytes(self.code.pp_outputs, config.pp, config.num_microbatches, float(own[:, COL["loss_input_bytes"]].sum()))
+            recv = chunk_recv_bytes(self.code.pp_buffers, chunk, chunks, boundary, boundary, config.num_microbatches,
+                                    config.seq_split) + kept * (chunk == chunks - 1)  # the loss is in the last chunk
             caps.append(max(NO_ROOM_BYTES, (usable - memory_model.CUDA_CONTEXT_BYTES) / config.vpp - recv - gathered_bytes))
             in_flight.append(pipeline.in_flight_microbatches(str(config.schedule), config.pp, stage, config.num_microbatches, config.vpp)
                              if config.pp > 1 else 1.0)
@@ -319,8 +318,9 @@ class Evaluator:
             total[COL["work_bytes"]] = float(rows[:, COL["work_bytes"]].max())  # one layer recomputes at a time
             sums.append(total)
             in_flight = pipeline.in_flight_microbatches(str(config.schedule), config.pp, stage, m, config.vpp) if config.pp > 1 else 1.0
-            recv_bytes = recv_buffer_bytes(self.code.pp_buffers, boundaries, tables[node][:, COL["out_bytes"]], stage,
-                                           config.pp, m, config.seq_split)
+            kept = kept_output_bytes(self.code.pp_outputs, config.pp, m, total[COL["loss_input_bytes"]])  # 0 but on the last
+            recv_bytes = kept + recv_buffer_bytes(self.code.pp_buffers, boundaries, tables[node][:, COL["out_bytes"]], stage, config.pp, m,
+                                                  config.seq_split)
             params = rows[:, COL["dense_params"]] + rows[:, COL["expert_params"]]
             trainable = rows[:, [COL["dense_params"], COL["expert_params"]]] - rows[:, [COL["frozen_params"]]] * [1, 0]
             first_gathered = rows[int(np.argmax(params > 0)), [COL["dense_params"], COL["expert_params"]]]

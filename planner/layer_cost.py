@@ -92,6 +92,7 @@ class LayerCost:
     temp_bytes: float = 0.0
     work_bytes: float = 0.0  # `_recompute_work_bytes`: a stage's peak holds its largest, not their sum
     held_bytes: float = 0.0  # reserved beside the loss's temporaries (`_loss_bytes`)
+    loss_input_bytes: float = 0.0  # the loss's logits (`_loss_bytes`), which a pipeline may keep (`PipeOutputs`)
     cp_fwd_comm_s: float = 0.0  # the forward's part of cp_comm_s
     # (forward, backward with recompute) seconds of the context-parallel exchange hidden behind the
     # layer's compute: its links are busy then, for whatever else would hide there (`planner.estimate`)
@@ -264,19 +265,21 @@ def _recompute_work_bytes(layer: Layer, ctx: LayerContext, plan: TpPlan, tp: int
     return max(0.0, _activation_bytes(layer, replace(ctx, recompute=Recompute.NONE), plan, tp) - kept_bytes)
 
 
-def _loss_bytes(layer: Layer, plan: TpPlan, ctx: LayerContext) -> tuple[float, float]:
-    """Transient bytes of the layer's loss at the step's peak and the bytes the allocator holds
+def _loss_bytes(layer: Layer, plan: TpPlan, ctx: LayerContext) -> tuple[float, float, float]:
+    """Transient bytes of the layer's loss at the step's peak, the bytes the allocator holds
     reserved beside them (`loss_cost.loss_temp_copies` and `loss_held_copies` of the local share of
-    its input)."""
+    its input) and the local share of its first input, the logits."""
     reads = input_bytes_of(layer)
+    produced = {op.name: op.out_bytes for op in layer.ops}
     activation_bytes = bytes_per_element(base_dtype(ctx.dtype))
-    temp = held = 0.0
+    temp = held = inputs = 0.0
     for op in (op for op in layer.ops if op.kind == OpKind.LOSS):
         split = _split_of(op, plan)
         share = reads[op.name] * ctx.batch_scale / (split * ctx.cp)
         temp += loss_temp_copies(op, layer, ctx.loss, split, activation_bytes) * share
         held += loss_held_copies(op, layer, ctx.loss, activation_bytes) * share
-    return temp, held
+        inputs += produced.get(op.inputs[0], reads[op.name]) * ctx.batch_scale / (split * ctx.cp) if op.inputs else 0.0
+    return temp, held, inputs
 
 
 def _time_s(works: list[OpWork], ctx: LayerContext) -> float:
@@ -367,7 +370,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
     # a loss run whole keeps whole logits, most of its layer's saved bytes (the rest is priced whole too)
     act_split = 1 if any(op.kind == OpKind.LOSS and op.name not in plan.split_ops for op in layer.ops) else plan.tp
     act_bytes = _activation_bytes(layer, ctx, plan, act_split)
-    temp_bytes, held_bytes = _loss_bytes(layer, plan, ctx)
+    temp_bytes, held_bytes, loss_input_bytes = _loss_bytes(layer, plan, ctx)
     return LayerCost(
         fwd_s=fwd_s,
         bwd_s=bwd_s,
@@ -381,4 +384,5 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         temp_bytes=temp_bytes,
         work_bytes=_recompute_work_bytes(layer, ctx, plan, act_split, act_bytes),
         held_bytes=held_bytes,
+        loss_input_bytes=loss_input_bytes,
     )

@@ -1,4 +1,4 @@
-"""Receive buffers of pipeline stages: the activations and gradients a stage receives between chunks.
+"""What pipeline stages hold beside their layers: receive buffers and the last stage's kept outputs.
 
 `torch.distributed.pipelining` (what `Plan.apply` and torchtitan run) gives every stage a receive
 buffer for each micro-batch's input activations and for each micro-batch's output gradients when
@@ -6,6 +6,14 @@ the schedule first runs, and keeps them (`PipelineStage._prepare_forward_infra` 
 `_setup_backward_recv_info`, read in torch 2.13; `tests/test_apply.py` checks the count). Megatron-LM
 and DeepSpeed's pipeline engine allocate a received tensor per transfer; it lives while its
 micro-batch is in flight, inside the activations the memory model already counts.
+
+The schedule's `step()` also keeps the last stage's output of every micro-batch until the step ends,
+to merge and return them (`_PipelineStageBase.output_chunks`, read in torch 2.13), unless called with
+`return_outputs=False` (added on pytorch/pytorch#159251's request), as `Plan.apply` calls it. torchtitan's Llama
+returns its logits upcast to fp32 (`self.output(h).float()`) and passes the loss to the schedule, so
+its last stage keeps m fp32 logits tensors: the loss's input, as the trace measures it. Torch before
+pytorch/pytorch#153383 (May 2025) kept every stage's outputs; the others are hidden states, s·b·h/t
+bytes per micro-batch, which this leaves out.
 """
 from __future__ import annotations
 
@@ -24,6 +32,26 @@ class PipeBuffers(StrEnum):
 
     PREALLOCATED = "preallocated"
     TRANSIENT = "transient"
+
+
+class PipeOutputs(StrEnum):
+    """What the training code's pipeline keeps of the last stage's outputs (module docstring).
+
+    DROPPED: `Plan.apply` (`step(return_outputs=False)`), Megatron-LM, DeepSpeed: an output lives
+    while its loss does.
+    KEPT: `torch.distributed.pipelining`'s `step()` by default (torchtitan): the device of the last
+    chunk keeps every micro-batch's output, the loss's input, until the step ends.
+    """
+
+    DROPPED = "dropped"
+    KEPT = "kept"
+
+
+def kept_output_bytes(kind: PipeOutputs, pp: int, num_microbatches: int, loss_input_bytes: float) -> float:
+    """Bytes of outputs a pipeline device keeps at the step's end: each micro-batch's loss input
+    (`loss_input_bytes`, summed over the device's layers, so zero but on the last chunk's device)
+    when pipelined (`pp` > 1) and `kind` is KEPT."""
+    return num_microbatches * loss_input_bytes if kind is PipeOutputs.KEPT and pp > 1 else 0.0
 
 
 def recv_buffer_bytes(kind: PipeBuffers, boundaries: Sequence[int], out_bytes: Sequence[float], stage: int, pp: int,

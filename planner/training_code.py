@@ -15,6 +15,7 @@ those choices, each with PyTorch's or FSDP2's behaviour (what `Plan.apply` runs)
 | pp_buffers | preallocated, transient | `planner.pipeline_buffers.PipeBuffers` |
 | cp_comm | all_gather, a2a | `planner.layer_comm.CpComm` |
 | sp_gather | kept, regathered | `planner.sp_gather.SpGather` |
+| pp_outputs | dropped, kept | `planner.pipeline_buffers.PipeOutputs` |
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from planner.fusion import ElementwiseKernels
 from planner.layer_comm import CpComm
 from planner.layer_cost import AttentionKernel
 from planner.loss_cost import LossKernel
-from planner.pipeline_buffers import PipeBuffers
+from planner.pipeline_buffers import PipeBuffers, PipeOutputs
 from planner.sp_gather import SpGather
 from planner.state_cost import DpSync, Zero3Fetch
 
@@ -49,6 +50,7 @@ class TrainingCode:
     pp_buffers: PipeBuffers = PipeBuffers.PREALLOCATED
     cp_comm: CpComm = CpComm.ALL_GATHER
     sp_gather: SpGather = SpGather.KEPT
+    pp_outputs: PipeOutputs = PipeOutputs.DROPPED
 
     @classmethod
     def of(cls, **choices) -> TrainingCode:

@@ -245,6 +245,20 @@ def test_evaluate_fused_loss_holds_less_on_the_loss_stage(capsys):
     assert last == pytest.approx(8 * 4 * 128 * 51200 * fragmentation + 2 * 4 * 128 * 51200, rel=1e-3)
 
 
+def test_evaluate_pp_outputs_kept_holds_every_micro_batch_s_logits_on_the_last_stage(capsys):
+    """--pp-outputs kept (torch's `step()` default, torchtitan): the last stage keeps the fp32 logits
+    of each of its 2 micro-batches (dp 4 at global batch 32, micro-batch 4) until the step ends,
+    4 x 128 tokens x 51,200 x 4 B each, counted with its buffers; the first stage is unchanged."""
+    base = ["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "2", "--micro-batch", "4", "--json"]
+    rows = {}
+    for kept in ("dropped", "kept"):
+        code, out, _ = run([*base, "--pp-outputs", kept], capsys)
+        assert code == 0
+        rows[kept] = json.loads(out)["memory"]
+    first, last = ((rows["kept"][i]["comm_buffers_bytes"] - rows["dropped"][i]["comm_buffers_bytes"]) for i in (0, 1))
+    assert (first, last) == (0.0, pytest.approx(2 * 4 * 128 * 51200 * 4, rel=1e-9))
+
+
 @pytest.mark.parametrize("flag, default, zero, exposed_key", [
     ("--zero3-fetch", "prefetch", "3", "fsdp_comm_exposed_s"),
     ("--dp-sync", "overlapped", "1", "dp_comm_exposed_s"),

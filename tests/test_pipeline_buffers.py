@@ -1,4 +1,4 @@
-"""planner.pipeline_buffers: the receive buffers torch.distributed.pipelining keeps per stage."""
+"""planner.pipeline_buffers: the receive buffers and kept outputs torch.distributed.pipelining holds per stage."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +8,7 @@ import pytest
 from costmodel.profile_loader import load_cluster
 from planner.config import ParallelConfig, Schedule
 from planner.estimate import Evaluator
-from planner.pipeline_buffers import PipeBuffers, recv_buffer_bytes
+from planner.pipeline_buffers import PipeBuffers, PipeOutputs, kept_output_bytes, recv_buffer_bytes
 from planner.tracing import trace
 from planner.training_code import TrainingCode
 
@@ -53,10 +53,7 @@ def test_the_stage_split_leaves_room_for_the_receive_buffers():
     graph = trace("gpt3-350m", seq_len=256)
     cluster = load_cluster("a100-80g:1x8")
     config = ParallelConfig(dp=2, tp=2, pp=2, micro_batch=1, num_microbatches=8, schedule=Schedule.ONE_F_ONE_B)
-    caps = {}
-    for kind in PipeBuffers:
-        evaluator = Evaluator(graph, cluster, code=TrainingCode(pp_buffers=kind))
-        caps[kind] = evaluator.stage_problem(config, [evaluator.policies(config)]).mem_cap_bytes
+    caps = {kind: _stage_caps(graph, cluster, config, pp_buffers=kind) for kind in PipeBuffers}
     boundary = graph.layers[0].out_bytes / config.seq_split
     assert caps[PipeBuffers.TRANSIENT] - caps[PipeBuffers.PREALLOCATED] == pytest.approx([8 * boundary] * 2, rel=1e-9)
 
@@ -69,3 +66,34 @@ def test_buffers_that_fill_a_device_make_the_plan_not_fit_instead_of_failing():
     estimate = Evaluator(graph, load_cluster("a100-40g:1x8")).estimate(config, 512)
     assert not estimate.fits
     assert max(row["comm_buffers_bytes"] for row in estimate.memory) > 40e9
+
+
+def test_kept_outputs_hold_every_micro_batch_s_fp32_logits_on_the_last_stage_only():
+    # gpt3-350m (vocabulary 51,200) at 256 tokens, micro-batches of one sequence, 8 of them, tp 1.
+    # torchtitan's model hands the loss fp32 logits and torch's `step()` keeps each micro-batch's:
+    # 8 x 256 x 51,200 x 4 B = 400 MiB on the last stage, nothing on the first.
+    graph = trace("gpt3-350m", seq_len=256)
+    cluster = load_cluster("a100-80g:1x8")
+    config = ParallelConfig(dp=4, pp=2, micro_batch=1, num_microbatches=8, schedule=Schedule.ONE_F_ONE_B)
+    buffers = {kind: [row["comm_buffers_bytes"] for row in Evaluator(graph, cluster, code=TrainingCode(pp_outputs=kind))
+                      .estimate(config, 32, boundaries=(0, 13, 26)).memory] for kind in PipeOutputs}
+    logits_bytes = 256 * graph.dims.vocab * 4
+    assert buffers[PipeOutputs.KEPT][0] == buffers[PipeOutputs.DROPPED][0]
+    assert buffers[PipeOutputs.KEPT][1] - buffers[PipeOutputs.DROPPED][1] == pytest.approx(8 * logits_bytes, rel=1e-9)
+    assert kept_output_bytes(PipeOutputs.KEPT, 1, 8, logits_bytes) == 0.0  # no schedule keeps them without pipelining
+    assert kept_output_bytes(PipeOutputs.DROPPED, 2, 8, logits_bytes) == 0.0
+
+
+def test_the_stage_split_leaves_the_last_chunk_room_for_the_kept_outputs():
+    graph = trace("gpt3-350m", seq_len=256)
+    cluster = load_cluster("a100-80g:1x8")
+    config = ParallelConfig(dp=2, pp=2, vpp=2, micro_batch=1, num_microbatches=8, schedule=Schedule.INTERLEAVED)
+    caps = {kind: _stage_caps(graph, cluster, config, pp_outputs=kind) for kind in PipeOutputs}
+    logits_bytes = 256 * graph.dims.vocab * 4
+    assert caps[PipeOutputs.DROPPED] - caps[PipeOutputs.KEPT] == pytest.approx([0, 0, 0, 8 * logits_bytes], rel=1e-9)
+
+
+def _stage_caps(graph, cluster, config: ParallelConfig, **code):
+    """Each chunk's memory cap in the stage-split problem of `config` under training code `code`."""
+    evaluator = Evaluator(graph, cluster, code=TrainingCode(**code))
+    return evaluator.stage_problem(config, [evaluator.policies(config)]).mem_cap_bytes

@@ -25,7 +25,7 @@ def test_choices_list_the_default_first():
 @pytest.mark.parametrize("choices, message", [
     ({"attention": "xformers"}, r"^attention='xformers': use one of 'flash', 'flash2', 'unfused'$"),
     ({"tp_overlap": "yes"}, r"^tp_overlap='yes': use true or false$"),
-    ({"fetch": "blocking"}, r"^fetch: not a training-code choice; use attention, tp_overlap, loss, zero3_fetch, dp_sync, elementwise, pp_buffers, cp_comm, sp_gather$"),
+    ({"fetch": "blocking"}, r"^fetch: not a training-code choice; use attention, tp_overlap, loss, zero3_fetch, dp_sync, elementwise, pp_buffers, cp_comm, sp_gather, pp_outputs$"),
 ])
 def test_bad_choices_are_one_line(choices, message):
     with pytest.raises(PlannerError, match=message):

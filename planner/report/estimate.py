@@ -86,7 +86,7 @@ def memory_table(estimate: Estimate) -> Table:
                  + (f" (of its {fmt_bytes(host['host_capacity_bytes'])} share)" if host.get("host_capacity_bytes") else "")
                  if host.get("host_bytes") else "")
     table.caption = ("each stage at its peak moment (the forward's end, or the optimizer step, where activations "
-                     "are gone: a part not alive then shows 0); other = communication buffers + temporaries + CUDA "
+                     "are gone: a part not alive then shows 0); other = communication and pipeline buffers + temporaries + CUDA "
                      "context, allocator fragmentation and the gradient blocks a data-parallel reduce stream keeps reserved"
                      + (f"; priced in {priced}" if priced else "") + offloaded)
     return table

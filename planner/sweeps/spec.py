@@ -18,6 +18,7 @@ keys is a point; explicit `points` follow:
     dp_sync: overlapped                     # optional: overlapped (default) or blocking (as --dp-sync)
     elementwise: eager                      # optional: eager (default) or fused (as --elementwise)
     pp_buffers: preallocated                # optional: preallocated (default) or transient (as --pp-buffers)
+    pp_outputs: dropped                     # optional: dropped (default) or kept (as --pp-outputs)
     cp_comm: all_gather                     # optional: all_gather (default) or a2a (as --cp-comm)
     sp_gather: kept                         # optional: kept (default) or regathered (as --sp-gather)
     constraints: {zero: 1}                  # optional: fixed choices or bounds, as `paraplan plan` takes
