@@ -110,11 +110,11 @@ def _run(args) -> int:
         config = _evaluated_config(args)
         saved = config if isinstance(config, planner.Plan) else None
         try:
-            result = planner.evaluate(args.model or saved.model, args.cluster or saved.cluster, config,
-                                      global_batch=args.global_batch or saved.global_batch, seq_len=args.seq_len,
+            given = lambda key: getattr(saved, key) if getattr(args, key) is None else getattr(args, key)  # noqa: E731
+            result = planner.evaluate(given("model"), given("cluster"), config, global_batch=given("global_batch"), seq_len=args.seq_len,
                                       dtype=args.dtype, **_training_code(args))
         except PlannerError as error:
-            if args.model or not error.message.startswith(f"model `{saved.model}`: not a built-in model"):
+            if args.model is not None or not error.message.startswith(f"model `{saved.model}`: not a built-in model"):
                 raise
             raise invalid(f"--model: the plan names model `{saved.model}`, which is not a built-in name, a spec file or "
                           "a factory (a plan made from a module in Python); pass --model") from None

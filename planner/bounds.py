@@ -10,6 +10,7 @@ layer work, plus the pipeline fill and transfers its schedule cannot avoid) + `t
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -241,7 +242,9 @@ def fill_bound_s(microbatch_s: float, m: int, pp: int, share: float) -> float:
     """
     if share <= 0:
         return m * microbatch_s / pp
-    return microbatch_s * share / (1 - (1 - share / m) ** pp)
+    # 1 - (1 - share / m)^pp, which rounds to 0 for share / m below 1e-16 when written so
+    filled = 1.0 if share >= m else -math.expm1(pp * math.log1p(-share / m))
+    return microbatch_s * share / filled
 
 
 def pipeline_bound_s(config: ParallelConfig, bound: WorkBound) -> float:

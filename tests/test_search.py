@@ -197,6 +197,12 @@ def test_fill_bound_is_the_linear_programs_optimum(m, pp, share):
     assert fill_bound_s(1.0, m, pp, share) == pytest.approx(optimum, rel=1e-6)
 
 
+def test_fill_bound_with_more_micro_batches_than_float_resolution_is_the_work_over_the_devices():
+    # share / m = 1e-16 rounds 1 - share / m to 1.0: (1 - (1 - x)^pp) divided by zero. The limit,
+    # pp x share / m, gives m W / pp, the work spread evenly with no fill.
+    assert fill_bound_s(1.0, 10**16, 8, 1.0) == pytest.approx(10**16 / 8, rel=1e-9)
+
+
 def test_exhaustive_flag_prices_everything():
     graph = planner.trace("gpt3-125m", seq_len=512)
     plan = planner.plan(graph, "a100-80g:1x8", global_batch=64, exhaustive=True, micro_batch=8)
