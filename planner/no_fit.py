@@ -5,7 +5,8 @@ one with the smallest peak per device. A screened candidate has only its memory 
 exceeds its peak, so the screened ones whose floor is below the closest priced peak are priced in
 floor order (at most `CLOSEST_MISS_PRICINGS` of them) and the closest named is always priced.
 
-A remedy is named only where it can help: more devices always can, while every micro-batch size,
+A remedy is named only where it can help: more devices can unless the fixed tp, pp (and ep) and a
+fixed ZeRO-0 leave every device the same model states, which alone overflow it; every micro-batch size,
 ZeRO stage, recompute policy and (unless forbidden) optimizer offload were tried already, so those
 are named only when a fixed choice held them back, each with what the closest miss then needs
 (priced), and not where that is no less. ZeRO-3 shards over the data-parallel ranks, which the
@@ -138,7 +139,7 @@ def nothing_fits(evaluator: Evaluator, global_batch: int, closest: tuple[float, 
     offload_tried = constraints.get("allow_offload", True) and "offload_optimizer" not in constraints
     least = min(devices_for_states(evaluator, config, offload) for offload in {False, offload_tried})
     remedies = [f"at least {max(least, math.ceil(cluster.num_devices * need / usable))} devices (the model states "
-                f"alone, fully sharded, need {least})"]
+                f"alone, fully sharded, need {least})"] if _devices_can_help(evaluator, config, constraints, global_batch, usable) else []
     levers = []
     if constraints.get("micro_batch", 1) > 1:
         levers.append(("micro_batch=1", dataclasses.replace(
@@ -156,8 +157,23 @@ def nothing_fits(evaluator: Evaluator, global_batch: int, closest: tuple[float, 
         found = retry(saver)
         remedies.append(found and _verdict(label, found[1].short(), found[0], need, usable))
     of = f"{capacity / GIB:.1f} GiB" + (f" ({usable / GIB:.1f} GiB under the {headroom:.0%} headroom)" if headroom else "")
+    tries = " or ".join(r for r in remedies if r) or "relaxing the fixed " + ", ".join(
+        f"{name}={constraints[name]}" for name in ("tp", "pp", "ep", "zero") if name in constraints)
     return PlannerError(
         PlannerErrorKind.INSUFFICIENT_MEMORY,
         f"no plan fits: the closest ({config.short()}) needs {need / GIB:.1f} GiB per device of {of} "
-        f"after {candidates}; try {' or '.join(r for r in remedies if r)}{replicas}",
+        f"after {candidates}; try {tries}{replicas}",
     )
+
+
+def _devices_can_help(evaluator: Evaluator, config: ParallelConfig, constraints: dict, global_batch: int,
+                      usable_bytes: float) -> bool:
+    """Whether more devices could lower the closest miss's peak: not when the fixed tp and pp (and
+    ep, for a model with experts) and a fixed ZeRO-0 give every device the same model states and
+    those alone exceed `usable_bytes` (more devices only add replicas then)."""
+    experts = any(layer.expert_params for layer in evaluator.graph.layers)
+    fixed = all(name in constraints for name in ("tp", "pp")) and (not experts or "ep" in constraints)
+    if not fixed or constraints.get("zero") != 0:
+        return True
+    memory = evaluator.estimate(config, global_batch).memory
+    return max(row["weights_bytes"] + row["grads_bytes"] + row["optimizer_bytes"] for row in memory) < usable_bytes

@@ -383,6 +383,26 @@ def test_nothing_fits_suggests_only_what_the_closest_miss_lacks():
     assert "devices" in error.value.message and "zero=3" not in error.value.message
 
 
+def test_nothing_fits_does_not_offer_devices_that_only_add_replicas():
+    # llama3-8b with tp 1, pp 1 and ZeRO-0 fixed: every device holds all 8B parameters' states,
+    # 16 B each (128 GB), over an H100's 80 GB however many devices join; only ZeRO-3 or offload helps.
+    graph = planner.trace("llama3-8b", seq_len=1024)
+    with pytest.raises(PlannerError) as error:
+        planner.plan(graph, "h100-sxm:1x8", global_batch=8, tp=1, pp=1, zero=0, recompute="none", allow_offload=False)
+    message = error.value.message
+    assert "devices" not in message and "allowing zero=3" in message and "optimizer offload" in message
+    # llama3-70b on one device, its optimizer offloaded already: the bf16 weights and gradients alone
+    # (4 B x 70B) overflow it, and no lever is left to allow: the fixed choices are named.
+    with pytest.raises(PlannerError) as error:
+        planner.plan(planner.trace("llama3-70b", seq_len=1024), "h100-sxm:1x1", global_batch=8, tp=1, pp=1, zero=0,
+                     offload_optimizer=True)
+    assert error.value.message.endswith("try relaxing the fixed tp=1, pp=1, zero=0"), error.value.message
+    # With ZeRO-1 fixed instead, more devices shard the optimizer states: they stay a remedy.
+    with pytest.raises(PlannerError) as error:
+        planner.plan(graph, "h100-sxm:1x2", global_batch=8, tp=1, pp=1, zero=1, allow_offload=False)
+    assert "devices" in error.value.message
+
+
 def test_the_zero3_remedy_is_searched_over_the_degrees_that_can_shard():
     # With ZeRO fixed at 1, the closest miss of Llama 3 70B on 16 H100s is dp1 tp8 pp2, where ZeRO-3
     # would shard nothing. The remedy names the configuration ZeRO-3 then fits, and it does.
