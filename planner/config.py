@@ -107,6 +107,8 @@ class ParallelConfig:
         if self.schedule == Schedule.INTERLEAVED and self.pp == 1:
             what = f"vpp={self.vpp}" if self.vpp > 1 else "schedule=interleaved"
             raise invalid(f"{what}: interleaving virtual pipeline stages needs pp > 1; set pp > 1 or drop it")
+        if self.pp == 1 and self.schedule not in (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED):
+            raise invalid(f"schedule={self.schedule}: a pipeline schedule needs pp > 1; set pp > 1 or drop it (1f1b)")
         if self.schedule == Schedule.INTERLEAVED and self.vpp == 1:
             raise invalid("schedule=interleaved: needs vpp >= 2 virtual stages per device; set vpp=2 or schedule=1f1b")
 
