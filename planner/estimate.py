@@ -388,7 +388,7 @@ class Evaluator:
         breakdown = memory_model.stage_memory(
             params=dense + expert, expert_params=expert, activation_bytes_per_microbatch=total[COL["act_bytes"]],
             in_flight=in_flight, zero=state_zero(config), dense_shard_group=config.shard_ranks, expert_shard_group=expert_group,
-            gathered_params=self.code.zero3_fetch.gathered_layers * largest_params if config.zero == 3 else 0.0,
+            gathered_params=min(self.code.zero3_fetch.gathered_layers * largest_params, dense + expert) if config.zero == 3 else 0.0,
             temp_bytes=total[COL["temp_bytes"]], work_bytes=total[COL["work_bytes"]], held_bytes=total[COL["held_bytes"]],
             grads_at_peak=config.num_microbatches > 1,
             grads_pooled=grads_pooled(config), chunks=config.vpp, comm_buffer_bytes=recv_bytes, frozen_params=frozen,

@@ -725,10 +725,8 @@ def test_bigger_micro_batch_never_lowers_activation_memory(gpt350m, tp, pp, reco
 @settings(max_examples=8, deadline=None)
 @given(tp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2]), micro_batch=st.sampled_from([1, 2]), recompute=RECOMPUTE)
 def test_higher_zero_stage_never_uses_more_memory(gpt350m, tp, pp, micro_batch, recompute):
-    # ZeRO 0 -> 1 -> 2 only divides states, so memory never grows. ZeRO-3 adds two gathered
-    # copies of the largest layer, which outweigh the weight sharding when a stage is mostly one
-    # big layer (gpt3-350m's embedding is 15% of it, a quarter of a half-model stage): 2 -> 3 is
-    # checked for whole-model stages (pp = 1), where 4 x 54.5M <= 2 x 355M x (1 - 1/dp).
+    # ZeRO 0 -> 1 -> 2 only divides states, so memory never grows. ZeRO-3 adds gathered copies of
+    # the largest layers, never more than the stage's own weights, which ZeRO-2 holds whole.
     evaluator = Evaluator(gpt350m, load_cluster("a100-80g:1x8"))
     dp = 8 // (tp * pp)
     boundaries = (0, len(gpt350m.layers) // 2, len(gpt350m.layers)) if pp == 2 else None
@@ -737,9 +735,22 @@ def test_higher_zero_stage_never_uses_more_memory(gpt350m, tp, pp, micro_batch, 
         config = ParallelConfig(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, num_microbatches=16 // (dp * micro_batch),
                                 zero=zero, recompute=recompute)
         totals.append([row["total_bytes"] for row in evaluator.estimate(config, 16, boundaries=boundaries).memory])
-    last = 3 if pp == 1 else 2
-    for zero in range(last):
+    for zero in range(3):
         assert all(higher <= lower for lower, higher in zip(totals[zero], totals[zero + 1]))
+
+
+def test_zero3_never_gathers_more_than_the_stage_holds():
+    # gpt3-1.3b at tp 2 over 8 stages x 2 chunks: the last device holds a block and the tied 51,200 x
+    # 2,048 head (52.4M parameters per tp rank of its 77.6M), whose two gathered copies (210 MB in
+    # bf16) would exceed all the stage's weights (155 MB), which ZeRO-2 keeps whole.
+    graph = trace("gpt3-1.3b", seq_len=1024)
+    evaluator = Evaluator(graph, load_cluster("h100-sxm:2x8"))
+    configs = [ParallelConfig(dp=1, tp=2, pp=8, vpp=2, schedule=Schedule.INTERLEAVED, micro_batch=2, num_microbatches=8,
+                              zero=zero, recompute=Recompute.FULL) for zero in (2, 3)]
+    boundaries = evaluator.split(configs[0], evaluator.policies(configs[0]))[0]
+    zero2, zero3 = (evaluator.estimate(config, 16, boundaries=boundaries).memory for config in configs)
+    assert all(z3["weights_bytes"] <= z2["weights_bytes"] for z2, z3 in zip(zero2, zero3))
+    assert all(z3["total_bytes"] <= z2["total_bytes"] for z2, z3 in zip(zero2, zero3))
 
 
 # --- 4. Structure of the step time -------------------------------------------------------------
