@@ -11,7 +11,8 @@ hierarchically, as NCCL's multi-node algorithms do (ring inside a node, ring or 
 - p2p: one message, over the intra-node link or over one NIC.
 
 A group inside one node is the one-node case of the same formulas. Per phase over n ranks with
-link bandwidth B (bytes/s, times the link's efficiency) and latency a, each phase's time multiplied
+link bandwidth B (bytes/s, times the link's efficiency; over pair links without a switch, only the
+links to the group's other ranks, `LinkTier.group_bytes_per_s`) and latency a, each phase's time multiplied
 by its link's measured factor for the collective (`LinkTier.time_factor`, 1 unless profiled):
 
 - ring all-gather / reduce-scatter of S bytes: (n-1)/n * S/B + (n-1) * a.
@@ -137,7 +138,7 @@ def _collective_time_s(op: Collective, size_bytes: float, group: CommGroup, intr
     n, r, nodes = group.size, group.ranks_per_node, group.num_nodes
     if n == 1:
         return 0.0
-    local = _link_path(op, intra, intra.bw_bytes_per_s * intra.efficiency)
+    local = _link_path(op, intra, intra.group_bytes_per_s(r) * intra.efficiency)
     remote = _nic_path(op, group, intra, nic, devices_per_node, oversubscription)
     match op:
         case Collective.ALL_REDUCE:

@@ -61,6 +61,8 @@ class LinkTier:
         collective_factors: (collective, factor) pairs: the collective's measured time over what the
             ring formulas give on this link (`paraplan profile` measures them: gloo's all-gather and
             reduce-scatter run several times slower than its all-reduce implies). Absent: 1.
+        peer_bw_bytes_per_s: for links that join every pair of devices directly rather than through a
+            switch (MI300X's Infinity Fabric), the bandwidth between one pair; None through a switch.
     """
 
     name: str
@@ -70,6 +72,15 @@ class LinkTier:
     efficiency: float = 1.0
     source: str = ""
     collective_factors: tuple[tuple[str, float], ...] = ()
+    peer_bw_bytes_per_s: float | None = None
+
+    def group_bytes_per_s(self, ranks: int) -> float:
+        """Bandwidth one device drives in a group of `ranks` devices on this link: all of it through a
+        switch; over pair links only those to the group's other ranks, which rings over every pair
+        (NCCL's and RCCL's channels) use at once: min(bw, (ranks - 1) x peer bw)."""
+        if self.peer_bw_bytes_per_s is None:
+            return self.bw_bytes_per_s
+        return min(self.bw_bytes_per_s, max(1, ranks - 1) * self.peer_bw_bytes_per_s)
 
     def time_factor(self, collective: str) -> float:
         """How much longer `collective` takes on this link than its ring formula says (1 if unmeasured)."""

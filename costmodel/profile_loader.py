@@ -51,7 +51,8 @@ MATMUL_REFERENCE_DTYPES = (Dtype.BF16, Dtype.FP16, Dtype.FP32)
 
 _SHORTHAND = re.compile(r"(?P<device>[^:]+):(?P<nodes>[0-9]+)(?:[xX](?P<gpus>[0-9]+))?", re.ASCII)
 
-_LINK_KEYS = ("name", "kind", "bw_bytes_per_s", "latency_s", "efficiency", "collective_factors", "sources")
+_LINK_KEYS = ("name", "kind", "bw_bytes_per_s", "latency_s", "efficiency", "collective_factors", "peer_bw_bytes_per_s",
+              "sources")
 _LINK_REQUIRED = ("kind", "bw_bytes_per_s", "latency_s")
 _DEVICE_KEYS = ("name", "description", "peak_flops_per_s", "mem_bytes", "mem_bw_bytes_per_s", "matmul_efficiency",
                 "mem_bw_efficiency", "matmul_sustained_fraction", "flash2_attention_ratio", "comm_overlaps_compute", "node",
@@ -200,15 +201,23 @@ def _parse_link(origin: Origin, prefix: str, data: dict, default_name: str | Non
         raise origin.error(f"{prefix}kind", f"{kind.value!r} cannot serve here; use one of"
                            f" {', '.join(sorted(allowed))}")
     sources = fields.sources(origin, prefix, data.get("sources", {}), _LINK_KEYS)
+    bw_bytes_per_s = fields.physical(origin, f"{prefix}bw_bytes_per_s", data["bw_bytes_per_s"], fields.LINK_BANDWIDTH)
+    peer_bytes_per_s = data.get("peer_bw_bytes_per_s")
+    if peer_bytes_per_s is not None:
+        peer_bytes_per_s = fields.physical(origin, f"{prefix}peer_bw_bytes_per_s", peer_bytes_per_s, fields.LINK_BANDWIDTH)
+        if peer_bytes_per_s > bw_bytes_per_s:
+            raise origin.error(f"{prefix}peer_bw_bytes_per_s", f"{peer_bytes_per_s:g} exceeds bw_bytes_per_s "
+                               f"{bw_bytes_per_s:g}, a device's whole bandwidth; give one pair's share")
     return LinkTier(
         name=fields.text(origin, f"{prefix}name", data.get("name", default_name or kind.value)),
         kind=kind,
-        bw_bytes_per_s=fields.physical(origin, f"{prefix}bw_bytes_per_s", data["bw_bytes_per_s"], fields.LINK_BANDWIDTH),
+        bw_bytes_per_s=bw_bytes_per_s,
         latency_s=fields.physical(origin, f"{prefix}latency_s", data["latency_s"], fields.LATENCY),
         efficiency=fields.fraction(origin, f"{prefix}efficiency", data.get("efficiency", 1.0)),
         source="; ".join(f"{key}: {text}" for key, text in sources.items()),
         collective_factors=_collective_factors(origin, f"{prefix}collective_factors",
                                                data.get("collective_factors", {})),
+        peer_bw_bytes_per_s=peer_bytes_per_s,
     )
 
 

@@ -30,6 +30,18 @@ def test_ring_all_reduce_inside_node():
     assert t == pytest.approx(7e-3 + 28e-6)
 
 
+def test_pair_links_give_a_small_group_only_its_links():
+    # A fully connected mesh without a switch (MI300X: 7 links of 64 GB/s): a group of n ranks drives
+    # its n-1 links to the others at once, at most the device's 400 GB/s here (B = 0.75 x that).
+    # n = 2: 2(1/2) S / (64e9 x 0.75) = 25 ms; n = 4: 2(3/4) S / (192e9 x 0.75) = 12.5 ms;
+    # n = 8: 7 x 64 > 400, so the switch's 2(7/8) S / 300e9 = 7 ms; latencies 2(n-1) x 2 us.
+    mesh = dataclasses.replace(NODE, intra_link=dataclasses.replace(INTRA, kind="infinity-fabric", peer_bw_bytes_per_s=64e9))
+    times = [collective_time_s(Collective.ALL_REDUCE, S, CommGroup(size=n, ranks_per_node=n), mesh) for n in (2, 4, 8)]
+    assert times == pytest.approx([25e-3 + 4e-6, 12.5e-3 + 12e-6, 7e-3 + 28e-6])
+    p2p = collective_time_s(Collective.P2P, S, CommGroup(size=2, ranks_per_node=2), mesh)
+    assert p2p == pytest.approx(S / (64e9 * 0.75) + 2e-6)
+
+
 @pytest.mark.parametrize("op", [Collective.ALL_GATHER, Collective.REDUCE_SCATTER])
 def test_all_gather_and_reduce_scatter_inside_node(op):
     # (n-1)/n * S / B = 7/8 * 1.2e9 / 300e9 = 3.5e-3 s; latency (n-1)*a = 7 * 2e-6 = 14e-6 s.

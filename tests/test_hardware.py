@@ -266,6 +266,8 @@ DEVICE_ERRORS = [
     ({"nic__collective_factors": {"allgather": 2.0}}, "nic.collective_factors.allgather", "did you mean 'all_gather'"),
     ({"nic__collective_factors": {"all_gather": 0}}, "nic.collective_factors.all_gather", "positive"),
     ({"nic__collective_factors": [2.0]}, "nic.collective_factors", "mapping of collective to factor"),
+    ({"node__intra_link__peer_bw_bytes_per_s": 200.0e9}, "node.intra_link.peer_bw_bytes_per_s", "exceeds bw_bytes_per_s"),
+    ({"node__intra_link__peer_bw_bytes_per_s": 64}, "node.intra_link.peer_bw_bytes_per_s", "implausible"),
     # Values written in another unit: GB, TB/s, TFLOP/s, Gb/s and microseconds.
     ({"mem_bytes": 80}, "mem_bytes", "implausible in bytes"),
     ({"mem_bw_bytes_per_s": 3.35}, "mem_bw_bytes_per_s", "e.g. 3.35e12"),
