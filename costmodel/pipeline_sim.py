@@ -242,14 +242,19 @@ def priced_step_s(schedule: PipeSchedule | str, fwd_s: Sequence[float], bwd_s: S
     while every transfer is under `CLOSED_FORM_HOP_SHARE` of a device's shortest op, and beyond
     that the simulation, in which transfers queue behind each other and the round trips of the
     schedule wait on them (the closed form falls to half the simulated time on slow links, and
-    with unequal stages its transfer count can also put it 9% above). Same arguments as `simulate`."""
+    with unequal stages its transfer count can also put it 9% above). Beyond that share the price is
+    never below the closed form at the share's edge (the transfers scaled down to it), so that slower
+    links never price a step faster. Same arguments as `simulate`."""
     pp = len(fwd_s)
     split = bwd_weight_fraction if PipeSchedule(schedule) == PipeSchedule.ZERO_BUBBLE else 0.0
     shortest_op_s = min(min(f / vpp, b * (1 - split) / vpp, b * split or math.inf) for f, b in zip(fwd_s, bwd_s))
     hops = hop_times(p2p_s, pp)
-    if pp == 1 or max(hops) <= CLOSED_FORM_HOP_SHARE * shortest_op_s:
+    limit_s = CLOSED_FORM_HOP_SHARE * shortest_op_s
+    if pp == 1 or max(hops) <= limit_s:
         return step_time_s(schedule, fwd_s, bwd_s, num_microbatches, vpp, p2p_s, bwd_weight_fraction)
-    return _simulated_step_s(str(schedule), tuple(fwd_s), tuple(bwd_s), num_microbatches, vpp, hops, bwd_weight_fraction)
+    edge = [hop * limit_s / max(hops) for hop in hops]
+    return max(_simulated_step_s(str(schedule), tuple(fwd_s), tuple(bwd_s), num_microbatches, vpp, hops, bwd_weight_fraction),
+               step_time_s(schedule, fwd_s, bwd_s, num_microbatches, vpp, edge, bwd_weight_fraction))
 
 
 @functools.lru_cache(maxsize=SIMULATED_STEPS_CACHE_SIZE)

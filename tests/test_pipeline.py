@@ -146,6 +146,27 @@ def test_estimates_price_the_simulation_once_transfers_outgrow_the_closed_form(s
     assert priced_step_s(*zb) > 1.3 * step_time_s(*zb)
 
 
+def test_slower_links_never_price_a_step_faster():
+    # 1F1B, stages f = (2, 1), b = (4, 2), 4 micro-batches. The closed form charges the slow stage
+    # 2(p-1) + 2 floor((m-1)(p-1)/p) = 4 transfers: 24 + 4h = 26 at h = 0.25, the edge of its range
+    # (a quarter of the shortest op, 1). By hand the simulation ends at 25 + 2h = 25.5: stage 0
+    # waits on the first round trip only. Just beyond the edge the price stays at the closed form's
+    # 26 until the simulation passes it (at h = 0.5), so it never drops as the link slows.
+    args = ("1f1b", [2.0, 1.0], [4.0, 2.0], 4)
+    assert simulate(*args, 1, 0.25).step_time_s == pytest.approx(25.5)
+    prices = [priced_step_s(*args, 1, hop_s) for hop_s in (0.2, 0.25, 0.250025, 0.4, 0.5, 0.75, 1.0)]
+    assert prices == sorted(prices) and prices[2] == pytest.approx(26.0)
+    assert prices[-1] == pytest.approx(simulate(*args, 1, 1.0).step_time_s)
+
+
+@given(fwd=st.lists(st.floats(0.5, 2.0), min_size=2, max_size=6), m=st.integers(1, 12),
+       schedule=st.sampled_from(["1f1b", "gpipe", "zb"]))
+def test_the_priced_step_is_monotone_in_the_transfer_time(fwd, m, schedule):
+    bwd = [2 * f for f in fwd]
+    prices = [priced_step_s(schedule, fwd, bwd, m, 1, 0.05 * k) for k in range(40)]
+    assert all(later >= earlier - 1e-9 for earlier, later in zip(prices, prices[1:]))
+
+
 @pytest.mark.parametrize("schedule, vpp", [("zb", 1), ("interleaved", 2), ("1f1b", 1), ("gpipe", 1)])
 def test_no_schedule_beats_its_links_throughput(schedule, vpp):
     # 8 stages of 0.01 s per micro-batch, 64 micro-batches, 0.9 s per transfer (activations over a
