@@ -101,6 +101,7 @@ class Estimate:
             "mfu": self.mfu,
             "peak_memory_bytes": self.peak_memory_bytes,
             "fits": self.fits,
+            "host_memory_fits": self.host_overflow() is None,  # offloaded states: `fits` is false without it
             "bubble_fraction": self.bubble_fraction,
             "time_breakdown": dict(self.time_breakdown),
             "memory": list(self.memory),

@@ -693,6 +693,11 @@ def test_offloaded_states_must_fit_the_hosts_memory(host_gb, fits):
         planner.plan(graph, cluster, global_batch=8)
     assert error.value.kind == PlannerErrorKind.INSUFFICIENT_MEMORY
     assert f"GiB of host memory per device of {host_gb * 1e9 / 2**30:.1f} GiB" in error.value.message
+    # Priced anyway, the device memory holds it: the JSON says which memory it does not fit.
+    estimate = planner.evaluate(graph, cluster, {"tp": 1, "pp": 1, "zero": 3, "offload_optimizer": True,
+                                                 "recompute": "full"}, global_batch=8).to_dict()
+    assert estimate["peak_memory_bytes"] < estimate["memory"][0]["capacity_bytes"]
+    assert (estimate["fits"], estimate["host_memory_fits"]) == (False, False)
 
 
 def test_nothing_fits_names_a_fixed_hybrid_replica_count():
