@@ -99,6 +99,10 @@ LATENCY = Magnitude("seconds", 1e-8, 1.0, "9.6e-6 for 9.6 us")
 MEMORY = Magnitude("bytes", 1e8, 1e15, "8.0e10 for 80 GB")
 MEMORY_BANDWIDTH = Magnitude("bytes per second", 1e9, 1e14, "3.35e12 for 3.35 TB/s")
 PEAK_FLOPS = Magnitude("FLOP/s", 1e9, 1e17, "9.89e14 for 989 TFLOP/s")
+# Likewise for a fabric's N:1 oversubscription (built fabrics run 1:1 to a few to one) and the devices
+# of one node (the largest NVLink domain, GB200 NVL576, joins 576).
+MAX_OVERSUBSCRIPTION = 64.0
+MAX_DEVICES_PER_NODE = 1024
 
 
 def physical(origin: Origin, field_name: str, value, magnitude: Magnitude) -> float:
@@ -143,3 +147,12 @@ def count(origin: Origin, field_name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise origin.error(field_name, f"{value!r} must be a positive integer")
     return value
+
+
+def node_devices(origin: Origin, field_name: str, value) -> int:
+    """A node's device count: a positive integer up to `MAX_DEVICES_PER_NODE`."""
+    devices = count(origin, field_name, value)
+    if devices > MAX_DEVICES_PER_NODE:
+        raise origin.error(field_name, f"{devices} devices in one node is implausible (at most {MAX_DEVICES_PER_NODE}); "
+                                       f"give the devices of one node and the node count in nodes")
+    return devices

@@ -162,6 +162,7 @@ def _load_shorthand(text: str) -> Cluster:
             raise origin.error("NODES", f"needs at least 1 node, e.g. {SHORTHAND_EXAMPLE}")
         if gpus < 1:
             raise origin.error("GPUS", f"needs at least 1 device per node, e.g. {SHORTHAND_EXAMPLE}")
+        fields.node_devices(origin, "GPUS", gpus)
     else:
         total, per_node = int(match["nodes"]), device.devices_per_node
         if total < 1:
@@ -248,7 +249,7 @@ def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Pat
         peak_flops_per_s=peaks,
         mem_bytes=fields.physical(origin, "mem_bytes", data["mem_bytes"], fields.MEMORY),
         mem_bw_bytes_per_s=fields.physical(origin, "mem_bw_bytes_per_s", data["mem_bw_bytes_per_s"], fields.MEMORY_BANDWIDTH),
-        devices_per_node=fields.count(origin, "node.devices_per_node", node["devices_per_node"]),
+        devices_per_node=fields.node_devices(origin, "node.devices_per_node", node["devices_per_node"]),
         intra_link=_load_link(origin, "node.intra_link", node["intra_link"], dirs, base, INTRA_NODE_KINDS),
         nic=_load_link(origin, "nic", data["nic"], dirs, base, INTER_NODE_KINDS),
         matmul_efficiency=_matmul_curve(origin, data.get("matmul_efficiency", ()), peaks),
@@ -293,9 +294,10 @@ def _parse_cluster(origin: Origin, data: dict, default_name: str, dirs: tuple[Pa
     if not isinstance(groups, list) or not groups:
         raise origin.error("groups", "must be a non-empty list of {device, nodes} mappings")
     oversubscription = fields.positive(origin, "oversubscription", data.get("oversubscription", 1.0))
-    if oversubscription < 1.0:
-        raise origin.error("oversubscription", f"{oversubscription!r} is below 1; use 1.0 for a full-bisection"
-                           " fabric or N for N:1 oversubscription")
+    if not 1.0 <= oversubscription <= fields.MAX_OVERSUBSCRIPTION:
+        raise origin.error("oversubscription", f"{oversubscription!r} is {'below 1' if oversubscription < 1 else 'implausible'}"
+                           f"; use 1.0 for a full-bisection fabric or N (up to {fields.MAX_OVERSUBSCRIPTION:g}) for N:1 "
+                           "oversubscription")
     parsed = tuple(_parse_group(origin, f"groups[{i}]", g, dirs, base) for i, g in enumerate(groups))
     for i, group in enumerate(parsed):  # the cost model keys devices by name
         same_name = next((j for j, other in enumerate(parsed[:i]) if other.node.device.name == group.node.device.name
@@ -323,8 +325,8 @@ def _parse_group(origin: Origin, prefix: str, data, dirs: tuple[Path, ...], base
         raise origin.error(f"{prefix}.device", str(exc)) from None
     node = NodeSpec(
         device=device,
-        devices_per_node=fields.count(origin, f"{prefix}.devices_per_node",
-                                      data.get("devices_per_node", device.devices_per_node)),
+        devices_per_node=fields.node_devices(origin, f"{prefix}.devices_per_node",
+                                             data.get("devices_per_node", device.devices_per_node)),
         intra_link=_load_link(origin, f"{prefix}.intra_link", data["intra_link"], dirs, base, INTRA_NODE_KINDS)
         if "intra_link" in data else device.intra_link,
         nic=_load_link(origin, f"{prefix}.nic", data["nic"], dirs, base, INTER_NODE_KINDS)
