@@ -11,6 +11,7 @@ from pathlib import Path
 
 from costmodel import profile_fields as fields
 from costmodel.comm import Collective
+from costmodel.compute import GEMM_ONLY_DTYPES
 from costmodel.errors import ProfileError
 from costmodel.hardware import (INTER_NODE_KINDS, INTRA_NODE_KINDS, Cluster, DeviceSpec, Dtype, LinkKind, LinkTier,
                                 NodeGroup, NodeSpec)
@@ -355,8 +356,13 @@ def usual_host_share(device: DeviceSpec, devices_per_node: int) -> float:
 def _peaks(origin: Origin, value) -> dict[str, float]:
     if not isinstance(value, dict) or not value:
         raise origin.error("peak_flops_per_s", "must map dtypes (fp32, tf32, bf16, fp16, fp8) to dense FLOP/s")
-    return {fields.enum_member(origin, "peak_flops_per_s", key, Dtype).value:
-            fields.physical(origin, f"peak_flops_per_s.{key}", v, fields.PEAK_FLOPS) for key, v in value.items()}
+    peaks = {fields.enum_member(origin, "peak_flops_per_s", key, Dtype).value:
+             fields.physical(origin, f"peak_flops_per_s.{key}", v, fields.PEAK_FLOPS) for key, v in value.items()}
+    for gemm_only, base in GEMM_ONLY_DTYPES.items():
+        if gemm_only in peaks and base not in peaks:
+            raise origin.error(f"peak_flops_per_s.{gemm_only}", f"given without a {base} peak, which {gemm_only} training "
+                                                                f"runs every op but the GEMMs in; add peak_flops_per_s.{base}")
+    return peaks
 
 
 def _matmul_curve(origin: Origin, value, peaks: dict[str, float]) -> tuple[tuple[float, float], ...]:

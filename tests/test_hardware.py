@@ -251,6 +251,7 @@ DEVICE_ERRORS = [
     ({"matmul_efficiency": [[1.0e9, 0.0]]}, "matmul_efficiency[0][1]", "(0, 1]"),
     ({"matmul_efficiency": {"plateau": 1.2}}, "matmul_efficiency.plateau", "(0, 1]"),
     ({"peak_flops_per_s": {"bf61": 1.0e12}}, "peak_flops_per_s", "did you mean 'bf16'"),
+    ({"peak_flops_per_s": {"fp8": 1.0e14}}, "peak_flops_per_s.fp8", "add peak_flops_per_s.bf16"),
     ({"nic": "ib-ndr"}, "nic", "ib-ndr400"),
     ({"nic": "nvlink4-nvswitch"}, "nic", "kind"),
     ({"node__intra_link__kind": "ib"}, "node.intra_link.kind", "cannot serve here"),
