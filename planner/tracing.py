@@ -218,6 +218,9 @@ def _capture_and_measure(source: ModelSource, model: nn.Module, inputs: tuple,
                      f"{_reason(exc.__cause__)}")
     except Exception as exc:  # noqa: BLE001
         notes.append(f"export failed: {_reason(exc)}")
+    if any("Storage size calculation overflowed" in note for note in notes):  # a tensor past int64 bytes
+        raise invalid(f"seq_len={seq_len}: too long for model `{source.name}`, one of whose tensors would then hold more "
+                      f"bytes than PyTorch can address; fix: a shorter --seq-len")
     param_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     if param_bytes > EAGER_FALLBACK_MAX_PARAM_BYTES:
         raise PlannerError(PlannerErrorKind.UNSUPPORTED_MODEL, _one_line(

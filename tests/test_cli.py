@@ -452,6 +452,8 @@ BAD_INPUT = [
                  id="factory that exits"),
     pytest.param(["plan", *RUN_ARGS, "--out", "{bad}/plan.txt"], "plan.txt", id="unknown plan file extension"),
     pytest.param(["evaluate", *RUN_ARGS, "--tp", "2"], "--pp required", id="evaluate without degrees or a plan"),
+    pytest.param(["inspect", "--model", "gpt3-125m", "--seq-len", "1000000000"], "seq_len=1000000000: too long for model",
+                 id="a sequence too long for any tensor"),
     pytest.param(["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--schedule", "zb"], "schedule=zb: a pipeline schedule "
                  "needs pp > 1", id="evaluate a pipeline schedule without pipeline stages"),
     pytest.param(["evaluate", *MODEL_ARGS, "--cluster", "", "--global-batch", "8", "--tp", "1", "--pp", "1"], "cluster '': unknown",
