@@ -98,7 +98,8 @@ def stage_devices(cluster: Cluster, pp: int) -> list[tuple[DeviceSpec, NodeSpec]
                                    if lo <= first < hi or lo <= last < hi or (first < lo and hi <= last + 1)))
         devices = {node.device.name for node in nodes}
         if len(devices) > 1:
-            raise invalid(f"pp={pp}: stage {stage} spans device types {sorted(devices)}; choose pp so each stage sits on one node group")
+            raise invalid(f"pp={pp}: stage {stage} spans device types {sorted(devices)}; choose pp so each stage sits on one node group "
+                          f"(for a saved plan: plan again on this cluster)")
         node = next(node for lo, hi, node in bounds if lo <= first < hi)
         node = slowest_node(nodes) if len(nodes) > 1 else node
         out.append((node.device, node))
