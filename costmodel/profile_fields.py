@@ -99,8 +99,9 @@ LATENCY = Magnitude("seconds", 1e-8, 1.0, "9.6e-6 for 9.6 us")
 MEMORY = Magnitude("bytes", 1e8, 1e15, "8.0e10 for 80 GB")
 MEMORY_BANDWIDTH = Magnitude("bytes per second", 1e9, 1e14, "3.35e12 for 3.35 TB/s")
 PEAK_FLOPS = Magnitude("FLOP/s", 1e9, 1e17, "9.89e14 for 989 TFLOP/s")
-# Likewise for a fabric's N:1 oversubscription (built fabrics run 1:1 to a few to one) and the devices
-# of one node (the largest NVLink domain, GB200 NVL576, joins 576).
+# Likewise for a fabric's N:1 oversubscription (built fabrics run from 1:1 up to a few to 1; Llama 3's
+# 24K-GPU RoCE fabric, the most oversubscribed shipped profile, runs 7:1) and the devices of one node
+# (the largest NVLink domain, GB200 NVL576, joins 576).
 MAX_OVERSUBSCRIPTION = 64.0
 MAX_DEVICES_PER_NODE = 1024
 
