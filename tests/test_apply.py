@@ -964,7 +964,7 @@ def test_wrong_world_size_fails_before_process_group(spec_dir, monkeypatch):
 def test_a_plan_priced_for_other_training_code_warns_what_apply_runs_instead(spec_dir, monkeypatch):
     plan = _plan(spec_dir / "gpt.yaml", "cpu:1x2", tp=2, pp=1, loss="fused", cp_comm="a2a")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.warns(UserWarning, match=r"^Plan.apply runs PyTorch's own loss: the plan was priced for training code with "
+    with pytest.warns(UserWarning, match=r"^Plan.apply runs loss=torch: the plan was priced for training code with "
                                          r"loss=fused, so"), pytest.raises(PlannerError, match="world size 4"):
         plan.apply(_build(str(spec_dir / "gpt.yaml")))
 

@@ -310,8 +310,9 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
     device = check_arguments(plan, model, device)
     config, code = plan.config, TrainingCode.of(**plan.training_code)
     if other := code.not_applied():
-        warnings.warn(f"Plan.apply runs PyTorch's own {', '.join(other)}: the plan was priced for training code with "
-                      f"{', '.join(f'{name}={value}' for name, value in other.items())}, so this run's time and memory "
+        runs = TrainingCode().options()
+        warnings.warn(f"Plan.apply runs {', '.join(f'{name}={runs[name]}' for name in other)}: the plan was priced for "
+                      f"training code with {', '.join(f'{name}={value}' for name, value in other.items())}, so this run's time and memory "
                       f"may differ from its estimate", stacklevel=3)
     check_world_size(plan)
     match, tp_plan = check_applicable(plan, model)
