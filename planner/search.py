@@ -22,19 +22,22 @@ import math
 import time
 from collections import Counter
 
+import numpy as np
+
 from costmodel.hardware import Cluster
 from planner.bounds import (WorkBound, mean_capacity_bytes, memory_floor_bytes, pipeline_bound_s, tail_bound_s, work_bound,
                             work_bound_key)
 from planner.config import ParallelConfig, Schedule
 from planner.constraints import check_constraints
 from planner.errors import PlannerError, check_positive_int
-from planner.estimate import Evaluator
+from planner.estimate import UNBOUNDED_BYTES, Evaluator
 from planner.graph import ModelGraph, Recompute
 from planner.memory_plan import MEMORY_ILP_TIME_LIMIT_S, chunk_boundaries, memory_plan, uniform_recompute
 from planner.no_fit import batch_reason, closest_miss, nothing_fits
 from planner.result import Alternative, Plan
 from planner.config_check import check_config
 from planner.space import Rejection, configs_for, divisors, enumerate_degrees, max_micro_batch, why_no_configs
+from planner.stages import split_dp
 from planner.training_code import TrainingCode
 
 # Examples of each rejection reason kept for `--explain`.
@@ -299,17 +302,17 @@ def _refine_front(evaluator: Evaluator, ranked: list, global_batch: int, headroo
     have overtaken it were left unrefined.
 
     The leader is refined; so is each runner-up that could then overtake it: one whose step time
-    with no recompute at all, which no per-layer choice beats, is below the best refined so far,
-    in rank order until `RUNNER_UP_REFINE_BUDGET_S` is spent (the rest keep their uniform policy).
+    with no recompute at all, which no per-layer choice beats (`_no_recompute_s`), is below the best
+    refined so far, in rank order until `RUNNER_UP_REFINE_BUDGET_S` is spent (the rest keep their
+    uniform policy).
     """
     memories = {}
     refined = [(step_s, config, estimate, tuple(map(str, uniform_recompute(evaluator, config.recompute))))
                for step_s, config, estimate in ranked]
     best_s, unrefined, deadline_s = math.inf, 0, math.inf
     for index, (step_s, config, estimate) in enumerate(ranked):
-        if index and (fixed or config.recompute == Recompute.NONE or evaluator.estimate(
-                config, global_batch, recompute_per_layer=(Recompute.NONE,) * len(evaluator.graph.layers),
-                headroom=headroom).step_time_s >= best_s):
+        if index and (fixed or config.recompute == Recompute.NONE
+                      or _no_recompute_s(evaluator, config, global_batch, headroom) >= best_s):
             continue
         if time.perf_counter() > deadline_s:
             unrefined += 1
@@ -324,6 +327,20 @@ def _refine_front(evaluator: Evaluator, ranked: list, global_batch: int, headroo
     # ties: a refined one leads, then the one needing less memory
     order = sorted(range(len(refined)), key=lambda index: (refined[index][0], index not in memories, refined[index][2].peak_memory_bytes))
     return [refined[index] for index in order], memories[order[0]], unrefined
+
+
+def _no_recompute_s(evaluator: Evaluator, config: ParallelConfig, global_batch: int, headroom: float) -> float:
+    """`config`'s step time with no layer recomputed, at its default split and, pipelined, at the split
+    that only balances time, the faster: the memory-aware split that no recompute forces can be slower
+    than the one a per-layer memory plan then finds (as where a last stage keeps its logits)."""
+    none = (Recompute.NONE,) * len(evaluator.graph.layers)
+    step_s = evaluator.estimate(config, global_batch, recompute_per_layer=none, headroom=headroom).step_time_s
+    if config.pp * config.vpp == 1:
+        return step_s
+    problem = evaluator.stage_problem(config, [none], headroom)
+    balanced = split_dp(dataclasses.replace(problem, mem_cap_bytes=np.full(problem.num_stages, UNBOUNDED_BYTES))).boundaries
+    return min(step_s, evaluator.estimate(config, global_batch, recompute_per_layer=none, boundaries=balanced,
+                                          headroom=headroom).step_time_s)
 
 
 def _alternatives(evaluator: Evaluator, ranked: list, top: int) -> tuple[Alternative, ...]:

@@ -52,6 +52,14 @@ class TrainingCode:
     sp_gather: SpGather = SpGather.KEPT
     pp_outputs: PipeOutputs = PipeOutputs.DROPPED
 
+    def __post_init__(self):
+        """Plain values become their choice's enum member (`TrainingCode(loss="fused")`), which the
+        cost model compares by identity; an unknown one raises ValueError (`of` says more)."""
+        for f in fields(self):
+            default = getattr(type(self), f.name)
+            if not isinstance(default, bool):
+                object.__setattr__(self, f.name, type(default)(getattr(self, f.name)))
+
     @classmethod
     def of(cls, **choices) -> TrainingCode:
         """The training code with `choices` (field names; enum values or their strings) and the

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from planner.errors import PlannerError
+from planner.pipeline_buffers import PipeOutputs, kept_output_bytes
 from planner.state_cost import DpSync
 from planner.training_code import TrainingCode
 
@@ -14,6 +15,16 @@ def test_strings_become_the_cost_models_enums_and_round_trip():
     assert code.changed() == {"tp_overlap": True, "dp_sync": "blocking"}
     assert TrainingCode.of(**code.options()) == code
     assert TrainingCode.of() == TrainingCode() and TrainingCode().changed() == {}
+
+
+def test_a_direct_construction_gets_the_same_enums():
+    # The cost model compares choices by identity (`kind is PipeOutputs.KEPT`): a plain string given
+    # to the constructor priced as the default before, silently.
+    code = TrainingCode(pp_outputs="kept", dp_sync="blocking")
+    assert code.pp_outputs is PipeOutputs.KEPT and code.dp_sync is DpSync.BLOCKING
+    assert kept_output_bytes(code.pp_outputs, 2, 8, 1.0) == 8.0
+    with pytest.raises(ValueError):
+        TrainingCode(pp_outputs="kep")
 
 
 def test_choices_list_the_default_first():
