@@ -302,7 +302,7 @@ def _refine_front(evaluator: Evaluator, ranked: list, global_batch: int, headroo
     have overtaken it were left unrefined.
 
     The leader is refined; so is each runner-up that could then overtake it: one whose step time
-    with no recompute at all, which no per-layer choice beats (`_no_recompute_s`), is below the best
+    with no recompute at all, which no per-layer choice beats (`_could_overtake`), is below the best
     refined so far, in rank order until `RUNNER_UP_REFINE_BUDGET_S` is spent (the rest keep their
     uniform policy).
     """
@@ -312,7 +312,7 @@ def _refine_front(evaluator: Evaluator, ranked: list, global_batch: int, headroo
     best_s, unrefined, deadline_s = math.inf, 0, math.inf
     for index, (step_s, config, estimate) in enumerate(ranked):
         if index and (fixed or config.recompute == Recompute.NONE
-                      or _no_recompute_s(evaluator, config, global_batch, headroom) >= best_s):
+                      or not _could_overtake(evaluator, config, global_batch, headroom, best_s)):
             continue
         if time.perf_counter() > deadline_s:
             unrefined += 1
@@ -329,18 +329,20 @@ def _refine_front(evaluator: Evaluator, ranked: list, global_batch: int, headroo
     return [refined[index] for index in order], memories[order[0]], unrefined
 
 
-def _no_recompute_s(evaluator: Evaluator, config: ParallelConfig, global_batch: int, headroom: float) -> float:
-    """`config`'s step time with no layer recomputed, at its default split and, pipelined, at the split
-    that only balances time, the faster: the memory-aware split that no recompute forces can be slower
-    than the one a per-layer memory plan then finds (as where a last stage keeps its logits)."""
+def _could_overtake(evaluator: Evaluator, config: ParallelConfig, global_batch: int, headroom: float, best_s: float) -> bool:
+    """Whether `config` with no layer recomputed is faster than `best_s` at its default split or,
+    pipelined, at the split that only balances time: the memory-aware split that no recompute forces
+    can be slower than the one a per-layer memory plan then finds (as where a last stage keeps its
+    logits)."""
     none = (Recompute.NONE,) * len(evaluator.graph.layers)
-    step_s = evaluator.estimate(config, global_batch, recompute_per_layer=none, headroom=headroom).step_time_s
+    if evaluator.estimate(config, global_batch, recompute_per_layer=none, headroom=headroom).step_time_s < best_s:
+        return True
     if config.pp * config.vpp == 1:
-        return step_s
+        return False
     problem = evaluator.stage_problem(config, [none], headroom)
     balanced = split_dp(dataclasses.replace(problem, mem_cap_bytes=np.full(problem.num_stages, UNBOUNDED_BYTES))).boundaries
-    return min(step_s, evaluator.estimate(config, global_batch, recompute_per_layer=none, boundaries=balanced,
-                                          headroom=headroom).step_time_s)
+    return evaluator.estimate(config, global_batch, recompute_per_layer=none, boundaries=balanced,
+                              headroom=headroom).step_time_s < best_s
 
 
 def _alternatives(evaluator: Evaluator, ranked: list, top: int) -> tuple[Alternative, ...]:
