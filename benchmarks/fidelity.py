@@ -224,7 +224,11 @@ HEADER = (f"{'ranks':<5} {'mode':<11} {'dtype':<5} {'config':<34} {'pred s':>8} 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(*sys.argv[2:4], int(sys.argv[4]), sys.argv[5])
-        return 0
+        # A rank leaves without finalising the interpreter, as examples/train.py does: gloo's threads
+        # can abort one whose work is done (pytorch/pytorch#179291).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="measured steps per mode (after warm-up)")
     parser.add_argument("--worlds", default="2,4", help="comma-separated rank counts, of 2 and 4")
