@@ -195,3 +195,19 @@ def load_op_table(path: str) -> OpTable:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, ProfileError) as exc:
         reason = str(exc).removeprefix("op table: ")
         raise ProfileError(f"{path}: not a readable op table ({reason}); re-run `paraplan profile`") from None
+
+
+# How to use a profile of one kind (key) where another was expected.
+KIND_USES = {
+    "device": "write {label}:NODESxGPUS (e.g. {label}:1x8) for a cluster of it, or name it as a cluster group's device",
+    "link": "name it as a device's or a cluster group's intra_link or nic",
+    "cluster": "give it as --cluster; a cluster file names its devices in groups",
+}
+
+
+def check_kind(origin: Origin, data: dict, expected: str) -> None:
+    """Refuse, in one line saying how to use it, a profile of another kind than `expected`."""
+    kind = profile_kind(data)
+    if kind is not None and kind != expected:
+        raise ProfileError(f"{origin.label}: a {kind} profile, not a {expected}; "
+                           + KIND_USES[kind].format(label=origin.label))

@@ -1,4 +1,4 @@
-"""Loads hardware profiles into the `costmodel.hardware` types: devices, links, clusters, shorthands.
+"""Loads hardware profiles into the `costmodel.hardware` types: devices, clusters, shorthands (links: `profile_links`).
 
 Files are found and read by `costmodel.profile_files` and checked field by field by
 `costmodel.profile_fields`. Parsed files are cached per process and parsed again after they change.
@@ -10,14 +10,13 @@ import re
 from pathlib import Path
 
 from costmodel import profile_fields as fields
-from costmodel.comm import Collective
 from costmodel.compute import GEMM_ONLY_DTYPES
 from costmodel.errors import ProfileError
-from costmodel.hardware import (INTER_NODE_KINDS, INTRA_NODE_KINDS, Cluster, DeviceSpec, Dtype, LinkKind, LinkTier,
-                                NodeGroup, NodeSpec)
+from costmodel.hardware import INTER_NODE_KINDS, INTRA_NODE_KINDS, Cluster, DeviceSpec, Dtype, NodeGroup, NodeSpec
 from costmodel.profile_fields import Origin
-from costmodel.profile_files import (SHORTHAND_EXAMPLE, is_file, load_op_table, looks_like_path, profile_dirs, profile_kind,
+from costmodel.profile_files import (SHORTHAND_EXAMPLE, check_kind, is_file, load_op_table, looks_like_path, profile_dirs,
                                      read_mapping, relative_to, resolve)
+from costmodel.profile_links import link_field
 
 # Time a GEMM would take at its plateau throughput when it reaches only half that throughput:
 # kernel launch, prologue and the last partial wave of tiles, a few microseconds per GEMM
@@ -52,9 +51,6 @@ MATMUL_REFERENCE_DTYPES = (Dtype.BF16, Dtype.FP16, Dtype.FP32)
 
 _SHORTHAND = re.compile(r"(?P<device>[^:]+):(?P<nodes>[0-9]+)(?:[xX](?P<gpus>[0-9]+))?", re.ASCII)
 
-_LINK_KEYS = ("name", "kind", "bw_bytes_per_s", "latency_s", "efficiency", "collective_factors", "peer_bw_bytes_per_s",
-              "sources")
-_LINK_REQUIRED = ("kind", "bw_bytes_per_s", "latency_s")
 _DEVICE_KEYS = ("name", "description", "peak_flops_per_s", "mem_bytes", "mem_bw_bytes_per_s", "matmul_efficiency",
                 "mem_bw_efficiency", "matmul_sustained_fraction", "flash2_attention_ratio", "comm_overlaps_compute", "node",
                 "nic", "price_per_hour", "power_w", "op_tables", "sources")
@@ -84,16 +80,6 @@ def load_device(name_or_path: str | Path) -> DeviceSpec:
     dirs = profile_dirs()
     path = resolve("devices", "device", name_or_path, dirs)
     return _load_device_file(str(path), path.stat().st_mtime_ns, dirs)
-
-
-def load_link(name_or_path: str | Path) -> LinkTier:
-    """Load a link profile by name (`profile_files.list_links()`, case-insensitive) or by file path.
-
-    Raises:
-        ProfileError: unknown name, missing file, or invalid profile; the message names the fix.
-    """
-    path = resolve("links", "link", name_or_path, profile_dirs())
-    return _load_link_file(str(path), path.stat().st_mtime_ns)
 
 
 def load_cluster(spec: str | Path | dict | Cluster) -> Cluster:
@@ -134,13 +120,6 @@ def load_cluster(spec: str | Path | dict | Cluster) -> Cluster:
 
 
 @functools.lru_cache(maxsize=256)
-def _load_link_file(path: str, mtime_ns: int) -> LinkTier:
-    data = read_mapping(Path(path))
-    _check_kind(Origin(path), data, "link")
-    return _parse_link(Origin(path), "", data, Path(path).stem, allowed=None)
-
-
-@functools.lru_cache(maxsize=256)
 def _load_device_file(path: str, mtime_ns: int, dirs: tuple[Path, ...]) -> DeviceSpec:
     return _parse_device(Origin(path), read_mapping(Path(path)), Path(path).stem, dirs, Path(path).parent)
 
@@ -177,65 +156,8 @@ def _load_shorthand(text: str) -> Cluster:
                    description=f"{nodes} x {gpus} {device.description or device.name}")
 
 
-def _load_link(origin: Origin, field_name: str, value, dirs: tuple[Path, ...], base: Path, allowed) -> LinkTier:
-    """A link given by profile name (`links/NAME.yaml`), by file path, or inline as a mapping."""
-    if isinstance(value, dict):
-        return _parse_link(origin, f"{field_name}.", value, None, allowed)
-    if not isinstance(value, str):
-        raise origin.error(field_name, "must be a link name from profiles/links/ or a mapping with kind,"
-                           " bw_bytes_per_s and latency_s")
-    try:
-        path = resolve("links", "link", relative_to(base, value), dirs)
-    except ProfileError as exc:
-        raise origin.error(field_name, str(exc)) from None
-    link = _load_link_file(str(path), path.stat().st_mtime_ns)
-    if allowed is not None and link.kind not in allowed:
-        raise origin.error(field_name, f"link {value!r} is of kind '{link.kind}', which cannot serve here;"
-                           f" use one of kinds {', '.join(sorted(allowed))}")
-    return link
-
-
-def _parse_link(origin: Origin, prefix: str, data: dict, default_name: str | None, allowed) -> LinkTier:
-    """A LinkTier from a mapping; an inline link without a name is named after its kind."""
-    fields.check_keys(origin, prefix, data, _LINK_KEYS, _LINK_REQUIRED)
-    kind = fields.enum_member(origin, f"{prefix}kind", data["kind"], LinkKind)
-    if allowed is not None and kind not in allowed:
-        raise origin.error(f"{prefix}kind", f"{kind.value!r} cannot serve here; use one of"
-                           f" {', '.join(sorted(allowed))}")
-    sources = fields.sources(origin, prefix, data.get("sources", {}), _LINK_KEYS)
-    bw_bytes_per_s = fields.physical(origin, f"{prefix}bw_bytes_per_s", data["bw_bytes_per_s"], fields.LINK_BANDWIDTH)
-    peer_bytes_per_s = data.get("peer_bw_bytes_per_s")
-    if peer_bytes_per_s is not None:
-        peer_bytes_per_s = fields.physical(origin, f"{prefix}peer_bw_bytes_per_s", peer_bytes_per_s, fields.LINK_BANDWIDTH)
-        if peer_bytes_per_s > bw_bytes_per_s:
-            raise origin.error(f"{prefix}peer_bw_bytes_per_s", f"{peer_bytes_per_s:g} exceeds bw_bytes_per_s "
-                               f"{bw_bytes_per_s:g}, a device's whole bandwidth; give one pair's share")
-    return LinkTier(
-        name=fields.text(origin, f"{prefix}name", data.get("name", default_name or kind.value)),
-        kind=kind,
-        bw_bytes_per_s=bw_bytes_per_s,
-        latency_s=fields.physical(origin, f"{prefix}latency_s", data["latency_s"], fields.LATENCY),
-        efficiency=fields.fraction(origin, f"{prefix}efficiency", data.get("efficiency", 1.0)),
-        source="; ".join(f"{key}: {text}" for key, text in sources.items()),
-        collective_factors=_collective_factors(origin, f"{prefix}collective_factors",
-                                               data.get("collective_factors", {})),
-        peer_bw_bytes_per_s=peer_bytes_per_s,
-    )
-
-
-def _collective_factors(origin: Origin, field_name: str, value) -> tuple[tuple[str, float], ...]:
-    """A link's measured collective factors: a mapping from collective name to a positive number."""
-    if not isinstance(value, dict):
-        raise origin.error(field_name, "must be a mapping of collective to factor, e.g. {all_gather: 2.5}")
-    factors = []
-    for name, factor in value.items():
-        kind = fields.enum_member(origin, f"{field_name}.{name}", name, Collective)
-        factors.append((kind.value, fields.positive(origin, f"{field_name}.{name}", factor)))
-    return tuple(sorted(factors))
-
-
 def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Path, ...], base: Path) -> DeviceSpec:
-    _check_kind(origin, data, "device")
+    check_kind(origin, data, "device")
     if "host_mem_bytes" in data:
         raise origin.error("host_mem_bytes", "belongs to the node: write it as node.host_mem_bytes")
     fields.check_keys(origin, "", data, _DEVICE_KEYS, _DEVICE_REQUIRED)
@@ -251,8 +173,8 @@ def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Pat
         mem_bytes=fields.physical(origin, "mem_bytes", data["mem_bytes"], fields.MEMORY),
         mem_bw_bytes_per_s=fields.physical(origin, "mem_bw_bytes_per_s", data["mem_bw_bytes_per_s"], fields.MEMORY_BANDWIDTH),
         devices_per_node=fields.node_devices(origin, "node.devices_per_node", node["devices_per_node"]),
-        intra_link=_load_link(origin, "node.intra_link", node["intra_link"], dirs, base, INTRA_NODE_KINDS),
-        nic=_load_link(origin, "nic", data["nic"], dirs, base, INTER_NODE_KINDS),
+        intra_link=link_field(origin, "node.intra_link", node["intra_link"], dirs, base, INTRA_NODE_KINDS),
+        nic=link_field(origin, "nic", data["nic"], dirs, base, INTER_NODE_KINDS),
         matmul_efficiency=_matmul_curve(origin, data.get("matmul_efficiency", ()), peaks),
         mem_bw_efficiency=fields.fraction(origin, "mem_bw_efficiency",
                                           data.get("mem_bw_efficiency", DEFAULT_MEM_BW_EFFICIENCY)),
@@ -270,24 +192,8 @@ def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Pat
     )
 
 
-# How to use a profile of one kind (key) where another was expected.
-_KIND_USES = {
-    "device": "write {label}:NODESxGPUS (e.g. {label}:1x8) for a cluster of it, or name it as a cluster group's device",
-    "link": "name it as a device's or a cluster group's intra_link or nic",
-    "cluster": "give it as --cluster; a cluster file names its devices in groups",
-}
-
-
-def _check_kind(origin: Origin, data: dict, expected: str) -> None:
-    """Refuse, in one line saying how to use it, a profile of another kind than `expected`."""
-    kind = profile_kind(data)
-    if kind is not None and kind != expected:
-        raise ProfileError(f"{origin.label}: a {kind} profile, not a {expected}; "
-                           + _KIND_USES[kind].format(label=origin.label))
-
-
 def _parse_cluster(origin: Origin, data: dict, default_name: str, dirs: tuple[Path, ...], base: Path) -> Cluster:
-    _check_kind(origin, data, "cluster")
+    check_kind(origin, data, "cluster")
     if "host_mem_bytes" in data:
         raise origin.error("host_mem_bytes", "belongs to a node group: write it in groups[i] (host memory of one node)")
     fields.check_keys(origin, "", data, _CLUSTER_KEYS, ("groups",))
@@ -328,9 +234,9 @@ def _parse_group(origin: Origin, prefix: str, data, dirs: tuple[Path, ...], base
         device=device,
         devices_per_node=fields.node_devices(origin, f"{prefix}.devices_per_node",
                                              data.get("devices_per_node", device.devices_per_node)),
-        intra_link=_load_link(origin, f"{prefix}.intra_link", data["intra_link"], dirs, base, INTRA_NODE_KINDS)
+        intra_link=link_field(origin, f"{prefix}.intra_link", data["intra_link"], dirs, base, INTRA_NODE_KINDS)
         if "intra_link" in data else device.intra_link,
-        nic=_load_link(origin, f"{prefix}.nic", data["nic"], dirs, base, INTER_NODE_KINDS)
+        nic=link_field(origin, f"{prefix}.nic", data["nic"], dirs, base, INTER_NODE_KINDS)
         if "nic" in data else device.nic,
         host_mem_bytes=_host_bytes(origin, f"{prefix}.host_mem_bytes", data)
         or usual_host_share(device, data.get("devices_per_node", device.devices_per_node)),

@@ -22,7 +22,6 @@ compute, recompute, exposed tensor/context/expert-parallel communication, expose
 """
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 
@@ -46,12 +45,10 @@ from planner.config_check import check_config
 from planner.stage_problem import StageProblem
 from planner.state_cost import (dp_exposed_s, grads_pooled, optimizer_step_s, precision_of, state_options, state_zero,
                                  tied_gradient_sum_s, zero3_exposed_s)
-from planner.stages import split_dp
+from planner.stages import split_dp, split_time_only
 from planner.tp_plan import tp_plan_for
 from planner.training_code import TrainingCode
 
-# Memory cap standing for "no limit" when a split only balances time (finite, as StageProblem requires).
-UNBOUNDED_BYTES = 1e30
 # Memory cap of a chunk with no room left (positive, as StageProblem requires): no layer fits under it.
 NO_ROOM_BYTES = 1.0
 
@@ -272,8 +269,7 @@ class Evaluator:
         try:
             return split_dp(problem).boundaries, True
         except PlannerError:
-            unbounded = dataclasses.replace(problem, mem_cap_bytes=np.full(problem.num_stages, UNBOUNDED_BYTES))
-            return split_dp(unbounded).boundaries, False
+            return split_time_only(problem).boundaries, False
 
     def estimate(
         self,

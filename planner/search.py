@@ -22,22 +22,20 @@ import math
 import time
 from collections import Counter
 
-import numpy as np
-
 from costmodel.hardware import Cluster
 from planner.bounds import (WorkBound, mean_capacity_bytes, memory_floor_bytes, pipeline_bound_s, tail_bound_s, work_bound,
                             work_bound_key)
 from planner.config import ParallelConfig, Schedule
 from planner.constraints import check_constraints
 from planner.errors import PlannerError, check_positive_int
-from planner.estimate import UNBOUNDED_BYTES, Evaluator
+from planner.estimate import Evaluator
 from planner.graph import ModelGraph, Recompute
 from planner.memory_plan import MEMORY_ILP_TIME_LIMIT_S, chunk_boundaries, memory_plan, uniform_recompute
 from planner.no_fit import batch_reason, closest_miss, nothing_fits
 from planner.result import Alternative, Plan
 from planner.config_check import check_config
 from planner.space import Rejection, configs_for, divisors, enumerate_degrees, max_micro_batch, why_no_configs
-from planner.stages import split_dp
+from planner.stages import split_time_only
 from planner.training_code import TrainingCode
 
 # Examples of each rejection reason kept for `--explain`.
@@ -339,8 +337,7 @@ def _could_overtake(evaluator: Evaluator, config: ParallelConfig, global_batch: 
         return True
     if config.pp * config.vpp == 1:
         return False
-    problem = evaluator.stage_problem(config, [none], headroom)
-    balanced = split_dp(dataclasses.replace(problem, mem_cap_bytes=np.full(problem.num_stages, UNBOUNDED_BYTES))).boundaries
+    balanced = split_time_only(evaluator.stage_problem(config, [none], headroom)).boundaries
     return evaluator.estimate(config, global_batch, recompute_per_layer=none, boundaries=balanced,
                               headroom=headroom).step_time_s < best_s
 

@@ -27,6 +27,8 @@ from planner.milp import SolveStatus
 from planner.stage_problem import StageProblem, StageSplit, make_split, pipeline_step_time_s, segment_sums
 
 GIB_BYTES = 2**30  # only for rendering error messages
+# Memory cap standing for "no limit" when a split only balances time (finite, as StageProblem requires).
+UNBOUNDED_BYTES = 1e30
 
 
 def split_dp(problem: StageProblem) -> StageSplit:
@@ -71,6 +73,11 @@ def split_dp(problem: StageProblem) -> StageSplit:
             best = min(best, candidate, key=objective_s)
             bound_s = min(float(_segment_values(segment_time_s, candidate).max()), (objective_s(best) - min_sum_s) / (m - 1))
     return make_split(problem, best, choices, "dp", SolveStatus.OPTIMAL, 0.0, time.perf_counter() - start_s)
+
+
+def split_time_only(problem: StageProblem) -> StageSplit:
+    """`split_dp` with no memory caps: the split that only balances time."""
+    return split_dp(replace(problem, mem_cap_bytes=np.full(problem.num_stages, UNBOUNDED_BYTES)))
 
 
 def _balanced_split_if_it_fits(problem: StageProblem, choices: np.ndarray) -> np.ndarray | None:

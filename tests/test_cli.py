@@ -219,11 +219,8 @@ def test_evaluate_sp_gather_regathered_keeps_the_gathered_inputs_split(capsys):
     head's input once, (1 - 1/tp) of each fewer (gpt3-125m: 12 blocks, h 768; tp 2, micro-batch 4
     of 128 tokens, no recompute)."""
     base = ["evaluate", *RUN_ARGS, "--tp", "2", "--pp", "1", "--micro-batch", "4", "--recompute", "none", "--json"]
-    activations = {}
-    for gather in ("kept", "regathered"):
-        code, out, _ = run([*base, "--sp-gather", gather], capsys)
-        assert code == 0
-        activations[gather] = json.loads(out)["memory"][0]["activations_bytes"]
+    rows = _memory_by_choice(capsys, base, "--sp-gather", ("kept", "regathered"))
+    activations = {gather: memory[0]["activations_bytes"] for gather, memory in rows.items()}
     assert activations["kept"] - activations["regathered"] == pytest.approx((2 * 12 + 1) * 2 * 4 * 128 * 768 / 2, rel=1e-6)
 
 
@@ -234,11 +231,7 @@ def test_evaluate_fused_loss_holds_less_on_the_loss_stage(capsys):
     nor does the allocator hold the dropped bf16 logits reserved beside them (2 B more, reserved
     only: `loss_cost.loss_held_copies`). The first stage is unchanged."""
     base = ["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "2", "--micro-batch", "4", "--json"]
-    rows = {}
-    for loss in ("torch", "fused"):
-        code, out, _ = run([*base, "--loss", loss], capsys)
-        assert code == 0
-        rows[loss] = json.loads(out)["memory"]
+    rows = _memory_by_choice(capsys, base, "--loss", ("torch", "fused"))
     first, last = ((rows["torch"][i]["total_bytes"] - rows["fused"][i]["total_bytes"]) for i in (0, 1))
     assert first == 0.0
     fragmentation = 1 + ALLOCATOR_FRAGMENTATION_FRACTION
@@ -250,13 +243,19 @@ def test_evaluate_pp_outputs_kept_holds_every_micro_batch_s_logits_on_the_last_s
     of each of its 2 micro-batches (dp 4 at global batch 32, micro-batch 4) until the step ends,
     4 x 128 tokens x 51,200 x 4 B each, counted with its buffers; the first stage is unchanged."""
     base = ["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "2", "--micro-batch", "4", "--json"]
-    rows = {}
-    for kept in ("dropped", "kept"):
-        code, out, _ = run([*base, "--pp-outputs", kept], capsys)
-        assert code == 0
-        rows[kept] = json.loads(out)["memory"]
+    rows = _memory_by_choice(capsys, base, "--pp-outputs", ("dropped", "kept"))
     first, last = ((rows["kept"][i]["comm_buffers_bytes"] - rows["dropped"][i]["comm_buffers_bytes"]) for i in (0, 1))
     assert (first, last) == (0.0, pytest.approx(2 * 4 * 128 * 51200 * 4, rel=1e-9))
+
+
+def _memory_by_choice(capsys, args: list[str], flag: str, choices: tuple[str, ...]) -> dict[str, list[dict]]:
+    """`evaluate --json`'s per-stage memory rows with `flag` set to each of `choices` (exit 0 each)."""
+    rows = {}
+    for choice in choices:
+        code, out, _ = run([*args, flag, choice], capsys)
+        assert code == 0
+        rows[choice] = json.loads(out)["memory"]
+    return rows
 
 
 @pytest.mark.parametrize("flag, default, zero, exposed_key", [

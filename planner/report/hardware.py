@@ -9,7 +9,8 @@ from rich.text import Text
 from costmodel.errors import ProfileError
 from costmodel.hardware import Cluster, DeviceSpec, LinkTier
 from costmodel.profile_files import file_kind, list_clusters, list_devices, list_links, looks_like_path, nearest_names
-from costmodel.profile_loader import load_cluster, load_device, load_link
+from costmodel.profile_links import load_link
+from costmodel.profile_loader import load_cluster, load_device
 
 FLOPS_PER_TFLOP = 1e12
 BYTES_PER_GIB = 2**30
