@@ -37,7 +37,7 @@ from planner.apply.context_parallel import token_positions
 from planner.apply.recompute import SAVED_OPS
 from planner.apply.expert_parallel import check_expert_mesh
 from planner.apply.tensor_parallel import tensor_parallel_plan
-from planner.apply.validate import model_units
+from planner.apply.validate import hardware_note, model_units
 from planner.config import ParallelConfig
 from planner.errors import PlannerError
 from planner.estimate import Evaluator
@@ -967,6 +967,25 @@ def test_a_plan_priced_for_other_training_code_warns_what_apply_runs_instead(spe
     with pytest.warns(UserWarning, match=r"^Plan.apply runs loss=torch: the plan was priced for training code with "
                                          r"loss=fused, so"), pytest.raises(PlannerError, match="world size 4"):
         plan.apply(_build(str(spec_dir / "gpt.yaml")))
+
+
+@pytest.mark.parametrize("gpu, total_memory, warned", [
+    ("NVIDIA A100-SXM4-40GB", 42505076736, True),  # 39.6 GiB against h100-sxm's 79.2 GiB
+    ("NVIDIA H100 80GB HBM3", 85027979264 - 8 * 2**20, False),  # another driver's report of the same GPU
+    ("NVIDIA H200", 150109945856, False),
+])
+def test_a_gpu_with_less_memory_than_the_plans_devices_is_warned_about(spec_dir, monkeypatch, gpu, total_memory, warned):
+    plan = _plan(spec_dir / "gpt.yaml", "h100-sxm:1x2", tp=2, pp=1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(name=gpu, total_memory=total_memory))
+    note = hardware_note(plan, torch.device("cuda", 0))
+    if warned:
+        assert note == ("Plan.apply: this GPU (NVIDIA A100-SXM4-40GB, 39.6 GiB) has less memory than the 79.2 GiB of the "
+                        "devices of h100-sxm:1x2, which the plan was priced for, so it may run out of memory; plan again "
+                        "with --cluster describing this hardware")
+    else:
+        assert note == ""
+    assert hardware_note(plan, torch.device("cpu")) == ""
 
 
 @pytest.mark.parametrize("other, message", [

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from costmodel.errors import ProfileError
+from costmodel.profile_loader import load_cluster
 from planner.errors import invalid, unsupported
 from planner.result import Plan
 from planner.graph import OpKind
@@ -275,3 +277,26 @@ def check_arguments(plan, model, device) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise invalid(f"device='{device}': no CUDA device is available here; use 'cpu', or run where GPUs are")
     return device
+
+
+# How far below the plan's device memory this GPU's may fall before the plan's memory estimate no
+# longer holds: driver builds of one GPU model report total memory within a few MiB of each other
+# (81082-81090 MB across H100 80GB drivers, profiles/devices/h100-sxm.yaml), far inside 1%.
+DEVICE_MEMORY_TOLERANCE = 0.01
+
+
+def hardware_note(plan: Plan, device: torch.device) -> str:
+    """A warning when the GPU this rank runs on has less memory than the devices the plan was priced
+    for (its memory estimate then does not hold: the plan may run out of memory), else ""."""
+    if device.type != "cuda":
+        return ""
+    try:
+        planned_bytes = load_cluster(plan.cluster).min_device_mem_bytes
+    except ProfileError:  # a cluster file of another machine: nothing to compare with
+        return ""
+    properties = torch.cuda.get_device_properties(device)
+    if properties.total_memory >= planned_bytes * (1 - DEVICE_MEMORY_TOLERANCE):
+        return ""
+    return (f"Plan.apply: this GPU ({properties.name}, {properties.total_memory / 2**30:.1f} GiB) has less memory than the "
+            f"{planned_bytes / 2**30:.1f} GiB of the devices of {plan.cluster}, which the plan was priced for, so it may run "
+            f"out of memory; plan again with --cluster describing this hardware")
