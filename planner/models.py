@@ -298,8 +298,12 @@ def _call_factory(ref: str, factory: Callable, kwargs: dict) -> tuple[nn.Module,
 
 def _checked_inputs(inputs: Any, what: str) -> tuple:
     if isinstance(inputs, torch.Tensor):
-        return (inputs,)
+        inputs = (inputs,)
     if isinstance(inputs, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in inputs):
+        for index, x in enumerate(inputs):
+            if isinstance(x, torch.Tensor) and 0 in x.shape:
+                raise invalid(f"{what}: input {index} has shape {tuple(x.shape)}, with an empty dimension, so the "
+                              f"model would do no work; fix: give at least one sample and one token or feature")
         return tuple(inputs)
     raise invalid(f"{what}: expected a tensor or a tuple of tensors, got "
                   f"{_describe_value(inputs)}; fix: pass e.g. (torch.zeros(2, 128, "

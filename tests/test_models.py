@@ -195,6 +195,16 @@ def test_factory_returning_bad_inputs_is_one_line(user_module):
     assert "expected a tensor or a tuple of tensors, got str" in _resolve_error(f"{name}:build")
 
 
+@pytest.mark.parametrize("shape", [(0, 32), (2, 0)])
+def test_factory_inputs_with_an_empty_dimension_are_refused(user_module, shape):
+    name = user_module(f"""
+        import torch
+        def build():
+            return torch.nn.Sequential(torch.nn.Embedding(77, 8), torch.nn.Linear(8, 8)), torch.zeros({shape}, dtype=torch.long)
+    """)
+    assert f"input 0 has shape {shape}, with an empty dimension" in _resolve_error(f"{name}:build")
+
+
 def test_bare_module_starting_with_embedding_gets_token_ids(user_module):
     name = user_module("""
         import torch
