@@ -6,11 +6,13 @@ exits `SWEEP_ERRORS_EXIT`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import signal
 import sys
+from typing import TextIO
 
 from planner.cli_args import build_parser
 from planner.config import CONFIG_KEYS
@@ -70,11 +72,9 @@ def _with_apply_note(plan, model: str):
 INSPECT_MIN_WIDTH = 120
 
 
-def _print_json(data: dict) -> None:
-    print(json.dumps(data, indent=2))
-
-
-def _run(args) -> int:
+def _run(args, json_out: TextIO) -> int:
+    """Runs the command; `--json` output goes to `json_out`, the real standard output, while what
+    user code prints (a factory's own messages) goes to standard error, so the JSON stays whole."""
     from rich.console import Console
 
     console = Console()
@@ -98,7 +98,7 @@ def _run(args) -> int:
             raise invalid(f"micro-batch={args.micro_batch}: model `{graph.name}` has fixed example inputs of "
                           f"{graph.micro_batch} samples; leave --micro-batch out or give {graph.micro_batch}")
         if args.json:
-            _print_json(inspect_json(graph))
+            print(json.dumps(inspect_json(graph), indent=2), file=json_out)
         else:
             # Nine columns of numbers: below this width rich would cut them short; wider lines wrap, whole.
             Console(width=max(console.width, INSPECT_MIN_WIDTH)).print(render_inspect(graph))
@@ -119,7 +119,7 @@ def _run(args) -> int:
             raise invalid(f"--model: the plan names model `{saved.model}`, which is not a built-in name, a spec file or "
                           "a factory (a plan made from a module in Python); pass --model") from None
         if args.json:
-            _print_json(estimate_json(result))
+            print(json.dumps(estimate_json(result), indent=2), file=json_out)
         else:
             console.print(render_estimate(result))
         return 0
@@ -144,7 +144,7 @@ def _run(args) -> int:
             result.save(args.out)
         save_plan_charts(result, args.timeline, args.memory_chart)
         if args.json:
-            _print_json(result.to_dict())
+            print(json.dumps(result.to_dict(), indent=2), file=json_out)
         else:
             console.print(render_plan(result, explain=args.explain))
         return 0
@@ -215,8 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)  # a sweep installs its own while it runs
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # `--model mymodel:build` imports mymodel.py from here, as `python -m` would
+    json_out = sys.stdout
     try:
-        return _run(args)
+        with contextlib.redirect_stdout(sys.stderr) if getattr(args, "json", False) else contextlib.nullcontext():
+            return _run(args, json_out)
     except PlannerError as error:
         sys.stderr.write(f"paraplan: {error.message}\n")
         return error.exit_code

@@ -555,6 +555,22 @@ def test_a_factory_module_in_the_current_directory_imports(capsys, monkeypatch, 
     assert json.loads(out)["params"] == 8 * 8 + 8 + 8 * 2 + 2
 
 
+@pytest.mark.parametrize("command, key", [
+    (["inspect"], "fwd_flops"),
+    (["evaluate", "--cluster", "a100-80g:1x1", "--global-batch", "4", "--tp", "1", "--pp", "1"], "step_time_s"),
+])
+def test_json_stays_whole_when_the_factory_prints(capsys, monkeypatch, tmp_path, command, key):
+    (tmp_path / "paraplan_chatty_model.py").write_text(
+        "import torch\nfrom torch import nn\nprint('importing the model')\n"
+        "def build():\n    print('building')\n    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), (torch.ones(4, 8),)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "paraplan_chatty_model", raising=False)
+    code, out, err = run([command[0], "--model", "paraplan_chatty_model:build", *command[1:], "--json"], capsys)
+    assert code == 0
+    assert json.loads(out)[key] > 0
+    assert "importing the model\nbuilding\n" in err
+
+
 def test_evaluate_of_a_cached_graph_never_imports_torch(tmp_path):
     # Importing torch takes a second or two; a graph from the on-disk cache is priced without it.
     env = {**os.environ, "PARAPLAN_CACHE_DIR": str(tmp_path)}
