@@ -7,7 +7,7 @@ from pathlib import Path
 from costmodel.errors import ProfileError
 from costmodel.hardware import Cluster
 from costmodel.profile_loader import load_cluster
-from planner.config import CONFIG_KEYS, ParallelConfig, Schedule, sequence_parallel_for
+from planner.config import CONFIG_KEYS, ParallelConfig, Schedule, check_batch_split, sequence_parallel_for
 from planner.errors import check_positive_int, invalid
 from planner.graph import ModelGraph, Recompute
 from planner.result import Estimate, Plan, stored_reference
@@ -71,14 +71,14 @@ def make_config(constraints: dict | ParallelConfig, num_devices: int, global_bat
     tp, pp, cp = values.get("tp", 1), values.get("pp", 1), values.get("cp", 1)
     model_parallel = tp * pp * cp
     if num_devices % model_parallel:
-        raise invalid(f"tp*pp*cp = {tp}*{pp}*{cp} = {model_parallel}: must divide the cluster's {num_devices} devices")
+        raise invalid(f"tp*pp*cp = {tp}*{pp}*{cp} = {model_parallel}: must divide the cluster's {num_devices} devices; "
+                      f"pick tp, pp and cp whose product divides {num_devices}")
     dp = values.get("dp", num_devices // model_parallel)
     if dp * model_parallel != num_devices:
         raise invalid(f"dp*tp*pp*cp = {dp}*{tp}*{pp}*{cp} = {dp * model_parallel}: must equal the cluster's {num_devices} devices; "
                       f"drop dp to fill them")
     micro_batch = values.get("micro_batch", 1)
-    if global_batch % (dp * micro_batch):
-        raise invalid(f"global_batch={global_batch}: must be a multiple of dp*micro_batch = {dp}*{micro_batch}")
+    check_batch_split(global_batch, dp, micro_batch)
     vpp = values.get("vpp", 1)
     schedule = values.get("schedule", Schedule.INTERLEAVED if vpp > 1 else Schedule.ONE_F_ONE_B)
     return ParallelConfig(

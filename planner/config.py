@@ -93,7 +93,8 @@ class ParallelConfig:
                 raise invalid(f"{name}={value!r}: use one of {', '.join(str(member) for member in kind)}")
             object.__setattr__(self, name, kind(value))
         if (self.dp * self.cp) % self.ep:
-            raise invalid(f"ep={self.ep}: must divide dp*cp={self.dp * self.cp} (experts are sharded inside the data-parallel group)")
+            raise invalid(f"ep={self.ep}: must divide dp*cp={self.dp * self.cp} (experts are sharded inside the data-parallel "
+                          f"group); use an ep dividing {self.dp * self.cp}")
         if self.dp % self.dp_replicate:
             raise invalid(f"dp_replicate={self.dp_replicate}: must divide dp={self.dp} (the replicas split the data-parallel ranks)")
         if self.dp_replicate > 1 and self.zero == 0:
@@ -179,3 +180,12 @@ def sequence_parallel_for(stream_tokens: int, tp: int, cp: int) -> bool:
     divides each sequence's `stream_tokens`. Otherwise (ViT's 197 tokens at tp 2) the layout keeps the
     stream replicated on the tp ranks, norms and residuals whole, as Megatron-LM without SP."""
     return stream_tokens % (tp * cp) == 0
+
+
+def check_batch_split(global_batch: int, dp: int, micro_batch: int) -> None:
+    """Raises PlannerError unless dp ranks of `micro_batch`-sample micro-batches divide the global batch."""
+    if global_batch % (dp * micro_batch):
+        fix = (f"a micro-batch dividing {global_batch // dp}" if global_batch % dp == 0
+               else f"a dp dividing {global_batch}")
+        raise invalid(f"global_batch={global_batch}: must be a multiple of dp*micro_batch = {dp}*{micro_batch}; use a "
+                      f"multiple of {dp * micro_batch}, or {fix}")

@@ -3,7 +3,7 @@ the reasons the evaluator and the search refuse one, each naming the field and t
 from __future__ import annotations
 
 from costmodel.hardware import Cluster
-from planner.config import ParallelConfig, Schedule, check_zero_bubble_sharding
+from planner.config import ParallelConfig, Schedule, check_batch_split, check_zero_bubble_sharding
 from planner.errors import invalid
 from planner.graph import ModelGraph, Recompute
 from planner.layer_comm import CpComm
@@ -44,7 +44,9 @@ def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, gl
     if config.tp > 1 and not any(layer.ops for layer in graph.layers):
         raise invalid(f"tp={config.tp}: the model was traced at module level (no op graph), so only tp=1 is supported")
     if config.ep > 1 and (not dims.experts or dims.experts % config.ep):
-        raise invalid(f"ep={config.ep}: must divide the model's {dims.experts} experts" if dims.experts else f"ep={config.ep}: the model has no experts; use ep=1")
+        raise invalid(f"ep={config.ep}: must divide the model's {dims.experts} experts; use ep "
+                      f"{', '.join(str(e) for e in divisors(dims.experts) if (config.dp * config.cp) % e == 0)}"
+                      if dims.experts else f"ep={config.ep}: the model has no experts; use ep=1")
     if config.cp > 1 and graph.seq_len % (2 * config.cp):
         raise invalid(f"cp={config.cp}: the load-balanced split cuts the sequence into 2*cp = {2 * config.cp} chunks, "
                       f"which must divide seq_len={graph.seq_len}; pick another cp or a seq_len multiple of {2 * config.cp}")
@@ -54,9 +56,9 @@ def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, gl
                       f"sequence_parallel=False (the stream stays whole on the tp ranks)")
     chunks = config.pp * config.vpp
     if chunks > len(graph.layers):
-        raise invalid(f"pp*vpp={chunks}: more pipeline chunks than the model's {len(graph.layers)} layers")
-    if global_batch % (config.dp * config.micro_batch):
-        raise invalid(f"global_batch={global_batch}: must be a multiple of dp*micro_batch = {config.dp}*{config.micro_batch}")
+        raise invalid(f"pp*vpp={chunks}: more pipeline chunks than the model's {len(graph.layers)} layers; use pp*vpp "
+                      f"of at most {len(graph.layers)}")
+    check_batch_split(global_batch, config.dp, config.micro_batch)
     if config.global_batch != global_batch:
         raise invalid(f"num_microbatches={config.num_microbatches}: dp*micro_batch*num_microbatches must equal global_batch={global_batch}")
     if config.schedule == Schedule.INTERLEAVED and config.num_microbatches % config.pp:

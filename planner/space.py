@@ -215,7 +215,8 @@ def no_degrees_error(space: Space, constraints: dict) -> PlannerError:
     distinct = [f"{', '.join(whats)}: {reason}" for reason, whats in values.items()]
     own = [reason for reason in distinct if "options" not in reason]  # each value's own reasons first, then its options
     reasons = "; ".join((own + [reason for reason in distinct if reason not in own])[:3])
-    return invalid(f"no parallel degrees fit the constraints {fixed}: {reasons}")
+    named_values = ", ".join(f"{key.replace('_', '-')} {value}" for key, value in fixed.items())
+    return invalid(f"no parallel degrees fit the constraints {named_values}: {reasons}; relax one of them")
 
 
 def max_micro_batch(tokens_per_sequence: int) -> int:

@@ -441,6 +441,11 @@ BAD_INPUT = [
     pytest.param(["evaluate", *RUN_ARGS, "--tp", "8", "--pp", "1"], "tp=8: must divide the 12 attention heads; fix: use tp 1 or 2 or 4",
                  id="tp not dividing the heads names the tp that do"),
     pytest.param(["plan", *RUN_ARGS, "--dp", "3"], "dp=3: does not divide the cluster's 8 devices", id="fixed dp not dividing"),
+    pytest.param(["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--micro-batch", "3"],
+                 "global_batch=32: must be a multiple of dp*micro_batch = 8*3; use a multiple of 24, or a micro-batch dividing 4",
+                 id="a micro-batch the batch split cannot take names the fix"),
+    pytest.param(["evaluate", *RUN_ARGS, "--tp", "3", "--pp", "1"],
+                 "must divide the cluster's 8 devices; pick tp, pp and cp whose product divides 8", id="degrees not dividing the devices"),
     pytest.param(["plan", *RUN_ARGS, "--dtype", "fp8"], "a100-80g has no fp8 peak; fix: pass --dtype bf16 or fp16 or fp32",
                  id="dtype the device lacks"),
     pytest.param(["inspect", "--model", "tests.fixtures.custom_models:fixed_inputs_despite_arguments_factory", "--seq-len", "128"],
@@ -505,7 +510,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, bad_files, argv, mentions):
 
 
 def test_an_interrupt_is_one_line_and_exit_130(capsys, monkeypatch):
-    def interrupted(args):
+    def interrupted(args, json_out):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "_run", interrupted)
@@ -515,7 +520,7 @@ def test_an_interrupt_is_one_line_and_exit_130(capsys, monkeypatch):
 
 def test_sigterm_is_one_line_and_exit_143(capsys, monkeypatch):
     # `timeout` and batch schedulers send SIGTERM; the command says so instead of dying silently.
-    def terminated(args):
+    def terminated(args, json_out):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
         return 0

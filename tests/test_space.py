@@ -162,8 +162,8 @@ def test_dense_models_have_ep1_only_and_fixed_ep_is_rejected():
     assert {ep for *_, ep in space.degrees} == {1}
     # The message names what blocks the fixed degree (once, however many tuples it blocked), not
     # rejections of other degrees.
-    assert refusal(dims, "a100-80g:1x8", {"ep": 2}) == ("no parallel degrees fit the constraints {'ep': 2}: ep=2: not possible: "
-                                   "the model has no experts; options are [1]")
+    assert refusal(dims, "a100-80g:1x8", {"ep": 2}) == ("no parallel degrees fit the constraints ep 2: ep=2: not possible: "
+                                   "the model has no experts; options are [1]; relax one of them")
 
 
 def test_a_fixed_pipeline_degree_that_cannot_be_says_why():
@@ -181,17 +181,17 @@ def test_a_fixed_tensor_degree_is_refused_for_its_own_reason_only():
     # 12 heads and 4 key/value heads on 6 devices: tp=3 divides the heads and fits the node, so the
     # key/value heads alone refuse it; the message must not blame the node or the heads.
     dims = ModelDims(hidden=768, heads=12, kv_heads=4, layers=12)
-    assert refusal(dims, "h100-sxm:1x6", {"tp": 3}) == ("no parallel degrees fit the constraints {'tp': 3}: tp=3: neither divides nor is a "
-                                   "multiple of the 4 key/value heads; tp=3: options are [1, 2]")
+    assert refusal(dims, "h100-sxm:1x6", {"tp": 3}) == ("no parallel degrees fit the constraints tp 3: tp=3: neither divides nor is a "
+                                   "multiple of the 4 key/value heads; tp=3: options are [1, 2]; relax one of them")
 
 
 def test_a_fixed_degree_names_its_own_reason_before_the_options_of_each_combination():
     # pp=3 on 8 devices: its own reason (it does not divide them) leads, then what pp can be for
     # each tp, labelled by that tp: lists for different tp are not contradictions.
     dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=24)
-    assert refusal(dims, "a100-80g:1x8", {"pp": 3}) == ("no parallel degrees fit the constraints {'pp': 3}: pp=3: does not divide the "
+    assert refusal(dims, "a100-80g:1x8", {"pp": 3}) == ("no parallel degrees fit the constraints pp 3: pp=3: does not divide the "
                                    "cluster's 8 devices; pp=3: options with tp=1 and cp=1 are [1, 2, 4, 8]; "
-                                   "pp=3: options with tp=2 and cp=1 are [1, 2, 4]")
+                                   "pp=3: options with tp=2 and cp=1 are [1, 2, 4]; relax one of them")
     # A cp the sequence rules out says which rule.
     assert "cp=8: not possible (cp divides the 8 devices, 2 x cp the 1000 tokens, and cp <= 32)" in refusal(
         dims, "a100-80g:1x8", {"cp": 8}, seq_len=1000)
@@ -202,8 +202,8 @@ def test_a_bound_that_leaves_no_degree_is_named_with_the_values_each_reason_rule
     # with pp >= 2; max_pp=1 leaves nothing, for a reason of pp=1's own and the bound's.
     dims = ModelDims(hidden=1024, heads=16, kv_heads=16, layers=24)
     assert refusal(dims, "hetero-a100-v100-8n", {"max_pp": 1}) == (
-        "no parallel degrees fit the constraints {'max_pp': 1}: pp=1: a pipeline stage would span node groups of "
-        "different device types; pp=2, pp=4, pp=8, pp=16: outside the user bound max_pp=1 on pipeline parallelism")
+        "no parallel degrees fit the constraints max-pp 1: pp=1: a pipeline stage would span node groups of "
+        "different device types; pp=2, pp=4, pp=8, pp=16: outside the user bound max_pp=1 on pipeline parallelism; relax one of them")
 
 
 def test_data_parallel_bounds_are_kept():
@@ -218,10 +218,10 @@ def test_data_parallel_bounds_are_kept():
 def test_a_fixed_expert_degree_says_once_what_refuses_it():
     # Mixtral's 8 experts on 32 devices: ep=16 divides no expert count, whatever dp is (said once,
     # not once per dp); ep=8 with tp=1 pp=1 on 4 devices divides the experts but not dp=4.
-    assert refusal(MIXTRAL_8X7B, "h100-sxm:4x8", {"ep": 16}) == ("no parallel degrees fit the constraints {'ep': 16}: ep=16: does not divide the 8 experts; "
-                                   "ep=16: options with dp=32 are [1, 2, 4, 8]; ep=16: options with dp=16 are [1, 2, 4, 8]")
+    assert refusal(MIXTRAL_8X7B, "h100-sxm:4x8", {"ep": 16}) == ("no parallel degrees fit the constraints ep 16: ep=16: does not divide the 8 experts; "
+                                   "ep=16: options with dp=32 are [1, 2, 4, 8]; ep=16: options with dp=16 are [1, 2, 4, 8]; relax one of them")
     assert refusal(MIXTRAL_8X7B, "h100-sxm:1x4", {"ep": 8, "tp": 1, "pp": 1}).endswith("ep=8: not possible with dp=4 (8 experts; the search keeps ep inside dp, dividing it "
-                                        "and the experts); options are [1, 2, 4]")
+                                        "and the experts); options are [1, 2, 4]; relax one of them")
 
 
 def test_context_parallelism_only_for_long_sequences():
