@@ -52,10 +52,14 @@ def assemble_estimate(graph: ModelGraph, num_devices: int, dtype: str, config: P
 def _tp_across_nodes_note(config: ParallelConfig, stages: list[PricedStage]) -> tuple[str, ...]:
     """A note when a tensor-parallel group spans nodes, which the search offers only for a fixed tp."""
     per_node = min(node.devices_per_node for _, _, node, *_ in stages)
-    if config.tp <= per_node:
-        return ()
-    return (f"tp={config.tp} spans nodes of {per_node} devices: its collectives are priced over the NICs (plan keeps "
-            f"tp inside a node unless tp is fixed)",)
+    if config.tp > per_node:
+        return (f"tp={config.tp} spans nodes of {per_node} devices: its collectives are priced over the NICs (plan keeps "
+                f"tp inside a node unless tp is fixed)",)
+    if per_node % config.tp:
+        return (f"tp={config.tp} does not divide the {per_node} devices of a node: some tensor-parallel groups straddle two "
+                f"nodes, and their collectives over the NICs, priced here, set every group's pace; a tp dividing "
+                f"{per_node} keeps each group inside a node",)
+    return ()
 
 
 def _partial_round_note(config: ParallelConfig) -> tuple[str, ...]:

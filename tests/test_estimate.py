@@ -1274,6 +1274,19 @@ def test_fabric_oversubscription_slows_tensor_parallel_groups_that_span_nodes(gp
                          f"a node unless tp is fixed)"] if spans_nodes else [])
 
 
+def test_a_tp_not_dividing_the_node_is_priced_at_its_straddling_group_and_says_so(gpt350m):
+    # tp=2 over nodes of 3 devices: ranks 2 and 3 sit in two nodes, so that group's collectives cross
+    # the NICs and set the pace of all; over one node of 6 every group stays on NVLink.
+    config = ParallelConfig(dp=3, tp=2, num_microbatches=2)
+    inside, straddling = (Evaluator(gpt350m, load_cluster(cluster)).estimate(config, 2 * config.dp)
+                          for cluster in ("a100-80g:1x6", "a100-80g:2x3"))
+    assert straddling.time_breakdown["tp_comm_s"] > 1.5 * inside.time_breakdown["tp_comm_s"]
+    assert [note for note in straddling.notes if "straddle" in note] == [
+        "tp=2 does not divide the 3 devices of a node: some tensor-parallel groups straddle two nodes, and their "
+        "collectives over the NICs, priced here, set every group's pace; a tp dividing 3 keeps each group inside a node"]
+    assert not [note for note in inside.notes if "straddle" in note]
+
+
 def test_hybrid_sharding_shards_the_experts_as_the_dense_states(tiny_moe):
     # Without expert parallelism the experts live in their blocks' FSDP units, so hybrid sharding
     # shards their states over a replica's ranks too: ZeRO-1's 12 B of optimizer states per parameter
