@@ -101,9 +101,19 @@ MEMORY_BANDWIDTH = Magnitude("bytes per second", 1e9, 1e14, "3.35e12 for 3.35 TB
 PEAK_FLOPS = Magnitude("FLOP/s", 1e9, 1e17, "9.89e14 for 989 TFLOP/s")
 # Likewise for a fabric's N:1 oversubscription (built fabrics run from 1:1 up to a few to 1; Llama 3's
 # 24K-GPU RoCE fabric, the most oversubscribed shipped profile, runs 7:1) and the devices of one node
-# (the largest NVLink domain, GB200 NVL576, joins 576).
+# (the largest NVLink domain, GB200 NVL576, joins 576), and a whole cluster's devices (the largest
+# published training clusters hold a few hundred thousand GPUs: xAI's Colossus, 200,000 in 2025).
 MAX_OVERSUBSCRIPTION = 64.0
 MAX_DEVICES_PER_NODE = 1024
+MAX_CLUSTER_DEVICES = 2**22
+
+
+def cluster_devices(origin: Origin, field_name: str, devices: int) -> int:
+    """A cluster's device count, up to `MAX_CLUSTER_DEVICES`."""
+    if devices > MAX_CLUSTER_DEVICES:
+        raise origin.error(field_name, f"{devices} devices in one cluster is implausible (at most {MAX_CLUSTER_DEVICES}); "
+                                       f"give the node count of this cluster")
+    return devices
 
 
 def physical(origin: Origin, field_name: str, value, magnitude: Magnitude) -> float:

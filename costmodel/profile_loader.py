@@ -151,6 +151,7 @@ def _load_shorthand(text: str) -> Cluster:
             raise origin.error("N", f"{total} devices do not fill whole {per_node}-device {device.name} nodes;"
                                f" use a multiple of {per_node} or write NODESxGPUS explicitly")
         nodes, gpus = (1, total) if total <= per_node else (total // per_node, per_node)
+    fields.cluster_devices(origin, "NODES", nodes * gpus)
     node = NodeSpec(device, gpus, device.intra_link, device.nic, usual_host_share(device, gpus))
     return Cluster(f"{device.name}:{nodes}x{gpus}", (NodeGroup(node, nodes),),
                    description=f"{nodes} x {gpus} {device.description or device.name}")
@@ -175,7 +176,7 @@ def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Pat
         devices_per_node=fields.node_devices(origin, "node.devices_per_node", node["devices_per_node"]),
         intra_link=link_field(origin, "node.intra_link", node["intra_link"], dirs, base, INTRA_NODE_KINDS),
         nic=link_field(origin, "nic", data["nic"], dirs, base, INTER_NODE_KINDS),
-        matmul_efficiency=_matmul_curve(origin, data.get("matmul_efficiency", ()), peaks),
+        matmul_efficiency=_matmul_curve(origin, data["matmul_efficiency"], peaks) if "matmul_efficiency" in data else (),
         mem_bw_efficiency=fields.fraction(origin, "mem_bw_efficiency",
                                           data.get("mem_bw_efficiency", DEFAULT_MEM_BW_EFFICIENCY)),
         matmul_sustained_fraction=fields.fraction(origin, "matmul_sustained_fraction",
@@ -206,6 +207,7 @@ def _parse_cluster(origin: Origin, data: dict, default_name: str, dirs: tuple[Pa
                            f"; use 1.0 for a full-bisection fabric or N (up to {fields.MAX_OVERSUBSCRIPTION:g}) for N:1 "
                            "oversubscription")
     parsed = tuple(_parse_group(origin, f"groups[{i}]", g, dirs, base) for i, g in enumerate(groups))
+    fields.cluster_devices(origin, "groups[].nodes", sum(g.count * g.node.devices_per_node for g in parsed))
     for i, group in enumerate(parsed):  # the cost model keys devices by name
         same_name = next((j for j, other in enumerate(parsed[:i]) if other.node.device.name == group.node.device.name
                           and other.node.device != group.node.device), None)
@@ -288,8 +290,9 @@ def _matmul_curve(origin: Origin, value, peaks: dict[str, float]) -> tuple[tuple
                       MATMUL_CURVE_MAX_FLOPS_LOG10 * MATMUL_CURVE_POINTS_PER_DECADE + 1)
         flops = [10.0 ** (step / MATMUL_CURVE_POINTS_PER_DECADE) for step in steps]
         return tuple((f, plateau * f / (f + half_flops)) for f in flops)
-    if not isinstance(value, (list, tuple)):
-        raise origin.error(field_name, "must be a list of [op_flops, fraction] points or {plateau: F}")
+    if not isinstance(value, (list, tuple)) or not value:
+        raise origin.error(field_name, "must be a non-empty list of [op_flops, fraction] points or {plateau: F}; "
+                                       "leave it out for the default curve")
     points = []
     for i, point in enumerate(value):
         if not isinstance(point, (list, tuple)) or len(point) != 2:

@@ -269,6 +269,7 @@ DEVICE_ERRORS = [
     ({"nic__collective_factors": [2.0]}, "nic.collective_factors", "mapping of collective to factor"),
     ({"node__intra_link__peer_bw_bytes_per_s": 200.0e9}, "node.intra_link.peer_bw_bytes_per_s", "exceeds bw_bytes_per_s"),
     ({"node__intra_link__peer_bw_bytes_per_s": 64}, "node.intra_link.peer_bw_bytes_per_s", "implausible"),
+    ({"matmul_efficiency": []}, "matmul_efficiency", "leave it out for the default curve"),
     # Values written in another unit: GB, TB/s, TFLOP/s, Gb/s and microseconds.
     ({"mem_bytes": 80}, "mem_bytes", "implausible in bytes"),
     ({"mem_bw_bytes_per_s": 3.35}, "mem_bw_bytes_per_s", "e.g. 3.35e12"),
@@ -299,6 +300,8 @@ CLUSTER_ERRORS = [
      "node count in nodes"),
     ({"groups": [{"device": "h100-sxm", "nodes": 1, "nic": "nvlink3-nvswitch"}]}, "groups[0].nic", "kind"),
     ({"clusters": []}, "clusters", "valid keys"),
+    ({"groups": [{"device": "h100-sxm", "nodes": 400000}, {"device": "a100-80g", "nodes": 200000}]}, "groups[].nodes",
+     "4800000 devices in one cluster is implausible"),
     ({"groups": [{"device": "h100-sxm", "nodes": 2, "nic": {"kind": "ib", "bw_bytes_per_s": 400, "latency_s": 5e-6}}]},
      "groups[0].nic.bw_bytes_per_s", "implausible in bytes per second"),
 ]
@@ -319,6 +322,8 @@ def test_cluster_error_is_one_line_naming_file_field_and_fix(tmp_path, data, fie
     ("h100-sxm:0x8", "NODES: needs at least 1 node"),
     ("h100-sxm:2x0", "GPUS: needs at least 1 device"),
     ("h100-sxm:1x100000", "GPUS: 100000 devices in one node is implausible"),
+    ("h100-sxm:99999999x8", "NODES: 799999992 devices in one cluster is implausible"),
+    ("h100-sxm:80000000", "NODES: 80000000 devices in one cluster is implausible"),
     ("h100-sxm:0", "N: needs at least 1 device"),
     ("h100-sxm:12", "use a multiple of 8"),
     ("h100-sx:2x8", "did you mean h100-sxm"),
