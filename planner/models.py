@@ -159,6 +159,11 @@ def _inputs_for_module(module: nn.Module, name: str,
     if example_inputs is not None:
         shapes = _checked_inputs(example_inputs, f"model `{name}`: example_inputs")
         return lambda micro_batch, seq_len, device: _zeros_like_inputs(shapes, device)
+    required = required_inputs(module)
+    if len(required) > 1:
+        raise invalid(f"model `{name}`: its forward takes {len(required)} inputs ({', '.join(required)}), and only token "
+                      f"ids can be made up without example inputs; fix: pass the model as (module, example_inputs), or "
+                      f"return that pair from the factory")
     first_name, first_leaf, which = _first_module(module)
     if not isinstance(first_leaf, nn.Embedding):
         first = f"`{first_name}` ({type(first_leaf).__name__})" if first_name else f"the {type(first_leaf).__name__} itself"
@@ -168,6 +173,16 @@ def _inputs_for_module(module: nn.Module, name: str,
     vocab = first_leaf.num_embeddings
     return lambda micro_batch, seq_len, device: (
         torch.randint(0, vocab, (micro_batch, seq_len), device=device),)
+
+
+def required_inputs(module: nn.Module) -> list[str]:
+    """The names of the inputs `module`'s forward requires (no default, not *args or **kwargs); []
+    when its signature cannot be read (a C++ forward)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 def _first_module(module: nn.Module) -> tuple[str, nn.Module | None, str]:

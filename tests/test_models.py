@@ -205,6 +205,23 @@ def test_factory_inputs_with_an_empty_dimension_are_refused(user_module, shape):
     assert f"input 0 has shape {shape}, with an empty dimension" in _resolve_error(f"{name}:build")
 
 
+def test_a_bare_module_whose_forward_takes_more_than_tokens_needs_example_inputs(user_module):
+    name = user_module("""
+        import torch
+        class Masked(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = torch.nn.Embedding(77, 8)
+            def forward(self, input_ids, attention_mask):
+                return self.embed(input_ids) * attention_mask[..., None]
+        def build():
+            return Masked()
+    """)
+    assert _resolve_error(f"{name}:build").endswith(
+        "its forward takes 2 inputs (input_ids, attention_mask), and only token ids can be made up without example "
+        "inputs; fix: pass the model as (module, example_inputs), or return that pair from the factory")
+
+
 def test_bare_module_starting_with_embedding_gets_token_ids(user_module):
     name = user_module("""
         import torch

@@ -10,7 +10,6 @@ hold its weights and not have been applied to already (`check_arguments`).
 """
 from __future__ import annotations
 
-import inspect
 import os
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from torch import nn
 from costmodel.errors import ProfileError
 from costmodel.profile_loader import load_cluster
 from planner.errors import invalid, unsupported
+from planner.models import required_inputs
 from planner.result import Plan
 from planner.graph import OpKind
 from planner.layering import Grouping
@@ -70,11 +70,7 @@ def check_world_size(plan: Plan) -> None:
 def check_one_input(model: nn.Module) -> None:
     """Raises PlannerError when the model's forward needs more than one input: `forward_backward`
     and the first pipeline stage feed it one tensor of tokens per micro-batch."""
-    try:
-        parameters = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (a C++ forward): leave it to the first step
-        return
-    required = [p.name for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    required = required_inputs(model)
     if len(required) > 1:
         raise unsupported(f"model: its forward takes {len(required)} inputs ({', '.join(required)}), and Plan.apply feeds "
                           f"it one tensor of tokens per micro-batch; wrap it in a module whose forward takes the tokens "
