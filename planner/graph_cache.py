@@ -22,7 +22,7 @@ CACHE_ENV = "PARAPLAN_CACHE_DIR"
 SPECS_DIR = Path(__file__).resolve().parent / "zoo" / "specs"
 # Sources whose change alters a traced graph; their bytes are part of every key.
 _CODE_FILES = ("graph.py", "tracing.py", "layering.py", "graph_layers.py", "module_layers.py", "op_kinds.py",
-               "measure.py", "eager_run.py", "models.py", "source.py")
+               "measure.py", "eager_run.py", "models.py", "source.py", "head_attrs.py")
 _CODE_DIRS = ("zoo",)
 
 

@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 from planner import eager_run, measure
 from planner.errors import PlannerError, PlannerErrorKind, check_positive_int, invalid
 from planner.graph import EXPERTS_MODULE, Layer, LayerKind, ModelDims, ModelGraph, OpKind
+from planner.head_attrs import KEY_VALUE_HEAD_ATTRS, QUERY_HEAD_ATTRS, head_count
 from planner.graph_layers import graph_layers
 from planner.layering import Grouping, tied_modules
 from planner.models import NO_SEQUENCE_SEQ_LEN, resolve_model
@@ -293,16 +294,28 @@ def _infer_dims(model: nn.Module, layers: Sequence[Layer]) -> ModelDims:
     ffn = max((op.attrs["out_features"] for op in ops if op.kind == OpKind.MATMUL
                and op.attrs.get("in_features") == hidden), default=0)
     experts, top_k = _expert_counts(model)
+    heads, kv_heads = (attention.attrs["heads"], attention.attrs["kv_heads"]) if attention else _attribute_heads(model)
     return ModelDims(
         hidden=hidden,
-        heads=attention.attrs["heads"] if attention else 0,
-        kv_heads=attention.attrs["kv_heads"] if attention else 0,
+        heads=heads,
+        kv_heads=kv_heads,
         layers=len(blocks),
         vocab=embedding.attrs["num_embeddings"] if embedding else 0,
         ffn_hidden=ffn if ffn > hidden else 0,
         experts=experts,
         top_k=top_k,
     )
+
+
+def _attribute_heads(model: nn.Module) -> tuple[int, int]:
+    """(heads, key/value heads) of the first module keeping a head count in an attribute
+    (`planner.head_attrs`: nn.MultiheadAttention's `num_heads`, Hugging Face's
+    `num_attention_heads`), for attention the trace shows no scaled-dot-product call of; (0, 0)
+    when no module keeps one."""
+    for module in model.modules():
+        if heads := head_count(module, QUERY_HEAD_ATTRS):
+            return heads, head_count(module, KEY_VALUE_HEAD_ATTRS) or heads
+    return 0, 0
 
 
 def _expert_counts(model: nn.Module) -> tuple[int, int]:

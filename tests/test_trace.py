@@ -422,6 +422,55 @@ def test_dims_are_inferred_for_models_without_a_spec():
             graph.dims.vocab, graph.dims.ffn_hidden) == (64, 4, 4, 2, 128, 256)
 
 
+class _MultiheadLM(nn.Module):
+    """Token embedding and one nn.MultiheadAttention: torch.fx keeps the attention whole (a leaf
+    module), so no scaled-dot-product call shows its heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(128, 64)
+        self.attention = nn.MultiheadAttention(64, 4, batch_first=True)
+        self.head = nn.Linear(64, 128)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        return self.head(self.attention(x, x, x, need_weights=False)[0])
+
+
+class _HandWrittenAttention(nn.Module):
+    """Hugging Face-style attention written with matmul and softmax, its counts in attributes."""
+
+    def __init__(self, hidden: int = 64, heads: int = 8, kv_heads: int = 2):
+        super().__init__()
+        self.num_attention_heads, self.num_key_value_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.q_proj = nn.Linear(hidden, hidden)
+        self.kv_proj = nn.Linear(hidden, 2 * kv_heads * self.head_dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_attention_heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv_proj(x).view(b, s, 2, self.num_key_value_heads, self.head_dim).unbind(2)
+        repeat = self.num_attention_heads // self.num_key_value_heads
+        k, v = (t.transpose(1, 2).repeat_interleave(repeat, dim=1) for t in (k, v))
+        weights = torch.softmax(q @ k.transpose(-1, -2) / self.head_dim ** 0.5, dim=-1)
+        return (weights @ v).transpose(1, 2).reshape(b, s, -1)
+
+
+class _HandWrittenLM(_MultiheadLM):
+    def __init__(self):
+        super().__init__()
+        self.attention = _HandWrittenAttention()
+
+    def forward(self, tokens):
+        return self.head(self.attention(self.embed(tokens)))
+
+
+@pytest.mark.parametrize("model, heads", [(_MultiheadLM, (4, 4)), (_HandWrittenLM, (8, 2))])
+def test_heads_are_read_from_attributes_where_no_attention_call_shows_them(model, heads):
+    graph = trace((model(), (torch.zeros(2, 16, dtype=torch.long),)))
+    assert (graph.dims.heads, graph.dims.kv_heads) == heads
+
+
 def test_results_are_cached_and_bad_arguments_rejected():
     assert trace("gpt3-125m", seq_len=256) is trace("gpt3-125m", seq_len=256)
     with pytest.raises(PlannerError) as caught:

@@ -14,21 +14,14 @@ from __future__ import annotations
 from torch import nn
 
 from planner.errors import unsupported
+from planner.head_attrs import KEY_VALUE_HEAD_ATTRS, QUERY_HEAD_ATTRS, head_count
 from planner.tp_strategies import Placement
 from planner.zoo.layers import Attention
 
-# Attributes attention code keeps its head counts in (nanoGPT, torchtitan, Hugging Face).
-QUERY_HEAD_ATTRS = ("heads", "n_head", "n_heads", "num_heads", "num_attention_heads")
-KEY_VALUE_HEAD_ATTRS = ("kv_heads", "n_kv_head", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
 REPEAT_ATTRS = ("n_rep", "num_key_value_groups")  # query heads per key/value head (torchtitan, Hugging Face)
 # The width of all heads together, which attention code reshapes its output to (Hugging Face's
 # `attn_output.reshape(b, s, self.hidden_size)`, OPT's `self.embed_dim`).
 WIDTH_ATTRS = ("hidden_size", "embed_dim")
-
-
-def head_count(module: nn.Module, names: tuple[str, ...]) -> int | None:
-    """The first of the head-count attributes `names` the module has."""
-    return next((count for name in names if isinstance(count := getattr(module, name, None), int)), None)
 
 
 def _split_attention(model: nn.Module, layouts: dict[str, str]):

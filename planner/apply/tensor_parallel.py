@@ -50,7 +50,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from planner.apply.head_counts import KEY_VALUE_HEAD_ATTRS, QUERY_HEAD_ATTRS, head_count
+from planner.head_attrs import KEY_VALUE_HEAD_ATTRS, QUERY_HEAD_ATTRS, head_count
 from planner.apply.styles import GroupedLinearParallel, SharedKeyValueParallel
 from planner.errors import unsupported
 from planner.tp_strategies import Placement, TensorLayout
