@@ -47,6 +47,9 @@ def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, gl
         raise invalid(f"ep={config.ep}: must divide the model's {dims.experts} experts; use ep "
                       f"{', '.join(str(e) for e in divisors(dims.experts) if (config.dp * config.cp) % e == 0)}"
                       if dims.experts else f"ep={config.ep}: the model has no experts; use ep=1")
+    if config.cp > 1 and graph.recurrent_targets:
+        raise invalid(f"cp={config.cp}: the model's recurrent layers ({', '.join(graph.recurrent_targets)}) run their "
+                      f"time steps in sequence order, so a sequence split into chunks cannot run them side by side; use cp 1")
     if config.cp > 1 and graph.seq_len % (2 * config.cp):
         raise invalid(f"cp={config.cp}: the load-balanced split cuts the sequence into 2*cp = {2 * config.cp} chunks, "
                       f"which must divide seq_len={graph.seq_len}; pick another cp or a seq_len multiple of {2 * config.cp}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -36,6 +37,16 @@ class LayerKind(StrEnum):
     BLOCK = "block"
     HEAD = "head"
     OTHER = "other"
+
+
+# Recurrent modules' targets (`module_target` of nn.LSTM, nn.GRU, nn.RNN): their time steps run in
+# sequence order.
+RECURRENT_TARGETS = frozenset({"lstm", "gru", "rnn"})
+
+
+def recurrent_targets(layers: Sequence[Layer]) -> tuple[str, ...]:
+    """The recurrent modules `layers` run (`RECURRENT_TARGETS`), by target."""
+    return tuple(sorted({op.target for layer in layers for op in layer.ops if op.target in RECURRENT_TARGETS}))
 
 
 class OpKind(StrEnum):
@@ -166,6 +177,10 @@ class ModelGraph:
     @property
     def bwd_flops(self) -> float:
         return sum(layer.bwd_flops for layer in self.layers)
+
+    @functools.cached_property
+    def recurrent_targets(self) -> tuple[str, ...]:
+        return recurrent_targets(self.layers)
 
     @property
     def blocks(self) -> tuple[Layer, ...]:

@@ -137,6 +137,11 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict, gl
     tp_options = _fixed(constraints, "tp", tp_options, space, "tensor parallelism",
                         f" ({per_node} devices per node, {dims.heads} attention heads)" if dims.heads else "")
     cp_all = [c for c in divisors(devices) if (c == 1 or graph.seq_len % (2 * c) == 0) and c <= CP_MAX]
+    if graph.recurrent_targets:
+        space.rejected += [Rejection(f"cp={c}", f"the recurrent layers ({', '.join(graph.recurrent_targets)}) run their "
+                                                "time steps in sequence order, which a sequence split cannot run side by side")
+                           for c in cp_all if c > 1]
+        cp_all = [1]
     batch_dp = max((d for d in divisors(devices) if global_batch % d == 0), default=1) if global_batch else devices
     cp_options = [c for c in cp_all if c == 1 or graph.seq_len >= CP_MIN_SEQ_LEN or batch_dp * per_node < devices]
     if len(cp_options) < len(cp_all) and "cp" not in constraints:

@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 
 from planner import eager_run, measure
 from planner.errors import PlannerError, PlannerErrorKind, check_positive_int, invalid
-from planner.graph import EXPERTS_MODULE, Layer, LayerKind, ModelDims, ModelGraph, OpKind
+from planner.graph import EXPERTS_MODULE, Layer, LayerKind, ModelDims, ModelGraph, OpKind, recurrent_targets
 from planner.head_attrs import KEY_VALUE_HEAD_ATTRS, QUERY_HEAD_ATTRS, head_count
 from planner.graph_layers import graph_layers
 from planner.layering import Grouping, tied_modules
@@ -131,6 +131,9 @@ def _trace_cached(key: ModelSource | str | nn.Module | ModelSpec, seq_len: int, 
         notes.append(f"{frozen:,} of {sum(layer.params for layer in layers):,} parameters take no gradient (frozen):"
                      " priced without their gradients, optimizer moments, reduction and update, and without the"
                      " backward work and saved activations autograd then skips")
+    if recurrent := recurrent_targets(layers):
+        notes.append(f"recurrent layers ({', '.join(recurrent)}) are priced as GEMMs over the whole sequence at once: "
+                     f"their time steps, which run in sequence order, are not modelled, so their time is optimistic")
     dims = source.dims if source.dims != ModelDims() else _infer_dims(model, layers)
     return ModelGraph(name=source.name, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
                       trace_method=method, layers=tuple(layers), dims=dims, notes=tuple(notes),

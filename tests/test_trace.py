@@ -471,6 +471,30 @@ def test_heads_are_read_from_attributes_where_no_attention_call_shows_them(model
     assert (graph.dims.heads, graph.dims.kv_heads) == heads
 
 
+class _RecurrentLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(128, 32)
+        self.lstm = nn.LSTM(32, 32, num_layers=2, batch_first=True)
+        self.head = nn.Linear(32, 128)
+
+    def forward(self, tokens):
+        return self.head(self.lstm(self.embed(tokens))[0])
+
+
+def test_a_recurrent_model_is_noted_and_never_split_by_sequence():
+    # An LSTM's steps run in sequence order: context parallelism cannot split them, and the cost
+    # model prices the layer as GEMMs over the whole sequence, which the estimate says.
+    model = (_RecurrentLM(), (torch.zeros(2, 64, dtype=torch.long),))
+    graph = trace(model)
+    assert graph.recurrent_targets == ("lstm",)
+    assert any(note.startswith("recurrent layers (lstm) are priced as GEMMs over the whole sequence") for note in graph.notes)
+    with pytest.raises(PlannerError, match=r"^cp=2: the model's recurrent layers \(lstm\) run their time steps in sequence order"):
+        planner.evaluate(graph, "a100-80g:1x4", {"cp": 2, "dp": 2}, global_batch=4)
+    with pytest.raises(PlannerError, match=r"cp=2: the recurrent layers \(lstm\) run their time steps in sequence order"):
+        planner.plan(graph, "a100-80g:1x4", global_batch=4, cp=2)
+
+
 def test_results_are_cached_and_bad_arguments_rejected():
     assert trace("gpt3-125m", seq_len=256) is trace("gpt3-125m", seq_len=256)
     with pytest.raises(PlannerError) as caught:
