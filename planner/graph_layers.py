@@ -70,8 +70,20 @@ def graph_layers(root: nn.Module, graph: fx.Graph, model: nn.Module, inputs: tup
         ops = tuple(op for n in layer_nodes if (op := _graph_op(root, n, values, flops)))
         layers.append(make_layer(name, kind, _units(grouping, layer_nodes, model), costs[signature],
                                  signature, params, param_names, ops, buffers))
+    _check_output_takes_grad(graph, values, model)
     notes += unused_params_notes(model, owned)
     return layers
+
+
+def _check_output_takes_grad(graph: fx.Graph, values: dict, model: nn.Module) -> None:
+    """Raises NoGradOutputError when a model with trainable parameters returns no floating tensor
+    (None, indices, a mask): no gradient can flow back from its output, so nothing trains. Values
+    propagate without autograd here, so a floating output stands for one that takes a gradient."""
+    output = next(node for node in graph.nodes if node.op == "output")
+    value = fx.node.map_arg(output.args[0], lambda node: values.get(node))
+    if not any(t.is_floating_point() for t in measure.tensor_leaves(value)) and any(p.requires_grad for p in model.parameters()):
+        raise measure.NoGradOutputError(f"a {str(value.dtype).removeprefix('torch.')} tensor" if isinstance(value, torch.Tensor)
+                                        else type(value).__name__ if value is not None else "None")
 
 
 def _run_node(interpreter: fx.Interpreter, node: fx.Node):

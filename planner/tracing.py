@@ -199,6 +199,13 @@ class _BlockTracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
 
+def _no_grad_output(source: ModelSource, error: measure.NoGradOutputError) -> PlannerError:
+    return PlannerError(PlannerErrorKind.UNSUPPORTED_MODEL, _one_line(
+        f"model `{source.name}`: its output ({error}) holds no tensor that requires grad, so no backward "
+        f"can be measured; fix: return the logits or the loss as a tensor, or a tuple, dict or dataclass "
+        f"of them"))
+
+
 def _capture_and_measure(source: ModelSource, model: nn.Module, inputs: tuple,
                          grouping: Grouping, seq_len: int, micro_batch: int,
                          notes: list[str]) -> tuple[str, list[Layer]]:
@@ -207,6 +214,8 @@ def _capture_and_measure(source: ModelSource, model: nn.Module, inputs: tuple,
     try:
         graph = tracer.trace(model)
         return "fx", graph_layers(model, graph, model, inputs, grouping, notes)
+    except measure.NoGradOutputError as exc:
+        raise _no_grad_output(source, exc) from None
     except measure.ModuleRunError as exc:
         notes.append(f"fx graph failed to run in {_module_label(exc.fqn)}: "
                      f"{_reason(exc.__cause__)}")
@@ -217,6 +226,8 @@ def _capture_and_measure(source: ModelSource, model: nn.Module, inputs: tuple,
         with _quiet_export():
             gm = torch.export.export(model, inputs, strict=False).module()
         return "export", graph_layers(gm, gm.graph, model, inputs, grouping, notes)
+    except measure.NoGradOutputError as exc:
+        raise _no_grad_output(source, exc) from None
     except measure.ModuleRunError as exc:
         notes.append(f"export graph failed to run in {_module_label(exc.fqn)}: "
                      f"{_reason(exc.__cause__)}")
@@ -243,10 +254,7 @@ def _capture_and_measure(source: ModelSource, model: nn.Module, inputs: tuple,
             f"failed in {_module_label(exc.fqn)}: {_reason(exc.__cause__)}; fix: it fails in plain eager "
             f"PyTorch too, so check that module's forward and the example inputs' shapes and dtypes")) from None
     except measure.NoGradOutputError as exc:
-        raise PlannerError(PlannerErrorKind.UNSUPPORTED_MODEL, _one_line(
-            f"model `{source.name}`: its output ({exc}) holds no tensor that requires grad, so no backward "
-            f"can be measured; fix: return the logits or the loss as a tensor, or a tuple, dict or dataclass "
-            f"of them")) from None
+        raise _no_grad_output(source, exc) from None
     notes.append("module-level trace: one op per leaf-module call, measured in one eager run "
                  "on CPU tensors")
     return "module", module_layers(run, cpu_model, grouping, notes)

@@ -308,6 +308,37 @@ def test_module_level_trace_refuses_an_output_with_nothing_to_backpropagate():
     assert "its output (Tensor) holds no tensor that requires grad" in error.value.message
 
 
+class _IndexOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(100, 8)
+
+    def forward(self, tokens):
+        return self.embed(tokens).argmax(-1)
+
+
+class _NoOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        self.linear(x)
+
+
+@pytest.mark.parametrize("model, inputs, returned", [
+    (_IndexOutput, torch.zeros(2, 16, dtype=torch.long), "a int64 tensor"),
+    (_NoOutput, torch.ones(2, 8), "None"),
+])
+def test_a_graph_whose_output_takes_no_gradient_is_refused(model, inputs, returned):
+    # Traced by fx: no gradient can flow back from indices or from nothing, so nothing would train
+    # (these were priced with gradients and Adam states, as trainable).
+    with pytest.raises(PlannerError) as error:
+        trace((model(), (inputs,)))
+    assert error.value.kind == PlannerErrorKind.UNSUPPORTED_MODEL
+    assert f"its output ({returned}) holds no tensor that requires grad" in error.value.message
+
+
 def test_a_learned_position_table_grown_past_the_published_one_is_noted():
     # GPT-2 learned 1024 positions; traced at 2048 its table grows by 1024 x 768 parameters, which
     # the graph says, while rotary models (no table) and GPT-2 within its context say nothing.
