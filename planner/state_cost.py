@@ -78,8 +78,10 @@ class DpSync(StrEnum):
     OVERLAPPED: the gradients reduce bucket by bucket during the last micro-batch's backward, and
     ZeRO-1/2 gather the updated parameters ahead of the next forward (FSDP2, DDP, Megatron-Core's
     overlapped gradient reduction and parameter gather).
-    BLOCKING: after the last backward the whole fp32 gradients are all-reduced, under ZeRO-1 too,
-    and ZeRO-1 all-gathers the updated parameters after the optimizer step; nothing overlaps.
+    BLOCKING: after the last backward the whole fp32 gradients are all-reduced, under ZeRO-1 too
+    (and ZeRO-2 under pipelining, which reduces once per step as ZeRO-1 does: DeepSpeed's pipeline
+    engine runs no stage above 1), and ZeRO-1 all-gathers the updated parameters after the optimizer
+    step; nothing overlaps.
     DeepSpeed's pipeline engine with its BF16_Optimizer (Megatron-DeepSpeed, BLOOM): its
     `ReduceGrads` step runs after the schedule and all-reduces `get_grads_for_reduction()`, the
     fp32 gradient buffers, and `step()` then gathers the bf16 partitions (`all_gather_dp_groups`).
@@ -175,7 +177,8 @@ def dp_exposed_s(config: ParallelConfig, precision: Precision, node: NodeSpec, g
                             trainable_fraction=_trainable_fraction(dense, expert, frozen))
     if config.dp * config.cp == 1:
         return 0.0 if precision is FP32_PRECISION else copies_s
-    kind = Collective.ALL_REDUCE if config.zero == 0 or (blocking and config.zero == 1) else Collective.REDUCE_SCATTER
+    once_per_step = config.zero == 1 or (config.zero == 2 and config.pp > 1)
+    kind = Collective.ALL_REDUCE if config.zero == 0 or (blocking and once_per_step) else Collective.REDUCE_SCATTER
     def reduce_s(params: float, experts: float) -> float:
         return state_collective_s(kind, GRAD_REDUCE_BYTES_PER_PARAM, params, experts, groups.shard, expert_group, node,
                                   oversubscription)
