@@ -129,8 +129,9 @@ class _Pass:
         return pipeline_bound_s(config, bound) + self.tail_bounds[tail_key]
 
     def run(self, evaluator: Evaluator, space, graph: ModelGraph, global_batch: int, constraints: dict,
-            headroom: float, top: int, exhaustive: bool) -> list:
-        """The `top` fitting configurations, best first, as (step time, config, estimate).
+            headroom: float, top: int, exhaustive: bool, beat_s: float = math.inf) -> list:
+        """The `top` fitting configurations, best first, as (step time, config, estimate), of those
+        faster than `beat_s` (a plan another pass found).
 
         Candidates leave the heap in bound order. The first time one comes out, its floor bound is
         replaced by the tight one and it goes back in; only the few that reach the front ever pay
@@ -159,11 +160,12 @@ class _Pass:
             bound_s, order, config = heapq.heappop(heap)
             if order in done:
                 continue
-            if not exhaustive and len(ranked) >= top and bound_s >= ranked[top - 1][0]:
+            threshold_s = min(beat_s, ranked[top - 1][0] if len(ranked) >= top else math.inf)
+            if not exhaustive and bound_s >= threshold_s:
                 pruned = len(heap) + 1
                 self.reasons["bound"] += pruned
                 self.examples.setdefault("bound", []).append(
-                    {"what": f"{pruned} configurations", "reason": f"lower bound >= {ranked[top - 1][0]:.3f} s of the plans kept"})
+                    {"what": f"{pruned} configurations", "reason": f"lower bound >= {threshold_s:.3f} s of the plans kept"})
                 break
             if order not in tight:
                 tight.add(order)
@@ -240,8 +242,13 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     tally = _Pass(reasons, examples, rejected)
     kept = top + 1  # the plan and `top` alternatives
     ranked = tally.run(evaluator, space, graph, global_batch, constraints, headroom, kept, exhaustive)
-    if not ranked and constraints.get("allow_offload", True) and "offload_optimizer" not in constraints:
-        ranked = tally.run(evaluator, space, graph, global_batch, {**constraints, "offload_optimizer": True}, headroom, kept, exhaustive)
+    if (constraints.get("allow_offload", True) and "offload_optimizer" not in constraints
+            and (not ranked or ranked[0][1].recompute != Recompute.NONE)):
+        # Offloading the optimizer states frees device memory for less recompute: tried where memory
+        # forced recompute on the best plan (or nothing fits), against that plan's time.
+        offloaded = tally.run(evaluator, space, graph, global_batch, {**constraints, "offload_optimizer": True}, headroom,
+                              kept, exhaustive, beat_s=ranked[0][0] if ranked and not exhaustive else math.inf)
+        ranked = sorted(ranked + offloaded, key=lambda entry: (entry[0], entry[2].peak_memory_bytes))
     candidates_total, evaluated, screened = tally.total, tally.evaluated, tally.screened
 
     if not ranked:
