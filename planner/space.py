@@ -170,6 +170,9 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict, gl
                     space.degrees.append((dp, tp, pp, cp, ep))
     if not space.degrees:
         raise no_degrees_error(space, constraints)
+    if graph.dims.experts and any(cp > 1 for _, _, _, cp, _ in space.degrees):
+        space.not_searched.append("ep over dp x cp where ep does not divide dp (Plan.apply shards the experts inside dp; "
+                                  "`evaluate` prices such a configuration)")
     if "zero" not in constraints and any(pp > 1 and dp * cp > 1 for dp, _, pp, cp, _ in space.degrees):
         space.rejected.append(Rejection("zero=2 with pp>1", "pipeline stages reduce the gradients once per step, so "
                                         "ZeRO-2 holds and moves what ZeRO-1 does; searched as zero=1"))

@@ -34,6 +34,7 @@ from planner.memory_plan import memory_plan
 from planner.space import CP_MIN_SEQ_LEN, configs_for, enumerate_degrees
 from planner.stages import split_uniform
 from planner.training_code import TrainingCode
+from planner.zoo.spec import parse_spec
 
 # Relative tolerance for comparing step times that come from the same arithmetic in another order.
 REL_TOL = 1e-9
@@ -769,3 +770,15 @@ def test_offload_is_searched_where_memory_makes_the_best_plan_recompute():
     assert offloaded.estimate.step_time_s < 0.98 * kept.estimate.step_time_s
     assert not planner.evaluate(graph, "a10g:1x4", dataclasses.replace(offloaded.config, offload_optimizer=False),
                                 global_batch=64).fits
+
+
+def test_the_plan_says_it_keeps_expert_parallelism_inside_dp():
+    # evaluate prices ep over dp x cp; the search keeps ep dividing dp, as Plan.apply shards experts,
+    # and says so where context parallelism is in its space.
+    spec = parse_spec({"arch": "moe", "layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "experts": 4, "top_k": 2,
+                       "moe_ffn_hidden": 128}, "tiny-moe.yaml")
+    graph = planner.trace(spec, seq_len=CP_MIN_SEQ_LEN)
+    left_out = planner.plan(graph, "a100-80g:1x8", global_batch=8).search["not_searched"]
+    assert left_out == ["ep over dp x cp where ep does not divide dp (Plan.apply shards the experts inside dp; "
+                        "`evaluate` prices such a configuration)"]
+    assert planner.plan(graph, "a100-80g:1x8", global_batch=8, cp=1).search["not_searched"] == []
