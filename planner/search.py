@@ -248,7 +248,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
         # forced recompute on the best plan (or nothing fits), against that plan's time.
         offloaded = tally.run(evaluator, space, graph, global_batch, {**constraints, "offload_optimizer": True}, headroom,
                               kept, exhaustive, beat_s=ranked[0][0] if ranked and not exhaustive else math.inf)
-        ranked = sorted(ranked + offloaded, key=lambda entry: (entry[0], entry[2].peak_memory_bytes))
+        ranked = sorted(ranked + offloaded[:kept], key=lambda entry: (entry[0], entry[2].peak_memory_bytes))
     candidates_total, evaluated, screened = tally.total, tally.evaluated, tally.screened
 
     if not ranked:
