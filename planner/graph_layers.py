@@ -82,7 +82,7 @@ def _check_output_takes_grad(graph: fx.Graph, values: dict, model: nn.Module) ->
     output = next(node for node in graph.nodes if node.op == "output")
     value = fx.node.map_arg(output.args[0], lambda node: values.get(node))
     if not any(t.is_floating_point() for t in measure.tensor_leaves(value)) and any(p.requires_grad for p in model.parameters()):
-        raise measure.NoGradOutputError(f"a {str(value.dtype).removeprefix('torch.')} tensor" if isinstance(value, torch.Tensor)
+        raise measure.NoGradOutputError(f"a tensor of {str(value.dtype).removeprefix('torch.')}" if isinstance(value, torch.Tensor)
                                         else type(value).__name__ if value is not None else "None")
 
 

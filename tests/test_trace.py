@@ -327,7 +327,7 @@ class _NoOutput(nn.Module):
 
 
 @pytest.mark.parametrize("model, inputs, returned", [
-    (_IndexOutput, torch.zeros(2, 16, dtype=torch.long), "a int64 tensor"),
+    (_IndexOutput, torch.zeros(2, 16, dtype=torch.long), "a tensor of int64"),
     (_NoOutput, torch.ones(2, 8), "None"),
 ])
 def test_a_graph_whose_output_takes_no_gradient_is_refused(model, inputs, returned):
