@@ -154,7 +154,10 @@ def boolean(origin: Origin, field_name: str, value) -> bool:
 
 
 def count(origin: Origin, field_name: str, value) -> int:
-    """A positive integer (booleans rejected)."""
+    """A positive integer, also written as a whole float (`4.0`, as numbers elsewhere in a profile may
+    be written); booleans rejected."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise origin.error(field_name, f"{value!r} must be a positive integer")
     return value

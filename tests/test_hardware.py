@@ -217,6 +217,9 @@ def test_load_cluster_accepts_instances_dicts_and_paths(tmp_path):
     assert (from_dict.name, from_dict.num_devices, from_dict.oversubscription) == ("custom", 8, 2.0)
     assert load_cluster(_write(tmp_path, "mine.yaml", spec)).name == "mine"
     assert load_cluster(str(_write(tmp_path, "mine.json", '{"groups": [{"device": "cpu", "nodes": 1}]}'))).num_devices == 2
+    # Counts written as whole floats read as the integers they are (as other numbers may be written).
+    whole = load_cluster({"groups": [{"device": "l4", "nodes": 2.0, "devices_per_node": 4.0}]})
+    assert (whole.num_devices, whole.groups[0].count, whole.groups[0].node.devices_per_node) == (8, 2, 4)
 
 
 def test_cluster_file_refers_to_a_device_file_next_to_it(tmp_path):
