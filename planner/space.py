@@ -166,13 +166,10 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict, gl
                 dp = devices // (tp * cp * pp)
                 if dp not in dp_options:
                     continue
-                for ep in _ep_options(graph, dp, constraints, space):
+                for ep in _ep_options(graph, dp * cp, constraints, space):
                     space.degrees.append((dp, tp, pp, cp, ep))
     if not space.degrees:
         raise no_degrees_error(space, constraints)
-    if graph.dims.experts and any(cp > 1 for _, _, _, cp, _ in space.degrees):
-        space.not_searched.append("ep over dp x cp where ep does not divide dp (Plan.apply shards the experts inside dp; "
-                                  "`evaluate` prices such a configuration)")
     if "zero" not in constraints and any(pp > 1 and dp * cp > 1 for dp, _, pp, cp, _ in space.degrees):
         space.rejected.append(Rejection("zero=2 with pp>1", "pipeline stages reduce the gradients once per step, so "
                                         "ZeRO-2 holds and moves what ZeRO-1 does; searched as zero=1"))
@@ -193,9 +190,9 @@ def _stages_on_one_device_type(cluster: Cluster, pp: int, space: Space) -> bool:
     return True
 
 
-def _ep_options(graph: ModelGraph, dp: int, constraints: dict, space: Space) -> list[int]:
-    """Expert-parallel degrees dividing dp and the experts: ep groups inside the dp axis, as
-    `Plan.apply` builds them (`check_config` also admits ep over dp x cp, for evaluating such runs)."""
+def _ep_options(graph: ModelGraph, data_ranks: int, constraints: dict, space: Space) -> list[int]:
+    """Expert-parallel degrees dividing the experts and `data_ranks` (dp x cp): ep groups inside the
+    flattened data-parallel axes, as Megatron-Core and `Plan.apply` build them."""
     experts = graph.dims.experts
     if not experts:
         return _fixed(constraints, "ep", [1], space, "expert parallelism", ": the model has no experts")
@@ -207,8 +204,8 @@ def _ep_options(graph: ModelGraph, dp: int, constraints: dict, space: Space) -> 
     rejection = Rejection(f"ep={fixed}", f"does not divide the {experts} experts")
     if fixed and experts % fixed and rejection not in space.rejected:
         space.rejected.append(rejection)
-    return _fixed(constraints, "ep", [e for e in divisors(dp) if experts % e == 0], space, "expert parallelism",
-                  f" ({experts} experts; the search keeps ep inside dp, dividing it and the experts)", f" with dp={dp}")
+    return _fixed(constraints, "ep", [e for e in divisors(data_ranks) if experts % e == 0], space, "expert parallelism",
+                  f" ({experts} experts; ep divides them and dp x cp)", f" with dp x cp={data_ranks}")
 
 
 def no_degrees_error(space: Space, constraints: dict) -> PlannerError:

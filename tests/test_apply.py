@@ -35,10 +35,8 @@ from costmodel.profile_loader import load_cluster
 from planner.apply import AppliedPlan, apply_note, check_applicable
 from planner.apply.context_parallel import token_positions
 from planner.apply.recompute import SAVED_OPS
-from planner.apply.expert_parallel import check_expert_mesh
 from planner.apply.tensor_parallel import tensor_parallel_plan
 from planner.apply.validate import hardware_note, model_units
-from planner.config import ParallelConfig
 from planner.errors import PlannerError
 from planner.estimate import Evaluator
 from planner.memory_plan import memory_plan
@@ -396,6 +394,9 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("frozen_tp", _plan(gpt_frozen, "cpu:1x2", tp=2, pp=1), gpt_frozen),
         ("frozen_experts_dp", _plan(moe_frozen, "cpu:1x2", dp=2, ep=1, tp=1, pp=1, zero=0), moe_frozen),
         ("frozen_experts_ep", _plan(moe_frozen, "cpu:1x2", dp=2, ep=2, tp=1, pp=1, zero=0), moe_frozen),
+        ("moe_cp", _plan(moe, "cpu:1x2", cp=2, dp=1, ep=1, tp=1, pp=1, zero=0), moe),
+        # An expert group across a sequence's two chunks (dp 1): each rank routes its own chunk's tokens.
+        ("moe_ep_over_cp", _plan(moe, "cpu:1x2", cp=2, dp=1, ep=2, tp=1, pp=1, zero=0), moe),
     ]
     four_rank = [
         ("dp_x_tp", _plan(gpt, "cpu:1x4", dp=2, tp=2, pp=1, zero=2), gpt),
@@ -422,6 +423,8 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("moe_ep_x_cp", _plan(moe, "cpu:1x4", dp=2, cp=2, ep=2, tp=1, pp=1, zero=0), moe),
         # Sharded experts reduce over their 2-rank group with the whole dp x cp's divisor (gloo: summed, then scaled).
         ("moe_ep_x_cp_zero1", _plan(moe, "cpu:1x4", dp=2, cp=2, ep=2, tp=1, pp=1, zero=1), moe),
+        # ep over the whole dp x cp: every rank holds its own experts, so no rank shares their gradients.
+        ("moe_ep4_over_dp_x_cp_zero1", _plan(moe, "cpu:1x4", dp=2, cp=2, ep=4, tp=1, pp=1, zero=1), moe),
         ("cp4_a2a", _plan(gpt, "cpu:1x4", cp=4, dp=1, tp=1, pp=1, cp_comm="a2a"), gpt),
         ("cp_a2a_x_tp", _plan(gpt, "cpu:1x4", cp=2, tp=2, dp=1, pp=1, cp_comm="a2a"), gpt),
         # Hybrid sharding: two replicas of a two-rank shard group, over two micro-batches.
@@ -800,15 +803,18 @@ def test_mixture_of_experts_tp2(trained):
 @pytest.mark.parametrize("case, reference_case", [("moe_ep", "moe_dp"), ("moe_ep_zero3", "moe_dp"),
                                                    ("moe_ep_offload", "moe_dp"),
                                                    ("moe_ep_x_tp", "moe_dp_x_tp"), ("moe_pp_x_ep", "moe_pp_x_dp"),
-                                                   ("moe_ep_x_cp", "moe_dp_x_cp"), ("moe_ep_x_cp_zero1", "moe_dp_x_cp")])
+                                                   ("moe_ep_x_cp", "moe_dp_x_cp"), ("moe_ep_x_cp_zero1", "moe_dp_x_cp"),
+                                                   ("moe_ep_over_cp", "moe_cp"), ("moe_ep4_over_dp_x_cp_zero1", "moe_dp_x_cp")])
 def test_expert_parallel_trains_like_data_parallel(trained, case, reference_case):
-    # Each data-parallel rank fills its own expert capacity, so a data-parallel MoE run differs from
-    # one process holding the whole batch; with ep=2 each rank keeps half the experts (each of them
-    # split over tp as without ep) and exchanges its routed slots by all-to-all, which must
-    # reproduce the ep=1 data-parallel run exactly.
+    # Each data-parallel (or context-parallel) rank fills its own expert capacity, so a data-parallel
+    # MoE run differs from one process holding the whole batch; with ep > 1 each rank keeps 1/ep of
+    # the experts (each of them split over tp as without ep) and exchanges its routed slots by
+    # all-to-all over ep consecutive ranks of dp x cp, which must reproduce the ep=1 run exactly.
     plan, spec, result = trained[case]
     reference_plan, _, reference = trained[reference_case]
-    assert (plan.config.dp, plan.config.ep, plan.config.tp) == (2, 2, reference_plan.config.tp)
+    degrees = ("dp", "cp", "tp", "pp")
+    assert plan.config.ep > 1 and reference_plan.config.ep == 1
+    assert [getattr(plan.config, d) for d in degrees] == [getattr(reference_plan.config, d) for d in degrees]
     assert result["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE)
     assert sorted(result["params"]) == sorted(reference["params"])
     for name, value in reference["params"].items():
@@ -877,14 +883,6 @@ def test_dp_x_tp_mesh(trained):
 
 def test_pp_x_dp(trained):
     _check(trained["pp_x_dp"])
-
-
-def test_expert_groups_across_context_parallelism_fail_in_one_line():
-    # The cost model prices ep over dp x cp (Megatron-Core's rule) for `evaluate`; the apply splits
-    # dp into (edp, ep) and says so before any process-group work.
-    with pytest.raises(PlannerError, match=r"ep=2: applying expert parallelism needs ep to divide dp=1"):
-        check_expert_mesh(ParallelConfig(dp=1, cp=2, ep=2))
-    check_expert_mesh(ParallelConfig(dp=2, cp=2, ep=2))
 
 
 @pytest.mark.parametrize(("target", "options", "message"), [

@@ -772,13 +772,19 @@ def test_offload_is_searched_where_memory_makes_the_best_plan_recompute():
                                 global_batch=64).fits
 
 
-def test_the_plan_says_it_keeps_expert_parallelism_inside_dp():
-    # evaluate prices ep over dp x cp; the search keeps ep dividing dp, as Plan.apply shards experts,
-    # and says so where context parallelism is in its space.
+def test_expert_parallelism_is_searched_over_dp_x_cp():
+    # Expert groups are ep consecutive ranks of the flattened dp x cp axes (Megatron-Core's rule, and
+    # Plan.apply's mesh), so with a sequence split 8 ways and no data parallelism ep may still be 2 or 4.
     spec = parse_spec({"arch": "moe", "layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "experts": 4, "top_k": 2,
                        "moe_ffn_hidden": 128}, "tiny-moe.yaml")
-    graph = planner.trace(spec, seq_len=CP_MIN_SEQ_LEN)
-    left_out = planner.plan(graph, "a100-80g:1x8", global_batch=8).search["not_searched"]
-    assert left_out == ["ep over dp x cp where ep does not divide dp (Plan.apply shards the experts inside dp; "
-                        "`evaluate` prices such a configuration)"]
-    assert planner.plan(graph, "a100-80g:1x8", global_batch=8, cp=1).search["not_searched"] == []
+    space = enumerate_degrees(planner.trace(spec, seq_len=CP_MIN_SEQ_LEN), load_cluster("a100-80g:1x8"), {"cp": 8})
+    assert sorted(ep for dp, _, _, _, ep in space.degrees) == [1, 2, 4]
+    assert all(dp == 1 for dp, _, _, _, _ in space.degrees)
+    # DeepSeekMoE 16B at 16K tokens on 8 A100: the best plan shards the 64 experts 8 ways over dp 2 x cp 4,
+    # faster than every plan whose ep divides dp.
+    graph = planner.trace("deepseek-moe-16b", seq_len=16384)
+    best = planner.plan(graph, "a100-80g:1x8", global_batch=8, tp=1, pp=1)
+    assert best.config.dp % best.config.ep and best.config.ep > 1
+    inside_dp = [planner.plan(graph, "a100-80g:1x8", global_batch=8, tp=1, pp=1, dp=dp, ep=ep)
+                 for dp in (1, 2, 4, 8) for ep in (1, 2, 4, 8) if ep <= dp]
+    assert best.estimate.step_time_s < min(p.estimate.step_time_s for p in inside_dp)

@@ -62,7 +62,7 @@ def expected_degrees(dims: ModelDims, num_layers: int, seq_len: int, devices: in
         split_ok = seq_len % cp == 0  # each cp rank's share is whole tokens (tp keeps the stream whole where it cannot split it)
         if not (tp_ok and cp_ok and split_ok and pp <= num_layers):
             continue
-        eps = [e for e in divisors(dp) if dims.experts % e == 0] if dims.experts else [1]  # groups inside dp
+        eps = [e for e in divisors(dp * cp) if dims.experts % e == 0] if dims.experts else [1]  # groups inside dp x cp
         out |= {(dp, tp, pp, cp, ep) for ep in eps}
     return out
 
@@ -217,11 +217,11 @@ def test_data_parallel_bounds_are_kept():
 
 def test_a_fixed_expert_degree_says_once_what_refuses_it():
     # Mixtral's 8 experts on 32 devices: ep=16 divides no expert count, whatever dp is (said once,
-    # not once per dp); ep=8 with tp=1 pp=1 on 4 devices divides the experts but not dp=4.
+    # not once per dp); ep=8 with tp=1 pp=1 on 4 devices divides the experts but not dp x cp=4.
     assert refusal(MIXTRAL_8X7B, "h100-sxm:4x8", {"ep": 16}) == ("no parallel degrees fit the constraints ep 16: ep=16: does not divide the 8 experts; "
-                                   "ep=16: options with dp=32 are [1, 2, 4, 8]; ep=16: options with dp=16 are [1, 2, 4, 8]; relax one of them")
-    assert refusal(MIXTRAL_8X7B, "h100-sxm:1x4", {"ep": 8, "tp": 1, "pp": 1}).endswith("ep=8: not possible with dp=4 (8 experts; the search keeps ep inside dp, dividing it "
-                                        "and the experts); options are [1, 2, 4]; relax one of them")
+                                   "ep=16: options with dp x cp=32 are [1, 2, 4, 8]; ep=16: options with dp x cp=16 are [1, 2, 4, 8]; relax one of them")
+    assert refusal(MIXTRAL_8X7B, "h100-sxm:1x4", {"ep": 8, "tp": 1, "pp": 1}).endswith(
+        "ep=8: not possible with dp x cp=4 (8 experts; ep divides them and dp x cp); options are [1, 2, 4]; relax one of them")
 
 
 def test_context_parallelism_only_for_long_sequences():

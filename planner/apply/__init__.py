@@ -11,14 +11,14 @@ job and returns an `AppliedPlan` holding what a training loop needs. Order of ap
    group when a one-device plan runs without torchrun);
 3. pipeline split: this rank's chunks of the plan's stages (`pipeline.StageModule`, model FQNs kept);
 4. tensor parallelism on the `tp` axis (`parallelize_module` with the plan's per-module layouts),
-   then expert parallelism over `ep` consecutive ranks of the `dp` axis (`expert_parallel`) and
+   then expert parallelism over `ep` consecutive ranks of the flattened dp x cp axes (`expert_parallel`) and
    context parallelism over the `cp` axis (`context_parallel`: each rank two chunks of every sequence);
 5. activation checkpointing on the layers the memory plan names (after TP, so recomputation
    replays the TP collectives; before FSDP, so FSDP wraps the checkpointed blocks);
 6. data parallelism on the `dp` axis (the flattened dp x cp axes with context parallelism; with
    hybrid sharding a (replicas, shard group) mesh) by ZeRO stage (`data_parallel`), per block then
    the root; the experts of an expert-parallel plan first,
-   over the `dp / ep` ranks holding the same experts (times cp);
+   over the `dp * cp / ep` ranks holding the same experts;
 7. weights tied across pipeline stages (a GPT's embedding and head): each holding stage keeps a
    copy, made equal at once and summed in gradient after every step (`tied`, as Megatron-LM ties them);
 8. the pipeline schedule over this rank's stages with the plan's micro-batch count.
@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from planner.apply.context_parallel import apply_context_parallel, token_positions
 from planner.apply.data_parallel import apply_data_parallel, data_parallel_mesh, mixed_precision_policy
-from planner.apply.expert_parallel import apply_expert_parallel, check_expert_mesh, expert_mesh
+from planner.apply.expert_parallel import apply_expert_parallel, expert_mesh
 from planner.apply.head_counts import check_head_counts, localize_head_counts
 from planner.apply.pipeline import StageModule, build_schedule, check_runs_in_order, check_schedule, chunk_units
 from planner.apply.recompute import apply_recompute, check_recompute
@@ -229,14 +229,13 @@ def _init_process_group(device: torch.device) -> None:
 
 def check_applicable(plan: Plan, model: nn.Module) -> tuple[ModelMatch, TensorParallelPlan | None]:
     """What `apply_plan` checks and derives before any process-group work, but the world size: the
-    schedule, the expert mesh, the model against the plan, and the tensor-parallel styles. Runs on a
+    schedule, the model against the plan, and the tensor-parallel styles. Runs on a
     model built on `meta` too (`paraplan plan` checks its plans so).
 
     Raises:
         PlannerError: INVALID_INPUT / UNSUPPORTED_MODEL with a one-line message.
     """
     check_schedule(plan)
-    check_expert_mesh(plan.config)
     check_one_input(model)
     match = match_model(plan, model)
     check_recompute(model, plan.memory_plan)
@@ -329,11 +328,9 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
     mesh = init_device_mesh(device.type, (config.pp, config.dp, config.cp, config.tp), mesh_dim_names=MESH_AXES)
     experts_mesh = expert_mesh(device.type, config) if config.ep > 1 else None
     # Gradients are averaged over every rank that holds the same parameters: dp, and cp's chunks
-    # (for experts: the dp / ep ranks holding the same experts, and cp's chunks).
+    # (for experts: the dp * cp / ep ranks holding the same experts).
     dp_mesh = data_parallel_mesh(device.type, config, mesh)
-    edp_mesh = None
-    if experts_mesh is not None:
-        edp_mesh = experts_mesh["edp", "cp"]._flatten("edp_cp") if config.cp > 1 else experts_mesh["edp"]
+    edp_mesh = experts_mesh["edp"] if experts_mesh is not None else None
 
     if config.pp > 1:
         chunks = []

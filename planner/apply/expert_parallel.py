@@ -1,15 +1,17 @@
-"""Expert parallelism on the data-parallel axis (GShard, Lepikhin et al. 2021), composed with tensor parallelism.
+"""Expert parallelism on the data-parallel axes (GShard, Lepikhin et al. 2021), composed with tensor parallelism.
 
-The `dp` ranks split into groups of `ep` consecutive ranks. Each rank of a group keeps `experts / ep`
+The `dp x cp` ranks (flattened, cp innermost, as Megatron-Core takes its expert groups) split into groups
+of `ep` consecutive ranks, the groups the cost model prices (`planner.mesh`): with context parallelism a
+group spans a sequence's chunks before it spans replicas. Each rank of a group keeps `experts / ep`
 of every MoE layer's experts and exchanges its routed tokens with the group by all-to-all: its
 capacity slots of each expert go to that expert's owner, which runs them together with the slots
 every other rank of the group routed there, and the outputs come back the same way. The experts'
 `GroupedLinear` weights become DTensors on the (ep, tp) mesh: sharded on dim 0 (the experts) over
 ep and, as the plan's layout says, on their output (colwise) or input (rowwise) features over tp,
 like a Megatron MLP; the tokens enter replicated over tp and the outputs leave all-reduced over tp.
-The `dp / ep` ranks that hold the same experts (the `edp` axis) reduce the experts' gradients. An
+The `dp * cp / ep` ranks that hold the same experts (the `edp` axis) reduce the experts' gradients. An
 expert's gradient already sums what the tokens of its whole ep group contributed, so that reduction
-divides by the whole dp, as the dense gradients' reduction does: both end as the mean over dp.
+divides by the whole dp x cp, as the dense gradients' reduction does: both end as the mean over dp x cp.
 """
 from __future__ import annotations
 
@@ -26,22 +28,14 @@ from planner.errors import invalid
 from planner.tp_strategies import Placement
 from planner.zoo.moe import GroupedLinear
 
-# The expert mesh: the plan's (pp, dp, cp, tp) mesh with dp split into (edp, ep), ep innermost, so
-# both meshes give every rank the same coordinates.
-EXPERT_MESH_AXES = ("pp", "edp", "ep", "cp", "tp")
-
-
-def check_expert_mesh(config: ParallelConfig) -> None:
-    """Raises PlannerError when the plan's ep groups do not lie inside its dp axis, which the
-    expert mesh splits (the cost model also prices ep across dp x cp, as Megatron-Core runs it)."""
-    if config.ep > 1 and config.dp % config.ep:
-        raise invalid(f"ep={config.ep}: applying expert parallelism needs ep to divide dp={config.dp} (this plan takes "
-                      f"its expert groups across the context-parallel axis too); re-plan with ep dividing dp")
+# The expert mesh: the plan's (pp, dp, cp, tp) mesh with dp x cp flattened and split into (edp, ep),
+# ep innermost, so both meshes give every rank the same pp and tp coordinates.
+EXPERT_MESH_AXES = ("pp", "edp", "ep", "tp")
 
 
 def expert_mesh(device_type: str, config: ParallelConfig) -> DeviceMesh:
     """The mesh whose `ep` axis shards the experts and whose `edp` axis reduces their gradients."""
-    shape = (config.pp, config.dp // config.ep, config.ep, config.cp, config.tp)
+    shape = (config.pp, config.dp * config.cp // config.ep, config.ep, config.tp)
     return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_AXES)
 
 
