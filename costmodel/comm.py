@@ -18,7 +18,12 @@ by its link's measured factor for the collective (`LinkTier.time_factor`, 1 unle
 - ring all-gather / reduce-scatter of S bytes: (n-1)/n * S/B + (n-1) * a.
 - ring all-reduce: 2(n-1)/n * S/B + 2(n-1) * a. Between nodes NCCL's tuner may instead pick its
   double binary tree, which moves about 2 * S/B but needs only 2 * ceil(log2 n) latency steps; we
-  take the faster of the two there. Inside a node NCCL's tree is a chain, so only the ring counts.
+  take the faster of the two there. Inside a node NCCL's tree is a chain, so only the ring counts,
+  except on switches that reduce in the switch (NVLink SHARP on Hopper and later NVSwitch nodes:
+  NCCL's NVLS, `LinkTier.nvls_efficiency`): a group of n >= 3 ranks inside one node takes the
+  faster of the ring and NVLS, where each rank sends and receives (n+1)/n * S (the switch reduces
+  what every rank sends and multicasts the sums): (n+1)/n * S / (B * nvls_efficiency) + the NVLS latency. Groups across nodes keep the ring or
+  tree (NCCL's NVLS across nodes needs IB SHARP switches, which the profiles do not describe).
 - all-to-all of S bytes per rank (its whole send buffer, own chunk included): one message per peer;
   (r-1)/n of S crosses the intra-node link and (n-r)/n of S leaves through the NICs.
 
@@ -39,6 +44,10 @@ from enum import StrEnum
 from functools import lru_cache
 
 from costmodel.hardware import LinkTier, NodeSpec
+
+# NCCL builds no NVLS communicator for 2 or fewer ranks in a node (src/transport/nvls.cc:
+# `gpuCount <= 2` returns before NVLS setup).
+NVLS_MIN_RANKS = 3
 
 # Distinct (collective, size, group, node) prices kept; a search prices O(10^5) collectives drawn
 # from a few thousand distinct ones.
@@ -103,6 +112,15 @@ def _inter_node_all_reduce_s(n: int, size_bytes: float, path: _Path) -> float:
     return min(ring_s, tree_s)
 
 
+def _nvls_all_reduce_s(n: int, size_bytes: float, link: LinkTier) -> float:
+    """All-reduce of `size_bytes` among n ranks of one node reduced in the switch (NVLS); inf where
+    the link cannot or the group is too small for NCCL to build it."""
+    if not link.nvls_efficiency or n < NVLS_MIN_RANKS:
+        return math.inf
+    bytes_per_s = link.group_bytes_per_s(n) * link.efficiency * link.nvls_efficiency
+    return link.nvls_latency_s + (n + 1) / n * size_bytes / bytes_per_s
+
+
 def _link_path(op: Collective, link: LinkTier, bytes_per_s: float) -> _Path:
     """`op`'s path over `link` at `bytes_per_s`, slowed by the link's measured factor for `op`."""
     factor = link.time_factor(op.value)
@@ -141,6 +159,8 @@ def _collective_time_s(op: Collective, size_bytes: float, group: CommGroup, intr
     local = _link_path(op, intra, intra.group_bytes_per_s(r) * intra.efficiency)
     remote = _nic_path(op, group, intra, nic, devices_per_node, oversubscription)
     match op:
+        case Collective.ALL_REDUCE if nodes == 1:
+            return min(2 * _ring_gather_s(r, size_bytes, local), _nvls_all_reduce_s(r, size_bytes, intra))
         case Collective.ALL_REDUCE:
             return 2 * _ring_gather_s(r, size_bytes, local) + _inter_node_all_reduce_s(nodes, size_bytes / r, remote)
         case Collective.ALL_GATHER | Collective.REDUCE_SCATTER:

@@ -63,6 +63,10 @@ class LinkTier:
             reduce-scatter run several times slower than its all-reduce implies). Absent: 1.
         peer_bw_bytes_per_s: for links that join every pair of devices directly rather than through a
             switch (MI300X's Infinity Fabric), the bandwidth between one pair; None through a switch.
+        nvls_efficiency: for switches that reduce in the switch (NVLink SHARP, NCCL's NVLS all-reduce
+            on Hopper and later NVSwitch nodes), the fraction of the ring's bandwidth
+            (bw_bytes_per_s x efficiency) a device drives under NVLS; 0 where the switch cannot.
+        nvls_latency_s: the per-call latency of an NVLS all-reduce (with nvls_efficiency).
     """
 
     name: str
@@ -73,6 +77,8 @@ class LinkTier:
     source: str = ""
     collective_factors: tuple[tuple[str, float], ...] = ()
     peer_bw_bytes_per_s: float | None = None
+    nvls_efficiency: float = 0.0
+    nvls_latency_s: float = 0.0
 
     def group_bytes_per_s(self, ranks: int) -> float:
         """Bandwidth one device drives in a group of `ranks` devices on this link: all of it through a

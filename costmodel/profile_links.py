@@ -16,7 +16,7 @@ from costmodel.profile_fields import Origin
 from costmodel.profile_files import check_kind, profile_dirs, read_mapping, relative_to, resolve
 
 _LINK_KEYS = ("name", "kind", "bw_bytes_per_s", "latency_s", "efficiency", "collective_factors", "peer_bw_bytes_per_s",
-              "sources")
+              "nvls_efficiency", "nvls_latency_s", "sources")
 _LINK_REQUIRED = ("kind", "bw_bytes_per_s", "latency_s")
 
 
@@ -70,6 +70,7 @@ def _parse_link(origin: Origin, prefix: str, data: dict, default_name: str | Non
         if peer_bytes_per_s > bw_bytes_per_s:
             raise origin.error(f"{prefix}peer_bw_bytes_per_s", f"{peer_bytes_per_s:g} exceeds bw_bytes_per_s "
                                f"{bw_bytes_per_s:g}, a device's whole bandwidth; give one pair's share")
+    nvls_efficiency, nvls_latency_s = _nvls(origin, prefix, data, kind)
     return LinkTier(
         name=fields.text(origin, f"{prefix}name", data.get("name", default_name or kind.value)),
         kind=kind,
@@ -80,7 +81,25 @@ def _parse_link(origin: Origin, prefix: str, data: dict, default_name: str | Non
         collective_factors=_collective_factors(origin, f"{prefix}collective_factors",
                                                data.get("collective_factors", {})),
         peer_bw_bytes_per_s=peer_bytes_per_s,
+        nvls_efficiency=nvls_efficiency,
+        nvls_latency_s=nvls_latency_s,
     )
+
+
+def _nvls(origin: Origin, prefix: str, data: dict, kind: LinkKind) -> tuple[float, float]:
+    """A switch's in-switch reduction: (nvls_efficiency, nvls_latency_s), both given or neither; (0, 0) without."""
+    given = [key for key in ("nvls_efficiency", "nvls_latency_s") if key in data]
+    if not given:
+        return 0.0, 0.0
+    if len(given) == 1:
+        missing = "nvls_latency_s" if given == ["nvls_efficiency"] else "nvls_efficiency"
+        raise origin.error(f"{prefix}{missing}", f"missing: the in-switch all-reduce needs both nvls_efficiency and "
+                           f"nvls_latency_s; add {missing} or remove {given[0]}")
+    if kind is not LinkKind.NVSWITCH:
+        raise origin.error(f"{prefix}nvls_efficiency", f"only an nvswitch reduces in the switch, and this link is "
+                           f"'{kind.value}'; remove nvls_efficiency and nvls_latency_s")
+    return (fields.fraction(origin, f"{prefix}nvls_efficiency", data["nvls_efficiency"]),
+            fields.physical(origin, f"{prefix}nvls_latency_s", data["nvls_latency_s"], fields.LATENCY))
 
 
 def _collective_factors(origin: Origin, field_name: str, value) -> tuple[tuple[str, float], ...]:

@@ -273,6 +273,11 @@ DEVICE_ERRORS = [
     ({"node__intra_link__peer_bw_bytes_per_s": 200.0e9}, "node.intra_link.peer_bw_bytes_per_s", "exceeds bw_bytes_per_s"),
     ({"node__intra_link__peer_bw_bytes_per_s": 64}, "node.intra_link.peer_bw_bytes_per_s", "implausible"),
     ({"matmul_efficiency": []}, "matmul_efficiency", "leave it out for the default curve"),
+    ({"node__intra_link__nvls_efficiency": 0.85}, "node.intra_link.nvls_latency_s", "add nvls_latency_s"),
+    ({"node__intra_link__nvls_latency_s": 89e-6}, "node.intra_link.nvls_efficiency", "add nvls_efficiency"),
+    ({"nic__nvls_efficiency": 0.85, "nic__nvls_latency_s": 89e-6}, "nic.nvls_efficiency", "only an nvswitch"),
+    ({"node__intra_link__nvls_efficiency": 1.2, "node__intra_link__nvls_latency_s": 89e-6},
+     "node.intra_link.nvls_efficiency", "(0, 1]"),
     # Values written in another unit: GB, TB/s, TFLOP/s, Gb/s and microseconds.
     ({"mem_bytes": 80}, "mem_bytes", "implausible in bytes"),
     ({"mem_bw_bytes_per_s": 3.35}, "mem_bw_bytes_per_s", "e.g. 3.35e12"),

@@ -195,8 +195,10 @@ def _link_brief(link: LinkTier) -> str:
 
 
 def _link_detail(link: LinkTier) -> str:
+    nvls = (f"; in-switch all-reduce (NVLS) at {link.nvls_efficiency:g} of that, {link.nvls_latency_s * US_PER_S:g} us"
+            if link.nvls_efficiency else "")
     return (f"{link.name} ({link.kind}): {link.bw_bytes_per_s / BYTES_PER_GB:g} GB/s per direction,"
-            f" {link.latency_s * US_PER_S:g} us, efficiency {link.efficiency:g}")
+            f" {link.latency_s * US_PER_S:g} us, efficiency {link.efficiency:g}{nvls}")
 
 
 def _groups_brief(cluster: Cluster) -> str:
