@@ -92,6 +92,9 @@ class Evaluator:
         self._policies: dict = {}
         self._distinct: dict = {}
         self.layout_cache: dict = {}  # sharding-ILP layouts, shared by every config of this evaluator
+        # Splits refined by where the schedule puts their stages (`planner.stage_polish`); the search
+        # ranks its candidates without (milliseconds each) and refines the plans it keeps.
+        self.schedule_splits = True
 
     def stage_devices(self, pp: int) -> list[tuple[DeviceSpec, NodeSpec]]:
         """`planner.mesh.stage_devices` of this cluster, computed once per pp."""
@@ -254,6 +257,7 @@ class Evaluator:
             num_stages=chunks, in_flight=np.array(in_flight), mem_cap_bytes=np.array(caps), stage_speed=np.array(speeds),
             num_microbatches=config.num_microbatches, devices=config.pp,
             layer_transient_bytes=column("temp_bytes") + column("held_bytes"), layer_work_bytes=column("work_bytes"),
+            layer_fwd_s=column("fwd_s"), schedule=str(config.schedule) if config.pp > 1 and self.schedule_splits else None,
         )
 
     def split(self, config: ParallelConfig, policies: tuple[Recompute, ...], headroom: float = 0.0) -> tuple[tuple[int, ...], bool]:

@@ -241,6 +241,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     examples: dict[str, list[dict]] = {}
     tally = _Pass(reasons, examples, rejected)
     kept = top + 1  # the plan and `top` alternatives
+    evaluator.schedule_splits = False
     ranked = tally.run(evaluator, space, graph, global_batch, constraints, headroom, kept, exhaustive)
     if (constraints.get("allow_offload", True) and "offload_optimizer" not in constraints
             and (not ranked or ranked[0][1].recompute != Recompute.NONE)):
@@ -249,6 +250,8 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
         offloaded = tally.run(evaluator, space, graph, global_batch, {**constraints, "offload_optimizer": True}, headroom,
                               kept, exhaustive, beat_s=ranked[0][0] if ranked and not exhaustive else math.inf)
         ranked = sorted(ranked + offloaded[:kept], key=lambda entry: (entry[0], entry[2].peak_memory_bytes))
+    evaluator.schedule_splits = True
+    ranked = _with_schedule_splits(evaluator, ranked, global_batch, headroom, kept)
     candidates_total, evaluated, screened = tally.total, tally.evaluated, tally.screened
 
     if not ranked:
@@ -298,6 +301,19 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
         layer_names=tuple(layer.name for layer in graph.layers),
         training_code=code.options(),
     )
+
+
+def _with_schedule_splits(evaluator: Evaluator, ranked: list, global_batch: int, headroom: float, kept: int) -> list:
+    """The fitting candidates priced again at their splits refined by the schedule (`planner.stage_polish`),
+    as `evaluate` prices them, in order. The first `kept` are; a later one only where its step
+    without its pipeline bubble, all a refined split can save, beats the `kept`-th so priced."""
+    priced: list[tuple[float, ParallelConfig, object]] = []
+    for step_s, config, estimate in ranked:
+        threshold_s = sorted(entry[0] for entry in priced)[kept - 1] if len(priced) >= kept else math.inf
+        if config.pp > 1 and step_s - estimate.time_breakdown["pp_bubble_s"] < threshold_s:
+            estimate = evaluator.estimate(config, global_batch, headroom=headroom)
+        priced.append((estimate.step_time_s, config, estimate))
+    return sorted(priced, key=lambda entry: (entry[0], entry[2].peak_memory_bytes))
 
 
 def _refine_front(evaluator: Evaluator, ranked: list, global_batch: int, headroom: float,

@@ -16,6 +16,10 @@ so only the stage's largest counts)::
     subject to M_s <= cap_s (`split_ilp`: over the chunks of one device, with the device's transient
     term) and every stage holding at least one layer.
 
+That step is blind to where the slowest stage sits, which the schedule is not: with a problem's
+`schedule` and forward times, `schedule_step_s` prices a split by the schedule's own closed form
+(`costmodel.pipeline.step_time_s`), which `planner.stage_polish` lowers from the solvers' answer.
+
 Solvers: `planner.stages` (`split_dp`, exact with one choice per layer; `split_uniform`, the
 baseline) and `planner.stage_ilp` (`split_ilp`, per-layer choices).
 """
@@ -25,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from costmodel import pipeline
 from planner.errors import invalid
 from planner.milp import SolveStatus
 
@@ -60,6 +65,8 @@ class StageProblem:
         layer_work_bytes: bytes each layer holds again while its backward recomputes it; a stage
             recomputes one layer at a time, so only its largest counts (against the transients,
             whose blocks it can reuse); zeros if None.
+        layer_fwd_s: the forward part of `layer_time_s`, with `schedule`; None: no schedule price.
+        schedule: the pipeline schedule (`costmodel.pipeline.PipeSchedule`) `schedule_step_s` prices.
     """
 
     layer_time_s: np.ndarray
@@ -74,6 +81,8 @@ class StageProblem:
     devices: int | None = None
     layer_transient_bytes: np.ndarray | None = None
     layer_work_bytes: np.ndarray | None = None
+    layer_fwd_s: np.ndarray | None = None
+    schedule: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.num_stages, (int, np.integer)) or self.num_stages < 1:
@@ -84,7 +93,7 @@ class StageProblem:
         for name in ("layer_transient_bytes", "layer_work_bytes"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.zeros_like(time_s))
-        for name in LAYER_ARRAYS:
+        for name in LAYER_ARRAYS + ("layer_fwd_s",) * (self.layer_fwd_s is not None):
             value = _per_layer(name, getattr(self, name))
             if value.shape != time_s.shape:
                 raise invalid(
@@ -130,7 +139,31 @@ class StageProblem:
 
     def one_choice(self, choice: int) -> StageProblem:
         """The problem with every layer taking choice `choice`."""
-        return replace(self, **{name: getattr(self, name)[:, choice] for name in LAYER_ARRAYS})
+        fwd = {} if self.layer_fwd_s is None else {"layer_fwd_s": self.layer_fwd_s[:, choice]}
+        return replace(self, **{name: getattr(self, name)[:, choice] for name in LAYER_ARRAYS}, **fwd)
+
+    @property
+    def schedule_priced(self) -> bool:
+        """Whether `schedule_step_s` can price a split (a schedule and forward times are given)."""
+        return self.schedule is not None and self.layer_fwd_s is not None
+
+    def stage_times_s(self, boundaries, choices: np.ndarray, layer_s: np.ndarray | None = None) -> np.ndarray:
+        """[S] seconds of each stage of a split: its layers' `layer_s` (default `layer_time_s`) over its speed."""
+        layer_s = self.layer_time_s if layer_s is None else layer_s
+        stage_of = np.repeat(np.arange(self.num_stages), np.diff(np.asarray(boundaries)))
+        return np.bincount(stage_of, layer_s[np.arange(self.num_layers), choices], self.num_stages) / self.stage_speed
+
+    def schedule_step_s(self, boundaries, choices: np.ndarray) -> float:
+        """The schedule's step time of a split (`costmodel.pipeline.step_time_s`, no transfers): each
+        device's forward and backward summed over its chunks, so unlike `objective_s` it sees where
+        the slowest stage sits."""
+        total_s = self.stage_times_s(boundaries, choices)
+        fwd_s = self.stage_times_s(boundaries, choices, self.layer_fwd_s)
+        device = np.arange(self.num_stages) % self.devices
+        device_fwd_s = np.bincount(device, fwd_s, self.devices)
+        device_bwd_s = np.bincount(device, total_s - fwd_s, self.devices)
+        return pipeline.step_time_s(self.schedule, device_fwd_s.tolist(), device_bwd_s.tolist(), self.num_microbatches,
+                                    self.num_stages // self.devices)
 
     def _layer_values(self, choices: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """([S, L] additive bytes of layer l on stage s, [L] transient bytes, [L] recompute working

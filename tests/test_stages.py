@@ -20,6 +20,7 @@ from planner.errors import PlannerError, PlannerErrorKind
 from planner.milp import SolveStatus, _c_stdout_silenced
 from planner.stage_ilp import split_ilp
 from planner.stage_problem import StageProblem
+from costmodel.pipeline_sim import simulate
 from planner.stages import split_dp, split_uniform
 
 
@@ -328,3 +329,58 @@ def test_chunks_sharing_a_device_are_charged_its_recompute_working_set_once():
     for solver in (split_dp, split_ilp):
         with pytest.raises(PlannerError):
             solver(over)
+
+
+def _llm_problem(block_s: list[float], stages: int, microbatches: int, cap_bytes: float = 1e9) -> StageProblem:
+    """Layers with the given times (forward a third), 1 byte of states and 1 of activations each;
+    1F1B in-flight counts and its schedule price."""
+    times = np.array(block_s)
+    return StageProblem(layer_time_s=times, layer_static_bytes=np.ones(len(times)), layer_act_bytes=np.ones(len(times)),
+                        num_stages=stages, in_flight=one_f_one_b_in_flight(stages, microbatches),
+                        mem_cap_bytes=np.full(stages, cap_bytes), stage_speed=np.ones(stages), num_microbatches=microbatches,
+                        layer_fwd_s=times / 3, schedule="1f1b")
+
+
+def test_the_split_is_refined_by_where_the_schedule_puts_its_heavy_stages():
+    # A light embedding, 8 equal blocks and a lighter head over 6 stages with 6 micro-batches. The
+    # (m-1) max + sum objective cannot tell the arrangements of its best stage times apart; 1F1B
+    # runs heavy stages best first (they fill before the micro-batches queue behind them). By
+    # brute force over every split, priced by the event simulation, the best puts 3 and 2 layers
+    # on the first two stages: 16.25 against 18.13 for the position-blind split.
+    times = [0.07] + [1.0] * 8 + [0.53]
+    problem = _llm_problem(times, 6, 6)
+    choices = np.zeros(len(times), dtype=int)
+
+    def simulated_s(boundaries) -> float:
+        stage_s = [sum(times[boundaries[s]:boundaries[s + 1]]) for s in range(6)]
+        return simulate("1f1b", [t / 3 for t in stage_s], [2 * t / 3 for t in stage_s], 6).step_time_s
+
+    every = [(0, *cuts, len(times)) for cuts in combinations(range(1, len(times)), 5)]
+    best_s = min(simulated_s(b) for b in every)
+    blind = split_dp(dataclasses.replace(problem, schedule=None))
+    refined = split_dp(problem)
+    assert simulated_s(blind.boundaries) == pytest.approx(18.13, abs=0.01)
+    assert simulated_s(refined.boundaries) == pytest.approx(best_s) == pytest.approx(16.25, abs=0.01)
+    assert problem.schedule_step_s(refined.boundaries, choices) == pytest.approx(best_s)
+    # Memory bounds the loading of the first stages, which hold the most micro-batches: with room
+    # for 2 layers' states and in-flight activations on each, no stage takes more than 2 layers.
+    tight = _llm_problem(times, 6, 6, cap_bytes=14.0)
+    split = split_dp(tight)
+    assert np.all(np.asarray(split.stage_mem_bytes) <= 14.0)
+    assert tight.schedule_step_s(split.boundaries, choices) <= tight.schedule_step_s(
+        split_dp(dataclasses.replace(tight, schedule=None)).boundaries, choices)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(blocks=st.integers(4, 10), stages=st.integers(2, 4), factor=st.sampled_from([1, 2, 4]),
+       head=st.floats(0.2, 2.0), cap=st.sampled_from([1e9, 20.0, 12.0]))
+def test_refined_splits_fit_and_never_price_slower_than_the_solvers(blocks, stages, factor, head, cap):
+    problem = _llm_problem([0.05] + [1.0] * blocks + [head], stages, stages * factor, cap_bytes=cap)
+    choices = np.zeros(problem.num_layers, dtype=int)
+    try:
+        blind = split_dp(dataclasses.replace(problem, schedule=None))
+    except PlannerError:
+        return
+    refined = split_dp(problem)
+    assert np.all(np.asarray(refined.stage_mem_bytes) <= cap)
+    assert problem.schedule_step_s(refined.boundaries, choices) <= problem.schedule_step_s(blind.boundaries, choices) * (1 + 1e-12)
