@@ -36,7 +36,7 @@ from planner.apply import AppliedPlan, apply_note, check_applicable
 from planner.apply.context_parallel import token_positions
 from planner.apply.recompute import SAVED_OPS
 from planner.apply.tensor_parallel import tensor_parallel_plan
-from planner.apply.validate import hardware_note, model_units
+from planner.apply.validate import hardware_note, model_units, precision_note
 from planner.errors import PlannerError
 from planner.estimate import Evaluator
 from planner.memory_plan import memory_plan
@@ -582,6 +582,35 @@ def test_plan_apply_refuses_what_it_would_run_wrongly(monkeypatch, factory, cons
     plain = planner.plan(model, "cpu:1x2", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32", pp=1, dp=2, ep=1,
                          recompute="none")
     check_applicable(plain, resolve_model(model).build(seq_len=SEQ_LEN))
+
+
+def test_tensor_parallel_layouts_inside_bert_s_embedding_and_head_are_refused_in_one_line(tmp_path):
+    # BERT's embedding norm and its masked-LM head (a transform, a norm and the decoder) hold
+    # modules the plan may split, which Plan.apply's styles run whole: the head's split was
+    # dropped (the tied decoder then mixed a vocabulary-split weight with plain tensors at the first
+    # step). Both are refused before any process-group work, naming the fix.
+    spec = tmp_path / "bert.yaml"
+    spec.write_text(f"arch: bert\nlayers: 2\nhidden: 64\nheads: 4\nvocab: 128\nmax_seq_len: {SEQ_LEN}\n")
+    plan = planner.plan(str(spec), "cpu:1x2", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32", tp=2)
+    model = resolve_model(str(spec)).build(seq_len=SEQ_LEN)
+    assert plan.layouts["embed.norm"] == "sequence" and plan.layouts["head.decoder"] == "colwise"
+    with pytest.raises(PlannerError, match=r"^layout embed.norm: .* inside the input embedding .*; plan with --tp 1"):
+        check_applicable(plan, model)
+    norm_whole = dataclasses.replace(plan, layouts={**plan.layouts, "embed.norm": "replicate"})
+    with pytest.raises(PlannerError, match=r"^layout head.transform: the plan splits a layer inside the output head "
+                                           r"head \(MaskedLMHead\), which Plan.apply runs whole; plan with --tp 1"):
+        check_applicable(norm_whole, model)
+
+
+def test_a_mixed_precision_plan_applied_without_a_policy_warns(spec_dir):
+    # planner.plan prices bf16 by default; Plan.apply keeps the model's dtype unless given a
+    # mixed-precision policy, which the plan's estimate assumed: the run is told so.
+    plan = dataclasses.replace(_plan(spec_dir / "gpt.yaml", "cpu:1x2", dp=2, tp=1, pp=1), dtype="bf16")
+    model = torch.nn.Linear(2, 2)
+    assert "pass mp_policy=planner.apply.data_parallel.mixed_precision_policy('bf16')" in precision_note(plan, model, False)
+    assert precision_note(plan, model, True) == ""
+    assert precision_note(dataclasses.replace(plan, dtype="fp32"), model, False) == ""
+    assert precision_note(plan, model.to(torch.bfloat16), False) == ""
 
 
 def test_zero_bubble_with_a_frozen_first_stage_is_neither_planned_nor_applied(monkeypatch):

@@ -56,7 +56,7 @@ from planner.apply.recompute import apply_recompute, check_recompute
 from planner.apply.tensor_parallel import TensorParallelPlan, retie, shared_parameters, tensor_parallel_plan
 from planner.apply.tied import TiedCopy, sum_tied_gradients, tie_across_stages
 from planner.apply.validate import (APPLIED_MARK, ModelMatch, check_arguments, check_one_input, check_world_size,
-                                   default_device, hardware_note, match_model, world_size)
+                                   default_device, hardware_note, match_model, precision_note, world_size)
 from planner.config import Schedule
 from planner.errors import PlannerError, invalid, unsupported
 from planner.graph import Recompute
@@ -313,8 +313,9 @@ def apply_plan(plan: Plan, model: nn.Module, *, device: torch.device | str | Non
         warnings.warn(f"Plan.apply runs {', '.join(f'{name}={runs[name]}' for name in other)}: the plan was priced for "
                       f"training code with {', '.join(f'{name}={value}' for name, value in other.items())}, so this run's time and memory "
                       f"may differ from its estimate", stacklevel=3)
-    if note := hardware_note(plan, device):
-        warnings.warn(note, stacklevel=3)
+    for note in (hardware_note(plan, device), precision_note(plan, model, mp_policy is not None)):
+        if note:
+            warnings.warn(note, stacklevel=3)
     check_world_size(plan)
     match, tp_plan = check_applicable(plan, model)
     loss_module = getattr(model, "loss", None)

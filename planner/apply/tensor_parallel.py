@@ -263,7 +263,8 @@ def _embedding_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stre
     for name, child in module.named_children():
         placement = _placement(layouts, f"{fqn}.{name}")
         if placement != Placement.REPLICATE and not isinstance(child, (nn.Embedding, nn.Linear)):
-            raise unsupported(f"layout {fqn}.{name}: placement '{placement}' on a {type(child).__name__} cannot be applied")
+            raise unsupported(f"layout {fqn}.{name}: placement '{placement}' on a {type(child).__name__} inside the input "
+                              f"embedding cannot be applied; plan with --tp 1 to apply it")
         style = _linear_style(placement, f"{fqn}.{name}", R, R)
         if style is not None:
             styles[f"{fqn}.{name}"] = style
@@ -279,6 +280,11 @@ def _head_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: T
     placement = _placement(layouts, fqn)
     if not isinstance(module, nn.Linear) and placement != Placement.REPLICATE:
         raise unsupported(f"layout {fqn}: placement '{placement}' on a {type(module).__name__} cannot be applied")
+    split = next((name for name, _ in module.named_modules(prefix=fqn)
+                  if name != fqn and _placement(layouts, name) != Placement.REPLICATE), None)
+    if split is not None:
+        raise unsupported(f"layout {split}: the plan splits a layer inside the output head {fqn} "
+                          f"({type(module).__name__}), which Plan.apply runs whole; plan with --tp 1 to apply it")
     if placement == Placement.REPLICATE:  # it reads the whole stream (a ViT's class-token pooling)
         style = _convert(stream, R, None, None)
         return {fqn: style} if style is not None else {}

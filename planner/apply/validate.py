@@ -296,3 +296,12 @@ def hardware_note(plan: Plan, device: torch.device) -> str:
     return (f"Plan.apply: this GPU ({properties.name}, {properties.total_memory / 2**30:.1f} GiB) has less memory than the "
             f"{planned_bytes / 2**30:.1f} GiB of the devices of {plan.cluster}, which the plan was priced for, so it may run "
             f"out of memory; plan again with --cluster describing this hardware")
+
+
+def precision_note(plan: Plan, model: nn.Module, mixed_precision: bool) -> str:
+    """A warning when the plan was priced for mixed precision and the run, given no mixed-precision
+    policy, would train the model's fp32 parameters as they are ('' otherwise)."""
+    if mixed_precision or plan.dtype == "fp32" or not any(p.dtype == torch.float32 for p in model.parameters()):
+        return ""
+    return (f"Plan.apply trains the model's fp32 parameters as they are: the plan was priced for {plan.dtype} mixed "
+            f"precision; pass mp_policy=planner.apply.data_parallel.mixed_precision_policy({plan.dtype!r}) to train so")
