@@ -49,6 +49,10 @@ def check_constraints(constraints: dict) -> None:
     if constraints.get("pp") == 1 and (constraints.get("vpp", 1) > 1 or str(constraints.get("schedule", Schedule.ONE_F_ONE_B)) != Schedule.ONE_F_ONE_B):
         fixed = f"vpp={constraints['vpp']}" if constraints.get("vpp", 1) > 1 else f"schedule={constraints['schedule']}"
         raise invalid(f"{fixed} with pp=1: a pipeline schedule needs pipeline stages; fix pp above 1 or drop {fixed.split('=')[0]}")
+    schedule = str(constraints.get("schedule", Schedule.INTERLEAVED))
+    if constraints.get("vpp", 1) > 1 and schedule != Schedule.INTERLEAVED:
+        raise invalid(f"vpp={constraints['vpp']} with schedule={schedule}: model chunks run only under the interleaved "
+                      f"schedule; fix schedule=interleaved or drop vpp")
     headroom = constraints.get("mem_headroom", 0.0)
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0.0 <= headroom < 0.9:
         raise invalid(f"mem_headroom={headroom!r}: must be a number in [0, 0.9)")

@@ -495,6 +495,8 @@ BAD_INPUT = [
                  id="virtual stages without a pipeline"),
     pytest.param(["plan", *RUN_ARGS, "--pp", "1", "--schedule", "zb"], "schedule=zb with pp=1: a pipeline schedule needs",
                  id="a pipeline schedule without a pipeline"),
+    pytest.param(["plan", *RUN_ARGS, "--pp", "2", "--vpp", "2", "--schedule", "zb"],
+                 "vpp=2 with schedule=zb: model chunks run only under the interleaved schedule", id="virtual stages under zero bubble"),
     pytest.param(["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--cp", "8", "--cp-comm", "a2a"],
                  "cp=8 with cp_comm=a2a: the all-to-all splits each rank's 12 query", id="Ulysses cp not dividing the heads"),
 ]
