@@ -584,21 +584,21 @@ def test_plan_apply_refuses_what_it_would_run_wrongly(monkeypatch, factory, cons
     check_applicable(plain, resolve_model(model).build(seq_len=SEQ_LEN))
 
 
-def test_tensor_parallel_layouts_inside_bert_s_embedding_and_head_are_refused_in_one_line(tmp_path):
-    # BERT's embedding norm and its masked-LM head (a transform, a norm and the decoder) hold
-    # modules the plan may split, which Plan.apply's styles run whole: the head's split was
-    # dropped (the tied decoder then mixed a vocabulary-split weight with plain tensors at the first
-    # step). Both are refused before any process-group work, naming the fix.
+def test_tensor_parallel_layouts_inside_bert_s_embedding_and_tied_head_are_refused_in_one_line(tmp_path):
+    # BERT's embedding norm and its masked-LM head (a transform, a norm and the decoder, which
+    # Plan.apply runs whole) hold what the plan may split: the decoder, tied to the vocabulary-split
+    # embedding, mixed a split weight with whole tensors at the first step. Both are refused before
+    # any process-group work, naming the fix.
     spec = tmp_path / "bert.yaml"
     spec.write_text(f"arch: bert\nlayers: 2\nhidden: 64\nheads: 4\nvocab: 128\nmax_seq_len: {SEQ_LEN}\n")
     plan = planner.plan(str(spec), "cpu:1x2", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32", tp=2)
     model = resolve_model(str(spec)).build(seq_len=SEQ_LEN)
-    assert plan.layouts["embed.norm"] == "sequence" and plan.layouts["head.decoder"] == "colwise"
+    assert plan.layouts["embed.norm"] == "sequence" and plan.layouts["embed.tok"] != "replicate"
     with pytest.raises(PlannerError, match=r"^layout embed.norm: .* inside the input embedding .*; plan with --tp 1"):
         check_applicable(plan, model)
     norm_whole = dataclasses.replace(plan, layouts={**plan.layouts, "embed.norm": "replicate"})
-    with pytest.raises(PlannerError, match=r"^layout head.transform: the plan splits a layer inside the output head "
-                                           r"head \(MaskedLMHead\), which Plan.apply runs whole; plan with --tp 1"):
+    with pytest.raises(PlannerError, match=r"^layout embed.tok: the plan splits a weight the output head head "
+                                           r"\(MaskedLMHead\) shares, and Plan.apply runs that head whole; plan with --tp 1"):
         check_applicable(norm_whole, model)
 
 

@@ -280,11 +280,6 @@ def _head_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: T
     placement = _placement(layouts, fqn)
     if not isinstance(module, nn.Linear) and placement != Placement.REPLICATE:
         raise unsupported(f"layout {fqn}: placement '{placement}' on a {type(module).__name__} cannot be applied")
-    split = next((name for name, _ in module.named_modules(prefix=fqn)
-                  if name != fqn and _placement(layouts, name) != Placement.REPLICATE), None)
-    if split is not None:
-        raise unsupported(f"layout {split}: the plan splits a layer inside the output head {fqn} "
-                          f"({type(module).__name__}), which Plan.apply runs whole; plan with --tp 1 to apply it")
     if placement == Placement.REPLICATE:  # it reads the whole stream (a ViT's class-token pooling)
         style = _convert(stream, R, None, None)
         return {fqn: style} if style is not None else {}
@@ -351,9 +346,23 @@ def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[st
             style = _convert(None, None, R, stream)
             styles.update({unit: style} if style is not None else {})
         elif any(True for _ in module.parameters()):
+            if not isinstance(module, nn.Linear):
+                _check_whole_head_ties(unit, module, model, styles)
             styles.update(_head_styles(unit, module, layouts, stream))
     loss_parallel = any(isinstance(style, ColwiseParallel) and not style.use_local_output for style in styles.values())
     return TensorParallelPlan(stream, styles, loss_parallel)
+
+
+def _check_whole_head_ties(fqn: str, head: nn.Module, model: nn.Module, styles: dict[str, ParallelStyle]) -> None:
+    """Raises PlannerError where an output head that runs whole (a container: its layers keep their
+    weights whole) shares a weight the plan splits (BERT's decoder tied to the vocabulary-split
+    embedding would mix a split weight with whole tensors at the first step)."""
+    own = {id(param) for param in head.parameters()}
+    for name, style in styles.items():
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)) and any(
+                id(param) in own for param in model.get_submodule(name).parameters(recurse=False)):
+            raise unsupported(f"layout {name}: the plan splits a weight the output head {fqn} ({type(head).__name__}) "
+                              f"shares, and Plan.apply runs that head whole; plan with --tp 1 to apply it")
 
 
 def shared_parameters(module: nn.Module) -> list[list[tuple[str, str]]]:
