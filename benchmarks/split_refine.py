@@ -9,7 +9,6 @@ Usage: python benchmarks/split_refine.py
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 import sys
@@ -19,6 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from planner.stage_polish import refine  # noqa: E402
 from planner.stage_problem import StageProblem  # noqa: E402
 from planner.stages import split_dp  # noqa: E402
 
@@ -56,9 +56,9 @@ def main() -> None:
             choices = np.zeros(problem.num_layers, dtype=int)
             splits = [(0, *cuts, problem.num_layers) for cuts in itertools.combinations(range(1, problem.num_layers), problem.num_stages - 1)]
             best_s = min(problem.schedule_step_s(split, choices) for split in splits)
-            blind = split_dp(dataclasses.replace(problem, schedule=None)).boundaries
+            blind = split_dp(problem).boundaries
             gaps["solver"].append(problem.schedule_step_s(blind, choices) / best_s - 1)
-            gaps["refined"].append(problem.schedule_step_s(split_dp(problem).boundaries, choices) / best_s - 1)
+            gaps["refined"].append(problem.schedule_step_s(refine(problem, blind, choices), choices) / best_s - 1)
         for split, values in gaps.items():
             print(f"{name:16s} {split:8s} {sum(v > 1e-3 for v in values):10d} {max(values):8.2%} {np.mean(values):9.3%}")
 

@@ -45,6 +45,7 @@ from planner.config_check import check_config
 from planner.stage_problem import StageProblem
 from planner.state_cost import (dp_exposed_s, grads_pooled, optimizer_step_s, precision_of, state_options, state_zero,
                                  tied_gradient_sum_s, zero3_exposed_s)
+from planner.stage_polish import refine
 from planner.stages import split_dp, split_time_only
 from planner.tp_plan import tp_plan_for
 from planner.training_code import TrainingCode
@@ -275,6 +276,17 @@ class Evaluator:
         except PlannerError:
             return split_time_only(problem).boundaries, False
 
+    def refined_split(self, config: ParallelConfig, policy_sets: list[tuple[Recompute, ...]], boundaries: tuple[int, ...],
+                      headroom: float = 0.0, choices: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """`boundaries` refined by where the schedule puts the heavy stages (`planner.stage_polish`),
+        with per-layer `choices` among `policy_sets` (default: the first set); `boundaries` itself
+        while `schedule_splits` is off."""
+        if not self.schedule_splits or config.pp == 1:
+            return tuple(boundaries)
+        problem = self.stage_problem(config, policy_sets, headroom)
+        picked = np.zeros(problem.num_layers, dtype=int) if choices is None else np.asarray(choices)
+        return tuple(int(b) for b in refine(problem, np.asarray(boundaries), picked))
+
     def estimate(
         self,
         config: ParallelConfig,
@@ -301,7 +313,12 @@ class Evaluator:
         per_device = self.stage_devices(config.pp)
         policies = self.policies(config, recompute_per_layer)
         if boundaries is None:
-            boundaries, _ = self.split(config, policies, headroom)
+            boundaries, memory_aware = self.split(config, policies, headroom)
+            refined = self.refined_split(config, [policies], boundaries, headroom) if memory_aware else boundaries
+            if refined != boundaries:  # the refinement's closed form leaves out transfers and per-stage sync: price both
+                return min((self.estimate(config, global_batch, recompute_per_layer=recompute_per_layer, boundaries=b,
+                                          headroom=headroom) for b in (boundaries, refined)),
+                           key=lambda estimate: (not estimate.fits, estimate.step_time_s))
         stage_layers: list[list[int]] = [[] for _ in range(config.pp)]
         for chunk in range(config.pp * config.vpp):
             stage_layers[chunk % config.pp].extend(range(boundaries[chunk], boundaries[chunk + 1]))

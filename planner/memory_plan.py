@@ -52,7 +52,8 @@ def refine_recompute(evaluator: Evaluator, config: ParallelConfig, estimate: Est
     if config.recompute == Recompute.NONE:
         return estimate, {"method": "uniform", "status": "not needed"}
     order = per_layer_recompute(evaluator.graph, config)
-    problem = evaluator.stage_problem(config, [uniform_recompute(evaluator, p) for p in order], headroom)
+    policy_sets = [uniform_recompute(evaluator, p) for p in order]
+    problem = evaluator.stage_problem(config, policy_sets, headroom)
     # From the ILP's own capacities, then from capacities calibrated on the uniform policy, which the
     # estimate has priced already.
     uniform = make_split(problem, chunk_boundaries(estimate), np.full(problem.num_layers, order.index(config.recompute)),
@@ -72,12 +73,18 @@ def refine_recompute(evaluator: Evaluator, config: ParallelConfig, estimate: Est
                 break
             chosen = tuple(order[c] if evaluator.graph.layers[i].kind == LayerKind.BLOCK else Recompute.NONE
                            for i, c in enumerate(split.choices))
-            refined = evaluator.estimate(config, global_batch, recompute_per_layer=chosen, boundaries=split.boundaries,
-                                         headroom=headroom)
+            at_split = refined = evaluator.estimate(config, global_batch, recompute_per_layer=chosen, boundaries=split.boundaries,
+                                                    headroom=headroom)
+            # the split refined by where the schedule puts the heavy stages (`planner.stage_polish`), where faster
+            moved = evaluator.refined_split(config, policy_sets, split.boundaries, headroom, split.choices)
+            if moved != split.boundaries:
+                other = evaluator.estimate(config, global_batch, recompute_per_layer=chosen, boundaries=moved, headroom=headroom)
+                if (not other.fits, other.step_time_s) < (not at_split.fits, at_split.step_time_s):
+                    refined = other
             info = {"method": split.method, "status": str(split.status), "gap": split.gap, "solve_time_s": split.solve_time_s}
             if refined.fits and refined.step_time_s < best.step_time_s:
                 best, best_info = refined, {**info, "per_layer": [str(p) for p in chosen]}
-            corrected = _corrected_caps(caps, split.stage_mem_bytes, refined, headroom, config)
+            corrected = _corrected_caps(caps, split.stage_mem_bytes, at_split, headroom, config)
             if np.allclose(corrected, caps, rtol=0.0, atol=1.0):
                 break
             caps = corrected

@@ -19,7 +19,6 @@ from ortools.math_opt.python import mathopt
 
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.milp import SolveStatus, solve_milp
-from planner.stage_polish import refine
 from planner.stage_problem import LAYER_ARRAYS, StageProblem, StageSplit, make_split
 from planner.stages import least_pressure_split, raise_if_no_split_fits, split_dp
 
@@ -87,8 +86,7 @@ def split_ilp(problem: StageProblem, time_limit_s: float = 10.0, rel_gap: float 
     if result.status == SolveStatus.INFEASIBLE:
         raise PlannerError(PlannerErrorKind.INSUFFICIENT_MEMORY, "stage split: the MILP found no split that fits memory")
     boundaries, choices = variables.decode(result.values, runs, problem)
-    return make_split(problem, refine(problem, boundaries, choices), choices, "ilp", result.status, result.gap,
-                      time.perf_counter() - start_s)
+    return make_split(problem, boundaries, choices, "ilp", result.status, result.gap, time.perf_counter() - start_s)
 
 
 def _best_single_choice_split(problem: StageProblem) -> StageSplit | None:

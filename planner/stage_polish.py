@@ -9,10 +9,12 @@ best split puts more layers on the first stages (llama3-8b at 16K tokens on 8 H2
 estimate prices, `costmodel.pipeline.step_time_s`): each round takes the best move of one layer from
 one stage to another (the cut points between them shift by one), among splits whose every stage
 still fits, for at most `POLISH_ROUNDS_PER_STAGE` rounds per stage and `MAX_PRICED_SPLITS` splits
-priced, where the pipeline's fill and drain take at least `MIN_BUBBLE_SHARE` of the step. On 600
-random instances of up to 14 layers and 6 stages (python benchmarks/split_refine.py) the refined
-split's price was within 3% of the brute-force best of the closed form, 0.04% on average (the
-solvers' answer: 13%, 1.3%).
+priced, where the pipeline's fill and drain take at least `MIN_BUBBLE_SHARE` of the step. The
+closed form leaves out transfers and each stage's own gradient sync, so the evaluator prices the
+solver's split and the refined one in full and keeps the faster (`Evaluator.estimate`,
+`memory_plan`). On 600 random instances of up to 14 layers and 6 stages (python
+benchmarks/split_refine.py) the refined split's price was within 3% of the brute-force best of the
+closed form, 0.04% on average (the solvers' answer: 13%, 1.3%).
 """
 from __future__ import annotations
 
@@ -22,9 +24,9 @@ from planner.stage_problem import StageProblem
 
 # Rounds of moves per pipeline stage; each round prices the S (S - 1) moves of S stages.
 POLISH_ROUNDS_PER_STAGE = 1
-# Most splits priced in one refinement (each ~0.1 ms): 10 rounds of 8 stages, 2 of 16 (the search
+# Most splits priced in one refinement (each ~0.1 ms): 5 rounds of 8 stages, 1 of 16 (the search
 # prices its kept candidates' splits so, and they took up to 1,900 on 16 stages unbounded).
-MAX_PRICED_SPLITS = 600
+MAX_PRICED_SPLITS = 300
 # A move must lower the step by more than this share to be taken (float noise is no gain).
 MIN_GAIN = 1e-9
 # Least share of the step the pipeline's fill and drain take (1 - m x the slowest device's time

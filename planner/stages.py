@@ -10,8 +10,7 @@ Problem and result types: `planner.stage_problem`; the MILP with per-layer choic
   (its sum is at least G_min, the unbounded least sum); each DP returns a split of max M, after which
   the bound drops below M; stop when the bound reaches the least possible max. Equal speeds make
   every sum equal, so it ends after two or three O(S L^2) numpy DPs.
-  The answer is then refined by the schedule's own price (`planner.stage_polish`), which sees
-  where the slowest stage sits.
+  Where the slowest stage sits is left to `planner.stage_polish`, which the evaluator runs after.
 * `split_uniform`: equal layer counts, the baseline a user would otherwise write by hand.
 
 Memory feasibility is exact too: the split of least memory pressure (a min-max DP over the segments'
@@ -26,7 +25,6 @@ import numpy as np
 
 from planner.errors import PlannerError, PlannerErrorKind, invalid
 from planner.milp import SolveStatus
-from planner.stage_polish import refine
 from planner.stage_problem import StageProblem, StageSplit, make_split, pipeline_step_time_s, segment_sums
 
 GIB_BYTES = 2**30  # only for rendering error messages
@@ -54,8 +52,7 @@ def split_dp(problem: StageProblem) -> StageSplit:
         return _one_layer_per_stage(problem, choices, start_s)
     fast = _balanced_split_if_it_fits(problem, choices)
     if fast is not None:
-        return make_split(problem, refine(problem, fast, choices), choices, "dp", SolveStatus.OPTIMAL, 0.0,
-                          time.perf_counter() - start_s)
+        return make_split(problem, fast, choices, "dp", SolveStatus.OPTIMAL, 0.0, time.perf_counter() - start_s)
     segment_mem_bytes = problem.segment_mem_bytes(choices)
     raise_if_no_split_fits(problem, segment_mem_bytes)
     segment_time_s = segment_sums(problem.layer_time_s[:, 0][None, :] / problem.stage_speed[:, None])
@@ -76,14 +73,12 @@ def split_dp(problem: StageProblem) -> StageSplit:
         while bound_s > least_max_s and (candidate := _best_split(_below(segment_time_s, bound_s), np.add)) is not None:
             best = min(best, candidate, key=objective_s)
             bound_s = min(float(_segment_values(segment_time_s, candidate).max()), (objective_s(best) - min_sum_s) / (m - 1))
-    return make_split(problem, refine(problem, best, choices), choices, "dp", SolveStatus.OPTIMAL, 0.0,
-                      time.perf_counter() - start_s)
+    return make_split(problem, best, choices, "dp", SolveStatus.OPTIMAL, 0.0, time.perf_counter() - start_s)
 
 
 def split_time_only(problem: StageProblem) -> StageSplit:
-    """`split_dp` with no memory caps and no schedule price: the split that only balances time (a
-    schedule's refinement would load the first stages, which hold the most micro-batches, blind to memory)."""
-    return split_dp(replace(problem, mem_cap_bytes=np.full(problem.num_stages, UNBOUNDED_BYTES), schedule=None))
+    """`split_dp` with no memory caps: the split that only balances time."""
+    return split_dp(replace(problem, mem_cap_bytes=np.full(problem.num_stages, UNBOUNDED_BYTES)))
 
 
 def _balanced_split_if_it_fits(problem: StageProblem, choices: np.ndarray) -> np.ndarray | None:

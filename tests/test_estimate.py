@@ -1357,8 +1357,7 @@ def test_the_default_split_places_its_heavy_stages_where_the_schedule_prices_the
     graph = trace("llama3-8b", seq_len=16384)
     evaluator = Evaluator(graph, load_cluster("h200:8x8"))
     config = ParallelConfig(tp=8, pp=8, micro_batch=1, num_microbatches=8, zero=2, recompute=Recompute.SELECTIVE)
-    problem = evaluator.stage_problem(config, [evaluator.policies(config, None)])
-    blind = split_dp(dataclasses.replace(problem, schedule=None)).boundaries
+    blind = split_dp(evaluator.stage_problem(config, [evaluator.policies(config, None)])).boundaries
     default = evaluator.estimate(config, 8)
     assert default.fits
     assert default.step_time_s < 0.95 * evaluator.estimate(config, 8, boundaries=blind).step_time_s

@@ -21,6 +21,7 @@ from planner.milp import SolveStatus, _c_stdout_silenced
 from planner.stage_ilp import split_ilp
 from planner.stage_problem import StageProblem
 from costmodel.pipeline_sim import simulate
+from planner.stage_polish import refine
 from planner.stages import split_dp, split_uniform
 
 
@@ -357,18 +358,18 @@ def test_the_split_is_refined_by_where_the_schedule_puts_its_heavy_stages():
 
     every = [(0, *cuts, len(times)) for cuts in combinations(range(1, len(times)), 5)]
     best_s = min(simulated_s(b) for b in every)
-    blind = split_dp(dataclasses.replace(problem, schedule=None))
-    refined = split_dp(problem)
-    assert simulated_s(blind.boundaries) == pytest.approx(18.13, abs=0.01)
-    assert simulated_s(refined.boundaries) == pytest.approx(best_s) == pytest.approx(16.25, abs=0.01)
-    assert problem.schedule_step_s(refined.boundaries, choices) == pytest.approx(best_s)
+    blind = split_dp(problem).boundaries
+    refined = refine(problem, blind, choices)
+    assert simulated_s(blind) == pytest.approx(18.13, abs=0.01)
+    assert simulated_s(refined) == pytest.approx(best_s) == pytest.approx(16.25, abs=0.01)
+    assert problem.schedule_step_s(refined, choices) == pytest.approx(best_s)
     # Memory bounds the loading of the first stages, which hold the most micro-batches: with room
     # for 2 layers' states and in-flight activations on each, no stage takes more than 2 layers.
     tight = _llm_problem(times, 6, 6, cap_bytes=14.0)
-    split = split_dp(tight)
-    assert np.all(np.asarray(split.stage_mem_bytes) <= 14.0)
-    assert tight.schedule_step_s(split.boundaries, choices) <= tight.schedule_step_s(
-        split_dp(dataclasses.replace(tight, schedule=None)).boundaries, choices)
+    blind = split_dp(tight).boundaries
+    refined = refine(tight, blind, choices)
+    assert np.all(tight.stage_mem_bytes(refined, choices) <= 14.0)
+    assert tight.schedule_step_s(refined, choices) < tight.schedule_step_s(blind, choices)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -378,9 +379,9 @@ def test_refined_splits_fit_and_never_price_slower_than_the_solvers(blocks, stag
     problem = _llm_problem([0.05] + [1.0] * blocks + [head], stages, stages * factor, cap_bytes=cap)
     choices = np.zeros(problem.num_layers, dtype=int)
     try:
-        blind = split_dp(dataclasses.replace(problem, schedule=None))
+        blind = split_dp(problem).boundaries
     except PlannerError:
         return
-    refined = split_dp(problem)
-    assert np.all(np.asarray(refined.stage_mem_bytes) <= cap)
-    assert problem.schedule_step_s(refined.boundaries, choices) <= problem.schedule_step_s(blind.boundaries, choices) * (1 + 1e-12)
+    refined = refine(problem, blind, choices)
+    assert np.all(problem.stage_mem_bytes(refined, choices) <= cap)
+    assert problem.schedule_step_s(refined, choices) <= problem.schedule_step_s(blind, choices) * (1 + 1e-12)
