@@ -17,7 +17,10 @@ checkpointing" is torchtitan's default op-level policy of the time (`selective_o
 schedule runs 2 stages per rank (torchtitan's default for looped schedules without split points)
 and the local batch splits into one micro-batch per pipeline stage (torchtitan's default of the
 time, `n_microbatches = pp x stages per rank`; the per-micro-batch size setting came in 2025):
-Table 5 runs 8 micro-batches of 4 sequences under 1F1B and 16 of 2 interleaved. The pipeline's
+Table 5 runs 8 micro-batches of 4 sequences under 1F1B and 16 of 2 interleaved. Pipeline stages
+are cut where torchtitan cut them without split points (`generate_split_points` of the time,
+torchtitan/parallelisms/pipelining_utils.py: the first stage base = blocks // stages blocks, the
+middle ones one more while blocks % stages last, the last stage the rest; `torchtitan_split`). The pipeline's
 last stage keeps every micro-batch's output until the step ends (`--pp-outputs kept`): torch's
 `Schedule.step()` did then, and torchtitan's Llama returns fp32 logits (`self.output(h).float()`). torchtitan reports the caching allocator's reserved peak
 (`torch.cuda.memory_stats()["reserved_bytes.all.peak"]`), which counts fragmentation but not the CUDA
@@ -41,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from costmodel.memory import CUDA_CONTEXT_BYTES  # noqa: E402
 from planner.api import evaluate  # noqa: E402
+from planner.graph import LayerKind  # noqa: E402
 from planner.tracing import trace  # noqa: E402
 
 SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @ 31a17bfdb70bab6f62a13d21816a5339b911d6e3"
@@ -92,6 +96,19 @@ ROWS = tuple(Row(*row) for row in (
 ))
 
 
+def torchtitan_split(graph, chunks: int) -> tuple[int, ...]:
+    """The chunk cut points over `graph`'s layers where torchtitan's generate_split_points cut the
+    blocks (the embedding rides with the first chunk, the final norm and output with the last)."""
+    blocks = [index for index, layer in enumerate(graph.layers) if layer.kind == LayerKind.BLOCK]
+    base, extra = divmod(len(blocks), chunks)
+    cuts, current = [], 0
+    for chunk in range(chunks - 1):
+        current += base + (1 if chunk and extra > 0 else 0)
+        extra -= 1 if chunk and extra > 0 else 0
+        cuts.append(blocks[current])
+    return (0, *cuts, len(graph.layers))
+
+
 def evaluate_row(row: Row):
     """The row's configuration priced with the open choices of the module docstring."""
     nodes = max(1, row.gpus // GPUS_PER_NODE)
@@ -99,9 +116,11 @@ def evaluate_row(row: Row):
     config = {"dp": row.dp, "tp": row.tp, "pp": row.pp, "cp": row.cp, "zero": 3, "recompute": row.recompute,
               "schedule": row.schedule, "micro_batch": row.local_batch // (row.pp * vpp), "vpp": vpp}
     dtype = "fp8" if row.float8 else "bf16"
-    return evaluate(trace(row.model, seq_len=row.seq_len, dtype=dtype), f"{DEVICE}:{nodes}x{min(row.gpus, GPUS_PER_NODE)}",
+    graph = trace(row.model, seq_len=row.seq_len, dtype=dtype)
+    return evaluate(graph, f"{DEVICE}:{nodes}x{min(row.gpus, GPUS_PER_NODE)}",
                     config, global_batch=row.global_batch, dtype=dtype, tp_overlap=row.async_tp,
-                    elementwise="fused" if row.compiled else "eager", attention="flash2", pp_outputs="kept")
+                    elementwise="fused" if row.compiled else "eager", attention="flash2", pp_outputs="kept",
+                    boundaries=torchtitan_split(graph, row.pp * vpp) if row.pp > 1 else None)
 
 
 def techniques(row: Row) -> str:

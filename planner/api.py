@@ -93,13 +93,16 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
              dtype: str | None = None, attention: str | None = None, tp_overlap: bool | None = None, loss: str | None = None,
              zero3_fetch: str | None = None, dp_sync: str | None = None, elementwise: str | None = None,
              pp_buffers: str | None = None, cp_comm: str | None = None, sp_gather: str | None = None,
-             pp_outputs: str | None = None) -> Estimate:
+             pp_outputs: str | None = None, boundaries: tuple[int, ...] | None = None) -> Estimate:
     """Predict step time, throughput, MFU and per-stage memory of one configuration.
 
     `model` is as for `plan`. `config` is the degrees a user gives (`make_config`), a ParallelConfig, or a Plan: a plan is
     priced as it was planned, with its stage split and per-layer recompute, and its global batch,
     dtype, sequence length and training code unless given here. The training-code choices are as for
     `plan`; a choice left None is the plan's, else `TrainingCode`'s default (dtype: bf16).
+    `boundaries`, for degrees given: the pipeline split as pp*vpp+1 cut points over the traced graph's
+    layers (`trace(...).layers`; chunk c holds layers [boundaries[c], boundaries[c+1])); by default the
+    memory-aware split, refined by where the schedule puts its heavy stages.
 
     Example::
 
@@ -128,9 +131,23 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
         full = make_config(config, hardware.num_devices, global_batch)
         if not isinstance(config, ParallelConfig):  # degrees a user gives: sequence parallelism where it can run
             full = dataclasses.replace(full, sequence_parallel=sequence_parallel_for(graph.stream_tokens, full.tp, full.cp))
-        return evaluator.estimate(full, global_batch)
+        return evaluator.estimate(full, global_batch, boundaries=_checked_boundaries(boundaries, full, len(graph.layers)))
+    if boundaries is not None:
+        raise invalid("boundaries: a plan is priced at its own split; give the degrees instead of the plan to price another")
     full, boundaries, policies = _planned_choices(planned, graph, global_batch)
     return evaluator.estimate(full, global_batch, boundaries=boundaries, recompute_per_layer=policies)
+
+
+def _checked_boundaries(boundaries, config: ParallelConfig, layers: int) -> tuple[int, ...] | None:
+    """`boundaries` as ints, checked to cut `layers` layers into pp*vpp non-empty chunks; None passes."""
+    if boundaries is None:
+        return None
+    cuts, chunks = tuple(boundaries), config.pp * config.vpp
+    if (len(cuts) != chunks + 1 or any(not isinstance(b, int) or isinstance(b, bool) for b in cuts)
+            or cuts[0] != 0 or cuts[-1] != layers or any(a >= b for a, b in zip(cuts, cuts[1:]))):
+        raise invalid(f"boundaries={list(cuts)}: need pp*vpp+1 = {chunks + 1} increasing integers from 0 to the graph's "
+                      f"{layers} layers (chunk c holds layers boundaries[c] to boundaries[c+1]-1)")
+    return cuts
 
 
 def _planned_choices(planned: Plan, graph: ModelGraph, global_batch: int) -> tuple[ParallelConfig, tuple[int, ...], tuple[Recompute, ...]]:

@@ -314,3 +314,16 @@ def test_interleaved_stages_list_their_chunks(small_graph):
     assert all(nxt[0] == prev[1] + 1 for prev, nxt in zip(order, order[1:]))
     for stage in estimate.stages:
         assert sum(last - first + 1 for first, last in stage.chunks) == len(stage.layer_names)
+
+
+def test_evaluate_prices_a_split_the_user_gives(small_graph):
+    # A run's own pipeline split (torchtitan's cut points, say) priced as given: the stages hold
+    # exactly those layers; a split that is not pp*vpp increasing cuts from 0 to the layers is refused.
+    layers = len(small_graph.layers)
+    est = planner.evaluate(small_graph, "a100-80g:1x4", {"pp": 2, "tp": 1}, global_batch=8, boundaries=(0, 2, layers))
+    assert [(s.first_layer, s.last_layer) for s in est.stages] == [(0, 1), (2, layers - 1)]
+    assert est.step_time_s != planner.evaluate(small_graph, "a100-80g:1x4", {"pp": 2, "tp": 1}, global_batch=8,
+                                               boundaries=(0, layers - 1, layers)).step_time_s
+    for bad in ((0, layers), (0, 3, 2, layers), (1, 2, layers), (0, 2.0, layers)):
+        with pytest.raises(PlannerError, match=r"^boundaries=.*need pp\*vpp\+1 = 3 increasing integers from 0"):
+            planner.evaluate(small_graph, "a100-80g:1x4", {"pp": 2, "tp": 1}, global_batch=8, boundaries=bad)
