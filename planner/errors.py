@@ -32,6 +32,10 @@ class PlannerError(Exception):
         self.kind = kind
         self.message = message
 
+    def __reduce__(self):
+        """Pickled with its kind and message (a sweep's worker processes send errors back)."""
+        return type(self), (self.kind, self.message)
+
     @property
     def exit_code(self) -> int:
         return EXIT_CODES[self.kind]

@@ -289,12 +289,44 @@ def test_a_row_carries_the_estimates_notes():
 
 def test_plan_files_keep_model_names_apart():
     # A built-in name keeps its dots (Path.stem would cut llama3.1-8b and llama3.1-70b both to llama3);
-    # a spec file is named by its stem.
-    names = {model: plan_file_name(SweepPoint(model, "h100-sxm:1x8", 64, 2048))
-             for model in ("llama3.1-8b", "llama3.1-70b", "specs/my-gpt.yaml", "pkg.models:build")}
-    assert len(set(names.values())) == 4
+    # a spec file is named by its stem and a digest of its path (two files named tiny.yaml in two
+    # folders shared one plan file, which held the other model's plan).
+    models = ("llama3.1-8b", "llama3.1-70b", "/a/specs/my-gpt.yaml", "/b/specs/my-gpt.yaml", "pkg.models:build")
+    names = {model: plan_file_name(SweepPoint(model, "h100-sxm:1x8", 64, 2048)) for model in models}
+    assert len(set(names.values())) == 5
     assert names["llama3.1-8b"] == "llama3.1-8b_h100-sxm_1x8_gb64_s2048.json"
-    assert names["specs/my-gpt.yaml"].startswith("my-gpt_h100")
+    assert re.match(r"my-gpt-[0-9a-f]{8}_h100", names["/a/specs/my-gpt.yaml"])
+
+
+def test_a_plan_that_cannot_be_saved_keeps_its_row_and_says_why(tmp_path, monkeypatch):
+    # A plan file that cannot be written (a full disk; here a directory in its place) used to end the
+    # sweep, named --out, and through a worker pool read as a killed worker. The point's results
+    # stand and its notes name --plan-dir; a relative --plan-dir is stored absolute.
+    monkeypatch.chdir(tmp_path)
+    graph = planner.trace("gpt3-125m", seq_len=128)
+    point = SweepPoint("gpt3-125m", "a100-80g:1x8", 64, 128)
+    settings = PlanSettings("bf16", TrainingCode(), {}, "", plan_dir="plans")
+    saved = plan_point(point, graph, load_cluster("a100-80g:1x8"), settings)
+    assert saved["plan_path"] == str(tmp_path / "plans" / plan_file_name(point))
+    other = SweepPoint("gpt3-125m", "a100-80g:1x8", 32, 128)
+    (tmp_path / "plans" / plan_file_name(other)).mkdir()
+    row = plan_point(other, graph, load_cluster("a100-80g:1x8"), settings)
+    assert row["status"] == "ok" and row.get("plan_path") is None
+    assert "--plan-dir: plan not saved to" in row["notes"]
+
+
+def test_planner_errors_cross_process_boundaries():
+    # A sweep's workers send errors back pickled; PlannerError lost its message on the way.
+    import pickle
+    error = pickle.loads(pickle.dumps(PlannerError(PlannerErrorKind.INSUFFICIENT_MEMORY, "needs 9 GiB")))
+    assert (error.kind, error.message, str(error)) == (PlannerErrorKind.INSUFFICIENT_MEMORY, "needs 9 GiB", "needs 9 GiB")
+
+
+def test_a_sweep_file_that_is_not_utf8_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_bytes(b"models: [gpt2]\n# caf\xe9\n")
+    with pytest.raises(PlannerError, match=r"not UTF-8 text \(byte \d+\); save it as UTF-8 YAML"):
+        load_sweep_spec(path)
 
 
 def test_a_point_written_twice_reads_once_as_its_last_row(tmp_path, reference):

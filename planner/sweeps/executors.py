@@ -86,12 +86,16 @@ def plan_point(point: SweepPoint, graph: ModelGraph, cluster: Cluster, settings:
         if price is not None:
             row["usd_per_million_tokens"] = price / SECONDS_PER_HOUR / estimate.tokens_per_s * TOKENS_PER_MILLION
         if settings.plan_dir is not None:
-            path = Path(settings.plan_dir) / plan_file_name(point)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # The point's own model and cluster references (files by absolute path, `planner.sweeps.spec`),
-            # so that `evaluate --plan` finds them again.
-            dataclasses.replace(result, model=point.model, cluster=point.cluster).save(path)
-            row["plan_path"] = str(path)
+            # absolute, as the point's own model and cluster files are (`planner.sweeps.spec`), so that
+            # `evaluate --plan` and a later run from elsewhere find them again
+            path = Path(settings.plan_dir).absolute() / plan_file_name(point)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                dataclasses.replace(result, model=point.model, cluster=point.cluster).save(path)
+                row["plan_path"] = str(path)
+            except (OSError, PlannerError) as error:  # the point's results stand; its plan file is missing
+                reason = error.message if isinstance(error, PlannerError) else error.strerror
+                row["notes"] = "; ".join(filter(None, (row["notes"], f"--plan-dir: plan not saved to {path} ({reason})")))
     row["plan_time_s"] = time.perf_counter() - started
     return row
 
@@ -141,10 +145,13 @@ def _device_label(point: SweepPoint, cluster: Cluster) -> str:
 
 
 def plan_file_name(point: SweepPoint) -> str:
-    """A file name for the plan of `point`: its fields joined (a spec file by its stem; a built-in
+    """A file name for the plan of `point`: its fields joined (a spec file by its stem and a digest of
+    its path; a built-in
     name or factory whole, dots kept: llama3.1-8b and llama3.1-70b stay apart), anything but
     [A-Za-z0-9.-] made '_'."""
-    model = Path(point.model).stem if point.model.lower().endswith(SPEC_SUFFIXES) else point.model
+    model = point.model
+    if model.lower().endswith(SPEC_SUFFIXES):  # a spec file: its stem and its path's digest (a/tiny.yaml, b/tiny.yaml)
+        model = f"{Path(model).stem}-{hashlib.sha1(model.encode()).hexdigest()[:8]}"
     text = f"{model}__{point.cluster}__gb{point.global_batch}__s{point.seq_len}"
     return re.sub(r"[^A-Za-z0-9.-]+", "_", text) + ".json"
 

@@ -156,7 +156,7 @@ def _as_spec(spec: SweepSpec | str | Path | dict) -> SweepSpec:
 def _rows(kind: ExecutorKind, points: list[SweepPoint], tables: Tables, stop: threading.Event, workers: int | None,
           address: str | None) -> Iterator[dict | None]:
     """The rows of `points` from the chosen executor (nothing, without starting one, when there is nothing to do)."""
-    processes = min(workers or os.cpu_count() or 1, len(points))
+    processes = min(workers or len(os.sched_getaffinity(0)), len(points))  # the CPUs this process may use
     if not points or stop.is_set():
         return iter(())
     if kind == ExecutorKind.RAY:

@@ -140,7 +140,11 @@ def sweep_spec_from_dict(data: dict) -> SweepSpec:
 def _file_entries(path: Path) -> dict[str, _Entry]:
     if not path.is_file():
         raise invalid(f"sweep file {path}: not found; check the path")
-    loader = yaml.SafeLoader(path.read_text())
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as error:
+        raise invalid(f"sweep file {path}: not UTF-8 text (byte {error.start}); save it as UTF-8 YAML") from None
+    loader = yaml.SafeLoader(text)
     try:
         root = loader.get_single_node()
         if root is None:
