@@ -605,3 +605,17 @@ def test_ray_tasks_produce_the_same_rows(tmp_path, reference):
         ray.shutdown()
     expected = {point: row for point, row in comparable(reference).items() if point.cluster.endswith(":1x8")}
     assert_same_rows(comparable(read_results(tmp_path / "results.jsonl")), expected)
+
+
+def test_a_point_written_twice_resumes_as_the_report_reads_it(tmp_path, reference):
+    # Two results files joined: a point's later row marks it infeasible. The sweep kept the first
+    # row (and the duplicate) while `paraplan report` read the last: they disagreed on the counts.
+    path = tmp_path / "results.csv"
+    with ResultsFile.open(path) as results:
+        for row in [*reference, dict(reference[0], status="infeasible", reason="joined from another file")]:
+            results.append(row)
+    summary = sweep(GRID, path, workers=1)
+    assert summary.planned == 0 and summary.status_counts.get("infeasible") == 1
+    rows = read_results(path)
+    assert len(rows) == len(reference) == len(path.read_text().splitlines()) - 1
+    assert rows[0]["status"] == "infeasible"

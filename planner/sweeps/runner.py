@@ -218,12 +218,13 @@ def _trace(todo: list[SweepPoint], spec: SweepSpec, settings: PlanSettings, resu
 
 
 def _in_sweep_order(spec: SweepSpec, rows: list[dict]) -> list[dict]:
-    """The rows of the sweep's points, in the sweep's point order (a point's first row wins, but
-    any later row of a point wins over an `error` row of it: the point was planned again)."""
+    """The rows of the sweep's points, in the sweep's point order: a point's last row, as
+    `results.read_results` (and so `paraplan report`) reads it, but an `error` row only where the
+    point has no other (it was planned again)."""
     by_point: dict[SweepPoint, dict] = {}
     for row in rows:
         point = row_point(row)
-        if point not in by_point or by_point[point]["status"] == PointStatus.ERROR:
+        if point not in by_point or row["status"] != PointStatus.ERROR or by_point[point]["status"] == PointStatus.ERROR:
             by_point[point] = row
     return [by_point[point] for point in spec.points if point in by_point]
 
