@@ -45,7 +45,7 @@ from planner.config_check import check_config
 from planner.stage_problem import StageProblem
 from planner.state_cost import (dp_exposed_s, grads_pooled, optimizer_step_s, precision_of, state_options, state_zero,
                                  tied_gradient_sum_s, zero3_exposed_s)
-from planner.stage_polish import refine
+from planner.stage_polish import refine, refines
 from planner.stages import split_dp, split_time_only
 from planner.tp_plan import tp_plan_for
 from planner.training_code import TrainingCode
@@ -281,7 +281,7 @@ class Evaluator:
         """`boundaries` refined by where the schedule puts the heavy stages (`planner.stage_polish`),
         with per-layer `choices` among `policy_sets` (default: the first set); `boundaries` itself
         while `schedule_splits` is off."""
-        if not self.schedule_splits or config.pp == 1:
+        if not self.schedule_splits or not refines(config.pp * config.vpp, config.pp):
             return tuple(boundaries)
         problem = self.stage_problem(config, policy_sets, headroom)
         picked = np.zeros(problem.num_layers, dtype=int) if choices is None else np.asarray(choices)

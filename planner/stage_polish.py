@@ -38,6 +38,11 @@ MIN_BUBBLE_SHARE = 0.05
 MAX_REFINED_STAGES = 16
 
 
+def refines(stages: int, devices: int) -> bool:
+    """Whether `refine` can move anything in a pipeline of `stages` chunks on `devices` devices."""
+    return 1 < stages <= MAX_REFINED_STAGES and devices == stages
+
+
 def refine(problem: StageProblem, boundaries: np.ndarray, choices: np.ndarray) -> np.ndarray:
     """The split reached from `boundaries` by the moves of the module docstring while they lower
     `schedule_step_s`; `boundaries` itself without a schedule price, with one layer per stage, with
@@ -45,8 +50,8 @@ def refine(problem: StageProblem, boundaries: np.ndarray, choices: np.ndarray) -
     where a chunk sits matters less than how its device's chunks add up) or with more than
     `MAX_REFINED_STAGES` stages."""
     boundaries = np.asarray(boundaries, dtype=int)
-    if (not problem.schedule_priced or problem.num_stages in (1, problem.num_layers)
-            or problem.devices != problem.num_stages or problem.num_stages > MAX_REFINED_STAGES):
+    if (not problem.schedule_priced or problem.num_stages == problem.num_layers
+            or not refines(problem.num_stages, problem.devices)):
         return boundaries
 
     def fits(candidate: np.ndarray) -> bool:
