@@ -619,3 +619,15 @@ def test_a_point_written_twice_resumes_as_the_report_reads_it(tmp_path, referenc
     rows = read_results(path)
     assert len(rows) == len(reference) == len(path.read_text().splitlines()) - 1
     assert rows[0]["status"] == "infeasible"
+
+
+def test_progress_goes_to_a_log_as_lines_and_a_resumed_run_says_so(tmp_path, capsys):
+    # Where stderr is not a terminal (a batch job's log) the bar shows nothing; each point planned
+    # is a line there instead, and a run that resumes a results file says how much was done.
+    out = tmp_path / "results.csv"
+    first = sweep({**GRID, "devices": ["a100-80g"]}, out, workers=1, progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split("]")[0] for line in lines if line.startswith("[")] == [f"[{k}/{first.points}" for k in range(1, first.points + 1)]
+    again = sweep(GRID, out, workers=1, progress=True)
+    err = capsys.readouterr().err
+    assert f"resuming {out}: {first.points} of {again.points} points planned before" in err

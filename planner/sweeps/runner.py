@@ -96,7 +96,8 @@ def sweep(spec: SweepSpec | str | Path | dict, out: str | Path, *, workers: int 
         executor: "local" (worker processes) or "ray" (Ray tasks).
         address: the Ray cluster to connect to (default: a Ray already initialised, else a local one).
         plan_dir: a folder to save each found plan to (as JSON; its path goes in `plan_path`).
-        progress: show a progress bar on stderr.
+        progress: show a progress bar on stderr (where stderr is not a terminal, one line per
+            point planned), and say when a run resumes a results file.
 
     Returns:
         The summary; the rows are in `out` (`planner.sweeps.results.read_results`).
@@ -125,12 +126,18 @@ def sweep(spec: SweepSpec | str | Path | dict, out: str | Path, *, workers: int 
         todo = _unfinished(spec, results)
         resumed = len(spec.points) - len(todo)
         task = bar.add_task("tracing", total=len(spec.points), completed=resumed, resumed=resumed)
+        if progress and resumed:
+            bar.console.print(f"resuming {out}: {resumed} of {len(spec.points)} points planned before", markup=False, highlight=False,
+                              soft_wrap=True)
         graphs, plannable = _trace(todo, spec, settings, results, stop.event, bar, task)
         planning_started = time.perf_counter()
         for row in _rows(kind, plannable, (graphs, spec.clusters, settings), stop.event, workers, address):
             if row is not None:
                 results.append(row)
                 bar.update(task, advance=1, description=_describe(row))
+                if progress and not bar.console.is_terminal:  # a log, where no bar can redraw: one line a point
+                    bar.console.print(f"[{int(bar.tasks[0].completed)}/{len(spec.points)}] {_describe(row)}", markup=False,
+                                      highlight=False, soft_wrap=True)
             elif stop.event.is_set():
                 bar.update(task, description="stopping: finishing the running points")
         planning_s = time.perf_counter() - planning_started
