@@ -35,6 +35,7 @@ from planner.no_fit import batch_reason, closest_miss, nothing_fits
 from planner.result import Alternative, Plan
 from planner.config_check import check_config
 from planner.space import Rejection, configs_for, divisors, enumerate_degrees, max_micro_batch, why_no_configs
+from planner.stage_polish import refines
 from planner.stages import split_time_only
 from planner.training_code import TrainingCode
 
@@ -310,7 +311,7 @@ def _with_schedule_splits(evaluator: Evaluator, ranked: list, global_batch: int,
     priced: list[tuple[float, ParallelConfig, object]] = []
     for step_s, config, estimate in ranked:
         threshold_s = sorted(entry[0] for entry in priced)[kept - 1] if len(priced) >= kept else math.inf
-        if config.pp > 1 and step_s - estimate.time_breakdown["pp_bubble_s"] < threshold_s:
+        if refines(config.pp * config.vpp, config.pp) and step_s - estimate.time_breakdown["pp_bubble_s"] < threshold_s:
             estimate = evaluator.estimate(config, global_batch, headroom=headroom)
         priced.append((estimate.step_time_s, config, estimate))
     return sorted(priced, key=lambda entry: (entry[0], entry[2].peak_memory_bytes))
