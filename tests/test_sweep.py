@@ -173,6 +173,8 @@ def test_blocking_state_traffic_is_a_sweep_setting(tmp_path, key, default, zero)
      "sweep.yaml:2: points[0]: seq_len: missing"),
     ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\nconstraints: {zeros: 1}\n",
      "sweep.yaml:5: constraints: zeros: unknown constraint; did you mean zero?"),
+    ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\nconstraints: {top: 3}\n",
+     "sweep.yaml:5: constraints: top: not taken in a sweep"),
     ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\nconstraints: {micro_batch: 0}\n",
      "sweep.yaml:5: constraints: micro_batch=0: must be a positive integer"),
     ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\nconstraints: {schedule: foo}\n",

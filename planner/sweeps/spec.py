@@ -340,6 +340,8 @@ def _constraints(entry: _Entry | None) -> dict:
 
     allowed = sorted((BOUND_KEYS | FIXED_KEYS | OTHER_KEYS) - set(RESERVED_CONSTRAINTS))
     for key in entry.value:
+        if key in RESERVED_CONSTRAINTS:
+            raise invalid(f"{entry.where}: {key}: not taken in a sweep (each point keeps its best plan alone); remove it")
         if key not in allowed:
             near = difflib.get_close_matches(str(key), allowed, n=1)
             raise invalid(f"{entry.where}: {key}: unknown constraint" + (f"; did you mean {near[0]}?" if near else f"; use {', '.join(allowed)}"))
