@@ -259,6 +259,8 @@ class Evaluator:
             num_microbatches=config.num_microbatches, devices=config.pp,
             layer_transient_bytes=column("temp_bytes") + column("held_bytes"), layer_work_bytes=column("work_bytes"),
             layer_fwd_s=column("fwd_s"), schedule=str(config.schedule) if config.pp > 1 and self.schedule_splits else None,
+            layer_tail_s=optimizer_step_s(config, self.precision, per_device[0][0], 1.0) * owned_params(
+                config, per_device[0][1], column("dense_params"), column("expert_params"), column("frozen_params")),
         )
 
     def split(self, config: ParallelConfig, policies: tuple[Recompute, ...], headroom: float = 0.0) -> tuple[tuple[int, ...], bool]:
@@ -401,7 +403,7 @@ class Evaluator:
                             total[COL["bwd_s"]] - shared * total[COL["cp_hidden_bwd_s"]], self.cluster.oversubscription,
                             self.code.dp_sync, frozen, first_gathered, last_reduced)
         expert_group = expert_data_group(config, node).size
-        dense_shard, expert_shard = (config.shard_ranks, expert_group) if config.zero >= 1 else (1, 1)
+        dense_shard = config.shard_ranks if config.zero >= 1 else 1
         breakdown = memory_model.stage_memory(
             params=dense + expert, expert_params=expert, activation_bytes_per_microbatch=total[COL["act_bytes"]],
             in_flight=in_flight, zero=state_zero(config), dense_shard_group=config.shard_ranks, expert_shard_group=expert_group,
@@ -411,6 +413,13 @@ class Evaluator:
             grads_pooled=grads_pooled(config), chunks=config.vpp, comm_buffer_bytes=recv_bytes, frozen_params=frozen,
             buffer_bytes=total[COL["buffer_bytes"]], **state_options(config, self.precision),
         )
-        owned = (dense - frozen) / dense_shard + expert / expert_shard
+        owned = owned_params(config, node, dense, expert, frozen)
         host_bytes = host_state_bytes(owned, frozen / dense_shard) if config.offload_optimizer else 0.0
         return dp_s, optimizer_step_s(config, self.precision, device, owned), breakdown, host_bytes
+
+
+def owned_params(config: ParallelConfig, node: NodeSpec, dense, expert, frozen):
+    """Trainable parameters whose optimizer states one device owns (its ZeRO shards of the dense and
+    expert ones), from the parameters it holds; numbers or per-layer arrays."""
+    dense_shard, expert_shard = (config.shard_ranks, expert_data_group(config, node).size) if config.zero >= 1 else (1, 1)
+    return (dense - frozen) / dense_shard + expert / expert_shard

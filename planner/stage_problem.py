@@ -67,6 +67,8 @@ class StageProblem:
             whose blocks it can reuse); zeros if None.
         layer_fwd_s: the forward part of `layer_time_s`, with `schedule`; None: no schedule price.
         schedule: the pipeline schedule (`costmodel.pipeline.PipeSchedule`) `schedule_step_s` prices.
+        layer_tail_s: seconds each layer adds to its device's work after the pipeline (its share of
+            the optimizer update), of which the step waits for the slowest device's; zeros if None.
     """
 
     layer_time_s: np.ndarray
@@ -83,6 +85,7 @@ class StageProblem:
     layer_work_bytes: np.ndarray | None = None
     layer_fwd_s: np.ndarray | None = None
     schedule: str | None = None
+    layer_tail_s: np.ndarray | None = None
 
     def __post_init__(self):
         if not isinstance(self.num_stages, (int, np.integer)) or self.num_stages < 1:
@@ -93,7 +96,8 @@ class StageProblem:
         for name in ("layer_transient_bytes", "layer_work_bytes"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.zeros_like(time_s))
-        for name in LAYER_ARRAYS + ("layer_fwd_s",) * (self.layer_fwd_s is not None):
+        optional = tuple(name for name in ("layer_fwd_s", "layer_tail_s") if getattr(self, name) is not None)
+        for name in LAYER_ARRAYS + optional:
             value = _per_layer(name, getattr(self, name))
             if value.shape != time_s.shape:
                 raise invalid(
@@ -139,8 +143,8 @@ class StageProblem:
 
     def one_choice(self, choice: int) -> StageProblem:
         """The problem with every layer taking choice `choice`."""
-        fwd = {} if self.layer_fwd_s is None else {"layer_fwd_s": self.layer_fwd_s[:, choice]}
-        return replace(self, **{name: getattr(self, name)[:, choice] for name in LAYER_ARRAYS}, **fwd)
+        optional = {name: getattr(self, name)[:, choice] for name in ("layer_fwd_s", "layer_tail_s") if getattr(self, name) is not None}
+        return replace(self, **{name: getattr(self, name)[:, choice] for name in LAYER_ARRAYS}, **optional)
 
     @property
     def schedule_priced(self) -> bool:
@@ -156,14 +160,19 @@ class StageProblem:
     def schedule_step_s(self, boundaries, choices: np.ndarray) -> float:
         """The schedule's step time of a split (`costmodel.pipeline.step_time_s`, no transfers): each
         device's forward and backward summed over its chunks, so unlike `objective_s` it sees where
-        the slowest stage sits."""
+        the slowest stage sits; then the slowest device's `layer_tail_s`."""
         total_s = self.stage_times_s(boundaries, choices)
         fwd_s = self.stage_times_s(boundaries, choices, self.layer_fwd_s)
         device = np.arange(self.num_stages) % self.devices
         device_fwd_s = np.bincount(device, fwd_s, self.devices)
         device_bwd_s = np.bincount(device, total_s - fwd_s, self.devices)
-        return pipeline.step_time_s(self.schedule, device_fwd_s.tolist(), device_bwd_s.tolist(), self.num_microbatches,
-                                    self.num_stages // self.devices)
+        tail_s = 0.0
+        if self.layer_tail_s is not None:
+            stage_of = np.repeat(np.arange(self.num_stages), np.diff(np.asarray(boundaries)))
+            stage_tail_s = np.bincount(stage_of, self.layer_tail_s[np.arange(self.num_layers), choices], self.num_stages)
+            tail_s = float(np.bincount(device, stage_tail_s, self.devices).max())
+        return tail_s + pipeline.step_time_s(self.schedule, device_fwd_s.tolist(), device_bwd_s.tolist(),
+                                             self.num_microbatches, self.num_stages // self.devices)
 
     def _layer_values(self, choices: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """([S, L] additive bytes of layer l on stage s, [L] transient bytes, [L] recompute working

@@ -385,3 +385,14 @@ def test_refined_splits_fit_and_never_price_slower_than_the_solvers(blocks, stag
     refined = refine(problem, blind, choices)
     assert np.all(problem.stage_mem_bytes(refined, choices) <= cap)
     assert problem.schedule_step_s(refined, choices) <= problem.schedule_step_s(blind, choices) * (1 + 1e-12)
+
+
+def test_refinement_balances_the_optimizer_step_the_step_ends_with():
+    # One micro-batch: every split of four equal layers over two stages pipelines in the same time
+    # (the layers run one after another), but the step then waits for the device with the most
+    # optimizer work (`layer_tail_s`, 1 s a layer): 1 + 3 layers ends 1 s later than 2 + 2.
+    problem = dataclasses.replace(_llm_problem([1.0] * 4, 2, 1), layer_tail_s=np.ones(4))
+    choices = np.zeros(4, dtype=int)
+    assert problem.schedule_step_s((0, 1, 4), choices) == pytest.approx(4.0 + 3.0)
+    assert tuple(refine(problem, (0, 1, 4), choices)) == (0, 2, 4)
+    assert problem.schedule_step_s((0, 2, 4), choices) == pytest.approx(4.0 + 2.0)
