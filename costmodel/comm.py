@@ -22,8 +22,9 @@ by its link's measured factor for the collective (`LinkTier.time_factor`, 1 unle
   except on switches that reduce in the switch (NVLink SHARP on Hopper and later NVSwitch nodes:
   NCCL's NVLS, `LinkTier.nvls_efficiency`): a group of n >= 3 ranks inside one node takes the
   faster of the ring and NVLS, where each rank sends and receives (n+1)/n * S (the switch reduces
-  what every rank sends and multicasts the sums): (n+1)/n * S / (B * nvls_efficiency) + the NVLS latency. Groups across nodes keep the ring or
-  tree (NCCL's NVLS across nodes needs IB SHARP switches, which the profiles do not describe).
+  what every rank sends and multicasts the sums): (n+1)/n * S / (B * nvls_efficiency) + the NVLS
+  latency. Groups across nodes keep the ring or tree (NCCL's NVLS across nodes needs IB SHARP
+  switches, which the profiles do not describe).
 - all-to-all of S bytes per rank (its whole send buffer, own chunk included): one message per peer;
   (r-1)/n of S crosses the intra-node link and (n-r)/n of S leaves through the NICs.
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from pathlib import Path
 
 from costmodel.errors import ProfileError
@@ -143,11 +144,11 @@ def _checked_boundaries(boundaries, config: ParallelConfig, layers: int) -> tupl
     if boundaries is None:
         return None
     cuts, chunks = tuple(boundaries), config.pp * config.vpp
-    if (len(cuts) != chunks + 1 or any(not isinstance(b, int) or isinstance(b, bool) for b in cuts)
+    if (len(cuts) != chunks + 1 or any(not isinstance(b, numbers.Integral) or isinstance(b, bool) for b in cuts)
             or cuts[0] != 0 or cuts[-1] != layers or any(a >= b for a, b in zip(cuts, cuts[1:]))):
         raise invalid(f"boundaries={list(cuts)}: need pp*vpp+1 = {chunks + 1} increasing integers from 0 to the graph's "
                       f"{layers} layers (chunk c holds layers boundaries[c] to boundaries[c+1]-1)")
-    return cuts
+    return tuple(int(b) for b in cuts)
 
 
 def _planned_choices(planned: Plan, graph: ModelGraph, global_batch: int) -> tuple[ParallelConfig, tuple[int, ...], tuple[Recompute, ...]]:

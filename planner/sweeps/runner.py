@@ -163,7 +163,7 @@ def _as_spec(spec: SweepSpec | str | Path | dict) -> SweepSpec:
 def _rows(kind: ExecutorKind, points: list[SweepPoint], tables: Tables, stop: threading.Event, workers: int | None,
           address: str | None) -> Iterator[dict | None]:
     """The rows of `points` from the chosen executor (nothing, without starting one, when there is nothing to do)."""
-    processes = min(workers or len(os.sched_getaffinity(0)), len(points))  # the CPUs this process may use
+    processes = min(workers or _usable_cpus(), len(points))
     if not points or stop.is_set():
         return iter(())
     if kind == ExecutorKind.RAY:
@@ -222,6 +222,11 @@ def _trace(todo: list[SweepPoint], spec: SweepSpec, settings: PlanSettings, resu
                     results.append({**base_row(point, spec.clusters[point.cluster], settings), **failure(error)})
                     bar.advance(task)
     return graphs, [point for point in todo if (point.model, point.seq_len) in graphs]
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (a batch job's share of its node), where the OS says so."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _in_sweep_order(spec: SweepSpec, rows: list[dict]) -> list[dict]:
