@@ -20,8 +20,8 @@ from costmodel.comm import Collective, collective_time_s
 from costmodel.hardware import Cluster
 from planner.config import ParallelConfig, Schedule
 from planner.estimate import COL, Evaluator
-from planner.mesh import expert_data_group, mesh_groups, stage_devices
-from planner.state_cost import dp_exposed_s, grads_pooled, optimizer_step_s
+from planner.mesh import mesh_groups, stage_devices
+from planner.state_cost import dp_exposed_s, grads_pooled, optimizer_step_s, owned_params
 
 # Search effort of `least_slowest_stage_s`: rounds of evenly spaced probes; each round narrows the
 # bracket (at most the largest layer's time) 15-fold, so 3 rounds leave it under 0.03% of that
@@ -149,9 +149,8 @@ def tail_bound_s(evaluator: Evaluator, config: ParallelConfig, bound: WorkBound)
     for (device, node), (_, _, dense, expert, frozen) in zip(evaluator.device_types(config.pp), bound.type_totals):
         exposed_s = dp_exposed_s(config, evaluator.precision, node, mesh_groups(config, node.devices_per_node), dense, expert, fwd_s, bwd_s,
                                  evaluator.cluster.oversubscription, evaluator.code.dp_sync, frozen)
-        dense_shard, expert_shard = (config.shard_ranks, expert_data_group(config, node).size) if config.zero >= 1 else (1, 1)
         floors.append(exposed_s + optimizer_step_s(config, evaluator.precision, device,
-                                                   (dense - frozen) / dense_shard + expert / expert_shard))
+                                                   owned_params(config, node, dense, expert, frozen)))
     return min(floors) / config.pp
 
 

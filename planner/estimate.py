@@ -43,8 +43,8 @@ from planner.pipeline_buffers import chunk_recv_bytes, kept_output_bytes, recv_b
 from planner.result import Estimate, StagePlan, contiguous_runs
 from planner.config_check import check_config
 from planner.stage_problem import StageProblem
-from planner.state_cost import (dp_exposed_s, grads_pooled, optimizer_step_s, precision_of, state_options, state_zero,
-                                 tied_gradient_sum_s, zero3_exposed_s)
+from planner.state_cost import (dp_exposed_s, grads_pooled, optimizer_step_s, owned_params, precision_of, state_options,
+                                 state_zero, tied_gradient_sum_s, zero3_exposed_s)
 from planner.stage_polish import refine, refines
 from planner.stages import split_dp, split_time_only
 from planner.tp_plan import tp_plan_for
@@ -416,10 +416,3 @@ class Evaluator:
         owned = owned_params(config, node, dense, expert, frozen)
         host_bytes = host_state_bytes(owned, frozen / dense_shard) if config.offload_optimizer else 0.0
         return dp_s, optimizer_step_s(config, self.precision, device, owned), breakdown, host_bytes
-
-
-def owned_params(config: ParallelConfig, node: NodeSpec, dense, expert, frozen):
-    """Trainable parameters whose optimizer states one device owns (its ZeRO shards of the dense and
-    expert ones), from the parameters it holds; numbers or per-layer arrays."""
-    dense_shard, expert_shard = (config.shard_ranks, expert_data_group(config, node).size) if config.zero >= 1 else (1, 1)
-    return (dense - frozen) / dense_shard + expert / expert_shard

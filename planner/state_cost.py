@@ -277,6 +277,13 @@ def optimizer_step_s(config: ParallelConfig, precision: Precision, device: Devic
     return owned_params * precision.optimizer_step_bytes / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
 
 
+def owned_params(config: ParallelConfig, node: NodeSpec, dense, expert, frozen):
+    """Trainable parameters whose optimizer states one device owns (its ZeRO shards of the dense and
+    expert ones), from the parameters it holds; numbers or per-layer arrays."""
+    dense_shard, expert_shard = (config.shard_ranks, expert_data_group(config, node).size) if config.zero >= 1 else (1, 1)
+    return (dense - frozen) / dense_shard + expert / expert_shard
+
+
 def state_collective_s(kind: Collective, bytes_per_param: float, dense: float, expert: float, dense_group: CommGroup,
                        expert_group: CommGroup, node: NodeSpec, oversubscription: float) -> float:
     """One collective over the dense parameters' group and one over the experts' group (none for
