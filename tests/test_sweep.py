@@ -324,6 +324,11 @@ def test_planner_errors_cross_process_boundaries():
     assert (error.kind, error.message, str(error)) == (PlannerErrorKind.INSUFFICIENT_MEMORY, "needs 9 GiB", "needs 9 GiB")
 
 
+def test_a_directory_given_as_the_sweep_file_is_named_so(tmp_path):
+    with pytest.raises(PlannerError, match=r"sweep file .*: is a directory; give the sweep's YAML file"):
+        load_sweep_spec(tmp_path)
+
+
 def test_a_sweep_file_that_is_not_utf8_is_refused_in_one_line(tmp_path):
     path = tmp_path / "sweep.yaml"
     path.write_bytes(b"models: [gpt2]\n# caf\xe9\n")

@@ -138,6 +138,8 @@ def sweep_spec_from_dict(data: dict) -> SweepSpec:
 
 
 def _file_entries(path: Path) -> dict[str, _Entry]:
+    if path.is_dir():
+        raise invalid(f"sweep file {path}: is a directory; give the sweep's YAML file")
     if not path.is_file():
         raise invalid(f"sweep file {path}: not found; check the path")
     try:
