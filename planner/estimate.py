@@ -34,7 +34,7 @@ from costmodel.offload import host_state_bytes
 from costmodel.op_table import OpTable
 from costmodel.profile_files import load_op_table
 from planner.config import TRAINING_DTYPES, ParallelConfig
-from planner.errors import PlannerError, invalid
+from planner.errors import invalid
 from planner.estimate_assembly import assemble_estimate
 from planner.graph import LayerKind, ModelGraph, Recompute
 from planner.layer_cost import LayerContext, LayerCost, price_layer
@@ -42,11 +42,10 @@ from planner.mesh import cp_shares_shard_links, expert_data_group, mesh_groups, 
 from planner.pipeline_buffers import chunk_recv_bytes, kept_output_bytes, recv_buffer_bytes
 from planner.result import Estimate, StagePlan, contiguous_runs
 from planner.config_check import check_config
+from planner.default_split import default_splits
 from planner.stage_problem import StageProblem
 from planner.state_cost import (dp_exposed_s, grads_pooled, optimizer_step_s, owned_params, precision_of, state_options,
                                  state_zero, tied_gradient_sum_s, zero3_exposed_s)
-from planner.stage_polish import refine, refines
-from planner.stages import split_dp, split_time_only
 from planner.tp_plan import tp_plan_for
 from planner.training_code import TrainingCode
 
@@ -263,32 +262,6 @@ class Evaluator:
                 config, per_device[0][1], column("dense_params"), column("expert_params"), column("frozen_params")),
         )
 
-    def split(self, config: ParallelConfig, policies: tuple[Recompute, ...], headroom: float = 0.0) -> tuple[tuple[int, ...], bool]:
-        """Layer cut points of the pp*vpp pipeline chunks from the exact memory-aware DP.
-
-        Returns:
-            (boundaries, memory_aware): memory_aware is False when no split fits and the split
-            returned only balances time.
-        """
-        if config.pp * config.vpp == 1:
-            return (0, len(self.graph.layers)), True
-        problem = self.stage_problem(config, [policies], headroom)
-        try:
-            return split_dp(problem).boundaries, True
-        except PlannerError:
-            return split_time_only(problem).boundaries, False
-
-    def refined_split(self, config: ParallelConfig, policy_sets: list[tuple[Recompute, ...]], boundaries: tuple[int, ...],
-                      headroom: float = 0.0, choices: tuple[int, ...] | None = None) -> tuple[int, ...]:
-        """`boundaries` refined by where the schedule puts the heavy stages (`planner.stage_polish`),
-        with per-layer `choices` among `policy_sets` (default: the first set); `boundaries` itself
-        while `schedule_splits` is off."""
-        if not self.schedule_splits or not refines(config.pp * config.vpp, config.pp):
-            return tuple(boundaries)
-        problem = self.stage_problem(config, policy_sets, headroom)
-        picked = np.zeros(problem.num_layers, dtype=int) if choices is None else np.asarray(choices)
-        return tuple(int(b) for b in refine(problem, np.asarray(boundaries), picked))
-
     def estimate(
         self,
         config: ParallelConfig,
@@ -304,7 +277,8 @@ class Evaluator:
             config: the parallel configuration (validated against the model and cluster).
             global_batch: sequences per optimizer step.
             recompute_per_layer: a recompute policy per layer overriding `config.recompute`.
-            boundaries: pp*vpp+1 layer cut points; the exact memory-aware split when None.
+            boundaries: pp*vpp+1 layer cut points; when None, the exact memory-aware split or its
+                refinement by the schedule, the faster (`planner.default_split`).
             headroom: fraction of each device's memory to keep free.
 
         Raises:
@@ -315,12 +289,12 @@ class Evaluator:
         per_device = self.stage_devices(config.pp)
         policies = self.policies(config, recompute_per_layer)
         if boundaries is None:
-            boundaries, memory_aware = self.split(config, policies, headroom)
-            refined = self.refined_split(config, [policies], boundaries, headroom) if memory_aware else boundaries
-            if refined != boundaries:  # the refinement's closed form leaves out transfers and per-stage sync: price both
+            splits = default_splits(self, config, policies, headroom)
+            if len(splits) > 1:  # the solver's and the refined: priced in full, the faster kept
                 return min((self.estimate(config, global_batch, recompute_per_layer=recompute_per_layer, boundaries=b,
-                                          headroom=headroom) for b in (boundaries, refined)),
+                                          headroom=headroom) for b in splits),
                            key=lambda estimate: (not estimate.fits, estimate.step_time_s))
+            boundaries = splits[0]
         stage_layers: list[list[int]] = [[] for _ in range(config.pp)]
         for chunk in range(config.pp * config.vpp):
             stage_layers[chunk % config.pp].extend(range(boundaries[chunk], boundaries[chunk + 1]))

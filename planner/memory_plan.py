@@ -22,6 +22,7 @@ import numpy as np
 
 from costmodel.memory import ALLOCATOR_FRAGMENTATION_FRACTION
 from planner.config import ParallelConfig
+from planner.default_split import refined_split
 from planner.errors import PlannerError
 from planner.estimate import Evaluator
 from planner.graph import LayerKind, Recompute
@@ -76,7 +77,7 @@ def refine_recompute(evaluator: Evaluator, config: ParallelConfig, estimate: Est
             at_split = refined = evaluator.estimate(config, global_batch, recompute_per_layer=chosen, boundaries=split.boundaries,
                                                     headroom=headroom)
             # the split refined by where the schedule puts the heavy stages (`planner.stage_polish`), where faster
-            moved = evaluator.refined_split(config, policy_sets, split.boundaries, headroom, split.choices)
+            moved = refined_split(evaluator, config, policy_sets, split.boundaries, headroom, split.choices)
             if moved != split.boundaries:
                 other = evaluator.estimate(config, global_batch, recompute_per_layer=chosen, boundaries=moved, headroom=headroom)
                 if (not other.fits, other.step_time_s) < (not at_split.fits, at_split.step_time_s):

@@ -309,11 +309,13 @@ def _with_schedule_splits(evaluator: Evaluator, ranked: list, global_batch: int,
     as `evaluate` prices them, in order. The first `kept` are; a later one only where its step
     without its pipeline bubble, all a refined split can save, beats the `kept`-th so priced."""
     priced: list[tuple[float, ParallelConfig, object]] = []
+    times: list[float] = []  # of `priced`, ascending
     for step_s, config, estimate in ranked:
-        threshold_s = sorted(entry[0] for entry in priced)[kept - 1] if len(priced) >= kept else math.inf
+        threshold_s = times[kept - 1] if len(times) >= kept else math.inf
         if refines(config.pp * config.vpp, config.pp) and step_s - estimate.time_breakdown["pp_bubble_s"] < threshold_s:
             estimate = evaluator.estimate(config, global_batch, headroom=headroom)
         priced.append((estimate.step_time_s, config, estimate))
+        bisect.insort(times, estimate.step_time_s)
     return sorted(priced, key=lambda entry: (entry[0], entry[2].peak_memory_bytes))
 
 

@@ -20,6 +20,7 @@ from costmodel.memory import ALLOCATOR_FRAGMENTATION_FRACTION, CUDA_CONTEXT_BYTE
 from costmodel.profile_loader import load_cluster
 from planner.api import evaluate
 from planner.config import ParallelConfig, Schedule
+from planner.default_split import solver_split
 from planner.errors import PlannerError
 from planner.estimate import COL, Evaluator
 from planner.mesh import axis_group, mesh_groups, stage_devices
@@ -748,7 +749,7 @@ def test_zero3_never_gathers_more_than_the_stage_holds():
     evaluator = Evaluator(graph, load_cluster("h100-sxm:2x8"))
     configs = [ParallelConfig(dp=1, tp=2, pp=8, vpp=2, schedule=Schedule.INTERLEAVED, micro_batch=2, num_microbatches=8,
                               zero=zero, recompute=Recompute.FULL) for zero in (2, 3)]
-    boundaries = evaluator.split(configs[0], evaluator.policies(configs[0]))[0]
+    boundaries = solver_split(evaluator, configs[0], evaluator.policies(configs[0]))[0]
     zero2, zero3 = (evaluator.estimate(config, 16, boundaries=boundaries).memory for config in configs)
     assert all(z3["weights_bytes"] <= z2["weights_bytes"] for z2, z3 in zip(zero2, zero3))
     assert all(z3["total_bytes"] <= z2["total_bytes"] for z2, z3 in zip(zero2, zero3))

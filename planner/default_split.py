@@ -1,0 +1,54 @@
+"""Which pipeline split a configuration is priced at when none is given.
+
+The exact memory-aware DP's split (`planner.stages.split_dp`; where no split fits, the one that only
+balances time), and that split refined by where the schedule puts the heavy stages
+(`planner.stage_polish`), which the evaluator prices in full beside it (`Evaluator.estimate`,
+`planner.memory_plan`): the refinement's closed form leaves out transfers and per-stage sync.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from planner.config import ParallelConfig
+from planner.errors import PlannerError
+from planner.graph import Recompute
+from planner.stage_polish import refine, refines
+from planner.stages import split_dp, split_time_only
+
+
+def solver_split(evaluator, config: ParallelConfig, policies: tuple[Recompute, ...],
+                 headroom: float = 0.0) -> tuple[tuple[int, ...], bool]:
+    """Layer cut points of the pp*vpp pipeline chunks of `config` from the exact memory-aware DP
+    under `evaluator` (a `planner.estimate.Evaluator`).
+
+    Returns:
+        (boundaries, memory_aware): memory_aware is False when no split fits and the split
+        returned only balances time.
+    """
+    if config.pp * config.vpp == 1:
+        return (0, len(evaluator.graph.layers)), True
+    problem = evaluator.stage_problem(config, [policies], headroom)
+    try:
+        return split_dp(problem).boundaries, True
+    except PlannerError:
+        return split_time_only(problem).boundaries, False
+
+
+def refined_split(evaluator, config: ParallelConfig, policy_sets: list[tuple[Recompute, ...]], boundaries: tuple[int, ...],
+                  headroom: float = 0.0, choices: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """`boundaries` refined by where the schedule puts the heavy stages, with per-layer `choices`
+    among `policy_sets` (default: the first set); `boundaries` itself while the evaluator's
+    `schedule_splits` is off or refinement can move nothing."""
+    if not evaluator.schedule_splits or not refines(config.pp * config.vpp, config.pp):
+        return tuple(boundaries)
+    problem = evaluator.stage_problem(config, policy_sets, headroom)
+    picked = np.zeros(problem.num_layers, dtype=int) if choices is None else np.asarray(choices)
+    return tuple(int(b) for b in refine(problem, np.asarray(boundaries), picked))
+
+
+def default_splits(evaluator, config: ParallelConfig, policies: tuple[Recompute, ...],
+                   headroom: float = 0.0) -> tuple[tuple[int, ...], ...]:
+    """The splits `config` is priced at when none is given: the solver's, and its refinement where it differs."""
+    boundaries, memory_aware = solver_split(evaluator, config, policies, headroom)
+    refined = refined_split(evaluator, config, [policies], boundaries, headroom) if memory_aware else boundaries
+    return (boundaries,) if refined == boundaries else (boundaries, refined)
