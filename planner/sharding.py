@@ -185,7 +185,7 @@ def solve_layout(
             fastest layout holding no more (what tensor parallelism is for: Megatron-LM shards every
             large weight, the embedding by vocabulary); otherwise time alone decides.
         pins: module FQN -> the placements it may take (a head tied to an embedding must split the
-            shared weight as the embedding does).
+            shared weight as the embedding does; Plan.apply runs some modules outside the blocks whole).
         time_limit_s: solver wall-clock limit.
         rel_gap: relative gap at which the solver stops.
 
@@ -303,10 +303,11 @@ def _add_module_tie_constraints(model: mathopt.Model, choose: dict, graph: Strat
 
 def _add_pin_constraints(model: mathopt.Model, choose: dict, graph: StrategyGraph,
                          pins: Mapping[str, frozenset[Placement]]) -> None:
-    """Ops of a pinned module take only its allowed placements."""
+    """Ops of a pinned module take only its allowed placements; its parameter-free ops (a container's
+    own sums and reshapes) only when it is pinned whole."""
     for name, op in graph.ops.items():
         allowed = pins.get(op.fqn)
-        if allowed is None or not op.param_shapes:
+        if allowed is None or (not op.param_shapes and allowed != {Placement.REPLICATE}):
             continue
         for s, strategy in enumerate(graph.strategies[name]):
             if strategy.placement not in allowed:

@@ -15,6 +15,7 @@ import math
 from costmodel.comm import Collective, collective_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
 from planner.graph import EXPERTS_MODULE, Layer, LayerKind, ModelGraph, Op, OpKind
+from planner.apply_pins import apply_pins
 from planner.layer_cost import TpPlan, op_time_s
 from planner.mesh import axis_group
 from planner.sharding import Layout, solve_layout
@@ -33,7 +34,8 @@ def solve_layer_layout(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec
     Args:
         shard_params: hold the fewest parameters per device first (the planner's layouts); False
             lets time alone decide.
-        pins: placements allowed to modules sharing a weight with an earlier layer (`tied_pins`).
+        pins: placements allowed to modules sharing a weight with an earlier layer (`tied_pins`) or
+            run whole by Plan.apply (`planner.apply_pins`).
         boundary, input_bytes: the layout and bytes of the activation entering the layer, when the
             layers around it fix them (`stream_boundary`).
         sequence_parallel: offer S(sequence) layouts (`planner.config.sequence_parallel_for`).
@@ -56,6 +58,8 @@ def layout_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype:
     """`solve_layer_layout` of `layer` (a layer of `graph`), kept in `cache` by layer signature (the
     caller's cache lives as long as its device profiles, so a device name is a safe key)."""
     pins = tied_pins(graph, layer, tp, device, node, dtype, cache, sequence_parallel)
+    for fqn, allowed in apply_pins(graph, layer).items():
+        pins[fqn] = pins.get(fqn, allowed) & allowed
     boundary, input_bytes = stream_boundary(graph, layer, tp, device, node, dtype, cache, sequence_parallel)
     key = (layer.signature or layer.name, tp, device.name, node.devices_per_node, dtype, tuple(sorted(pins.items())),
            boundary, input_bytes, sequence_parallel)

@@ -91,6 +91,9 @@ SPECS = {
                  f"vocab: {VOCAB}\nmax_seq_len: {SEQ_LEN}\n",
     "moe": f"arch: moe\nlayers: 2\nhidden: 128\nheads: 4\nkv_heads: 2\nffn_hidden: 256\nvocab: {VOCAB}\n"
            f"max_seq_len: {SEQ_LEN}\nexperts: 4\ntop_k: 2\nmoe_ffn_hidden: 128\nshared_experts: 1\n",
+    # BERT: a container embedding (token, position and segment embeddings, a norm) and a masked-LM
+    # head (a transform, a norm and the decoder tied to the token embedding), which Plan.apply runs whole.
+    "bert": f"arch: bert\nlayers: 2\nhidden: 64\nheads: 4\nvocab: {VOCAB}\nmax_seq_len: {SEQ_LEN}\n",
     # A vision transformer on IMAGE_SIZE images of 8 x 8 patches: 16 patches and the class token, 17
     # tokens, which tp 2 does not split by sequence.
     "vit": f"arch: vit\nlayers: 2\nhidden: 64\nheads: 4\nffn_hidden: 128\nimage_size: {IMAGE_SIZE}\npatch_size: 8\nclasses: 10\n",
@@ -116,7 +119,7 @@ def _build(spec_path: str) -> torch.nn.Module:
     model = resolve_model(spec_path).build(seq_len=SEQ_LEN)
     for fqn in FROZEN.get(Path(spec_path).stem, ("", ()))[1]:
         model.get_submodule(fqn).requires_grad_(False)
-    if spec_path not in LOGITS_MODELS and any(model.head.weight is p for p in model.embed.parameters()):
+    if spec_path not in LOGITS_MODELS and any(getattr(model.head, "weight", None) is p for p in model.embed.parameters()):
         # Tied to the head, nn.Embedding's N(0, 1) rows make each token's own logit dominate, and the
         # zoo's loss targets the input tokens: the loss starts near 0 and nothing trains. GPT-2's
         # initialisation scale keeps the tied cases learning.
@@ -342,9 +345,9 @@ def _memory_pressure_plan(spec: Path, tmp: Path) -> Plan:
 
 @pytest.fixture(scope="module")
 def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
-    gpt, mixed, llama, moe, tied, tied_odd, mqa, gpt_frozen, moe_frozen = (
+    gpt, mixed, llama, moe, tied, tied_odd, mqa, gpt_frozen, moe_frozen, bert = (
         spec_dir / f"{name}.yaml" for name in ("gpt", "gpt-mixed", "llama", "moe", "gpt-tied", "gpt-tied-odd", "llama-mqa",
-                                               "gpt-frozen", "moe-frozen-experts"))
+                                               "gpt-frozen", "moe-frozen-experts", "bert"))
     sp_plan = _plan(gpt, "cpu:1x2", tp=2, pp=1)
     mqa_plan = _plan(mqa, "cpu:1x2", tp=2, pp=1)  # key/value projections colwise, gathered
     all_blocks = [f"layers.{i}" for i in range(4)]
@@ -380,6 +383,7 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("tied_tp", _plan(tied, "cpu:1x2", tp=2, pp=1), tied),
         ("tied_odd_vocab_tp", _plan(tied_odd, "cpu:1x2", tp=2, pp=1), tied_odd),
         ("tied_pp", _plan(tied, "cpu:1x2", pp=2, tp=1, schedule="1f1b", micro_batch=2), tied),
+        ("bert_tp", _plan(bert, "cpu:1x2", tp=2, pp=1), bert),
         ("moe_tp", _plan(moe, "cpu:1x2", tp=2, pp=1), moe),
         ("cp", _plan(gpt, "cpu:1x2", cp=2, dp=1, tp=1, pp=1), gpt),
         ("llama_cp", _plan(llama, "cpu:1x2", cp=2, dp=1, tp=1, pp=1), llama),
@@ -584,22 +588,31 @@ def test_plan_apply_refuses_what_it_would_run_wrongly(monkeypatch, factory, cons
     check_applicable(plain, resolve_model(model).build(seq_len=SEQ_LEN))
 
 
-def test_tensor_parallel_layouts_inside_bert_s_embedding_and_tied_head_are_refused_in_one_line(tmp_path):
-    # BERT's embedding norm and its masked-LM head (a transform, a norm and the decoder, which
-    # Plan.apply runs whole) hold what the plan may split: the decoder, tied to the vocabulary-split
-    # embedding, mixed a split weight with whole tensors at the first step. Both are refused before
-    # any process-group work, naming the fix.
-    spec = tmp_path / "bert.yaml"
-    spec.write_text(f"arch: bert\nlayers: 2\nhidden: 64\nheads: 4\nvocab: 128\nmax_seq_len: {SEQ_LEN}\n")
-    plan = planner.plan(str(spec), "cpu:1x2", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32", tp=2)
+def test_bert_under_tensor_parallelism_is_planned_as_plan_apply_runs_it_and_trains_alike(trained):
+    # Plan.apply splits BERT's embeddings but runs the rest of its embedding container (the norm, the
+    # sums) and its masked-LM head (a container) whole; the decoder is tied to the token embedding,
+    # so that embedding stays whole too. The plan prices exactly that, and it trains as one process does.
+    plan = trained["bert_tp"][0]
+    assert plan.layouts["embed.norm"] == plan.layouts["embed.tok"] == "replicate"
+    assert {plan.layouts[f"head.{name}"] for name in ("transform", "norm", "decoder")} == {"replicate"}
+    assert plan.layouts["layers.0.attn.q_proj"] == "colwise"  # the blocks are split
+    _check(trained["bert_tp"])
+
+
+def test_tensor_parallel_layouts_plan_apply_cannot_run_in_bert_are_refused_in_one_line(trained):
+    # A plan edited (or made by another tool) to split what Plan.apply runs whole is refused before
+    # any process-group work, naming the fix: a sequence-parallel norm inside the embedding container,
+    # and a token embedding split by vocabulary with its tied decoder laid out alike, which the
+    # whole-running head would not split (that mixed a split weight with whole tensors at the first step).
+    plan, spec, _ = trained["bert_tp"]
     model = resolve_model(str(spec)).build(seq_len=SEQ_LEN)
-    assert plan.layouts["embed.norm"] == "sequence" and plan.layouts["embed.tok"] != "replicate"
+    norm_split = dataclasses.replace(plan, layouts={**plan.layouts, "embed.norm": "sequence"})
     with pytest.raises(PlannerError, match=r"^layout embed.norm: .* inside the input embedding .*; plan with --tp 1"):
-        check_applicable(plan, model)
-    norm_whole = dataclasses.replace(plan, layouts={**plan.layouts, "embed.norm": "replicate"})
+        check_applicable(norm_split, model)
+    tok_split = dataclasses.replace(plan, layouts={**plan.layouts, "embed.tok": "rowwise", "head.decoder": "colwise"})
     with pytest.raises(PlannerError, match=r"^layout embed.tok: the plan splits a weight the output head head "
                                            r"\(MaskedLMHead\) shares, and Plan.apply runs that head whole; plan with --tp 1"):
-        check_applicable(norm_whole, model)
+        check_applicable(tok_split, model)
 
 
 def test_a_mixed_precision_plan_applied_without_a_policy_warns(spec_dir):

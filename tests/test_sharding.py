@@ -15,10 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from planner.apply_pins import apply_pins
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.graph import Op, OpKind
 from planner.milp import SolveStatus
 from planner.sharding import ParamBudget, solve_layout
+from planner.tracing import trace
 from planner.tp_strategies import BOUNDARY, Collective, Placement, TensorLayout, op_strategies
 
 PEAK_FLOPS_PER_S = 400e12
@@ -405,3 +407,26 @@ def test_invalid_inputs_name_the_field():
         solve_layout(ops + ops[:1], 2, roofline_compute_s, ring_comm_s(2))
     with pytest.raises(PlannerError, match="boundary"):
         solve_layout(ops, 2, roofline_compute_s, ring_comm_s(2), sequence_parallel=False, boundary=Q)
+
+
+@pytest.mark.parametrize("spec, whole", [
+    # BERT: the embedding container's norm and sums run whole, its embeddings split; the masked-LM
+    # head is a container (run whole), and the token embedding is tied to its decoder.
+    ("arch: bert\nlayers: 2\nhidden: 64\nheads: 4\nvocab: 128\nmax_seq_len: 32\n",
+     {"embed", "embed.norm", "embed.tok", "head.transform", "head.act", "head.norm", "head.decoder"}),
+    # GPT: token plus position embeddings summed in the container; the head is one Linear (tied or not).
+    ("arch: gpt\nlayers: 2\nhidden: 64\nheads: 4\nvocab: 128\nmax_seq_len: 32\ntie_embeddings: true\n", {"embed"}),
+    ("arch: llama\nlayers: 2\nhidden: 64\nheads: 4\nffn_hidden: 128\nvocab: 128\nmax_seq_len: 32\n", set()),
+    # A ViT's patch projection before the blocks runs whole; its pooling head is one Linear.
+    ("arch: vit\nlayers: 2\nhidden: 64\nheads: 4\nffn_hidden: 128\nimage_size: 32\npatch_size: 8\nclasses: 10\n",
+     {"embed", "embed.proj"}),
+])
+def test_modules_plan_apply_runs_whole_are_pinned_whole(tmp_path, spec, whole):
+    # Outside the blocks Plan.apply splits only the input embedding's embeddings and Linear children
+    # and a head that is one module; the layout ILP is pinned to that, blocks are left free.
+    path = tmp_path / "model.yaml"
+    path.write_text(spec)
+    graph = trace(str(path), seq_len=None if "vit" in spec else 32)
+    pins = {fqn: allowed for layer in graph.layers for fqn, allowed in apply_pins(graph, layer).items()}
+    assert set(pins) == whole
+    assert all(allowed == {Placement.REPLICATE} for allowed in pins.values())
