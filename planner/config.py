@@ -55,7 +55,9 @@ class ParallelConfig:
     """Degrees, micro-batching, ZeRO stage, recompute policy and pipeline schedule.
 
     `dp * tp * pp * cp` equals the device count; expert parallelism `ep` lives inside `dp * cp`
-    (experts are sharded over ep ranks of the data-parallel group). `vpp` is the number of virtual
+    (experts are sharded over ep ranks of the data-parallel group, each expert split over tp), or
+    folds tp in (Megatron-Core's MoE parallel folding: `ep` is tp times a divisor of `dp * cp`, its
+    groups consecutive ranks across tp, each expert whole on its rank; `ep_folds_tp`). `vpp` is the number of virtual
     pipeline chunks per device (interleaved schedule only). `micro_batch` is sequences per
     micro-batch per data-parallel rank and `num_microbatches` how many of them one step runs.
     `offload_optimizer` keeps the fp32 master weights and Adam moments in host memory and runs the
@@ -92,9 +94,10 @@ class ParallelConfig:
             if value not in _VALUES[kind]:
                 raise invalid(f"{name}={value!r}: use one of {', '.join(str(member) for member in kind)}")
             object.__setattr__(self, name, kind(value))
-        if (self.dp * self.cp) % self.ep:
+        if (self.dp * self.cp) % self.ep_over_data:
             raise invalid(f"ep={self.ep}: must divide dp*cp={self.dp * self.cp} (experts are sharded inside the data-parallel "
-                          f"group); use an ep dividing {self.dp * self.cp}")
+                          f"group) or be tp={self.tp} times a divisor of it (tp folded into the expert groups); use an ep "
+                          f"dividing {self.dp * self.cp}")
         if self.dp % self.dp_replicate:
             raise invalid(f"dp_replicate={self.dp_replicate}: must divide dp={self.dp} (the replicas split the data-parallel ranks)")
         if self.dp_replicate > 1 and self.zero == 0:
@@ -146,6 +149,20 @@ class ParallelConfig:
     @property
     def ep_enabled(self) -> bool:
         return self.ep > 1
+
+    @property
+    def ep_folds_tp(self) -> bool:
+        """Whether the expert groups take in the tp ranks (ep does not divide dp * cp but tp times a
+        divisor of it does): Megatron-Core's MoE parallel folding with expert tensor parallelism 1."""
+        return self.tp > 1 and (self.dp * self.cp) % self.ep != 0 and self.ep % self.tp == 0
+
+    @property
+    def ep_over_data(self) -> int:
+        """How many ways the experts split over the dp * cp ranks: `ep`, or `ep / tp` where ep folds
+        tp in. Folded or not, a rank holds `1 / (ep_over_data * tp)` of the expert weights and does
+        that share of their work (folded: ep / tp times the experts, each whole, on a tp-th of the
+        tokens)."""
+        return self.ep // self.tp if self.ep_folds_tp else self.ep
 
     def to_dict(self) -> dict:
         out = asdict(self)

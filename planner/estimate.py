@@ -46,7 +46,7 @@ from planner.default_split import default_splits
 from planner.stage_problem import StageProblem
 from planner.state_cost import (dp_exposed_s, grads_pooled, optimizer_step_s, owned_params, precision_of, state_options,
                                  state_zero, tied_gradient_sum_s, zero3_exposed_s)
-from planner.tp_plan import tp_plan_for
+from planner.tp_plan import folded_expert_plan, tp_plan_for
 from planner.training_code import TrainingCode
 
 # Memory cap of a chunk with no room left (positive, as StageProblem requires): no layer fits under it.
@@ -125,8 +125,8 @@ class Evaluator:
 
     def layer_cost(self, index: int, config: ParallelConfig, device: DeviceSpec, node: NodeSpec, recompute: Recompute) -> LayerCost:
         layer = self.graph.layers[index]
-        key = (layer.signature or layer.name, node, config.tp, config.cp, config.ep, config.micro_batch, recompute,
-               config.sequence_parallel)
+        key = (layer.signature or layer.name, node, config.tp, config.cp, config.ep, config.ep_folds_tp, config.micro_batch,
+               recompute, config.sequence_parallel)
         cost = self._layer_cache.get(key)
         if cost is None:
             groups = mesh_groups(config, node.devices_per_node)
@@ -139,6 +139,8 @@ class Evaluator:
                 tp_overlap=self.code.tp_overlap, loss=self.code.loss, elementwise=self.code.elementwise,
                 cp_comm=self.code.cp_comm, sp_gather=self.code.sp_gather, oversubscription=self.cluster.oversubscription)
             plan = tp_plan_for(layer, config.tp, device, node, ctx.dtype, self.layout_cache, self.graph, config.sequence_parallel)
+            if config.ep_folds_tp:
+                plan = folded_expert_plan(plan, layer, self.graph.dims.experts)
             cost = price_layer(layer, plan, ctx)
             self._layer_cache[key] = cost
         return cost
@@ -172,7 +174,7 @@ class Evaluator:
         """`layer_table` for reading only its time, parameter-count and output-size columns, which depend on
         dp and the ZeRO stage only through ZeRO-3's parameter gathers, and on pp only through the stage copies
         of tied weights: configs differing only there share one table (memory columns of the first)."""
-        key = (node, config.tp, config.cp, config.ep, config.micro_batch,
+        key = (node, config.tp, config.cp, config.ep, config.ep_folds_tp, config.micro_batch,
                config.sequence_parallel, policies, (config.dp, config.dp_replicate) if config.zero == 3 else None, config.pp > 1)
         table = self._time_cache.get(key)
         if table is None:
@@ -201,7 +203,7 @@ class Evaluator:
         whole = (tp_plan_for(layer, config.tp, device, node, self.dtype_for(device), self.layout_cache, self.graph,
                              config.sequence_parallel).whole_params if config.tp > 1 and layer.ops else 0)  # `TpPlan.whole_params`
         dense = (shared + min(whole, shared) * (config.tp - 1)) / config.tp
-        expert = layer.expert_params / (config.ep * config.tp)
+        expert = layer.expert_params / (config.ep_over_data * config.tp)
         frozen = layer.frozen_params / config.tp
         gathered = config.zero == 3 and config.pp > 1  # all, at a pipelined backward's end (`stage_memory`)
         zero = state_zero(config)

@@ -45,8 +45,19 @@ def assemble_estimate(graph: ModelGraph, num_devices: int, dtype: str, config: P
         config=config,
         pipeline_p2p_s=hops_s,
         notes=(graph.notes + graph.recompute_notes(config.recompute) + _substituted_dtype_note(memory, dtype)
-               + _unchecked_host_note(memory) + _partial_round_note(config) + _tp_across_nodes_note(config, stages)),
+               + _unchecked_host_note(memory) + _partial_round_note(config) + _tp_across_nodes_note(config, stages)
+               + _folded_experts_note(config)),
     )
+
+
+def _folded_experts_note(config: ParallelConfig) -> tuple[str, ...]:
+    """A note when ep folds tp into the expert groups (`planner.tp_plan.folded_expert_plan`)."""
+    if not config.ep_folds_tp:
+        return ()
+    return (f"ep={config.ep} folds tp={config.tp} into the expert groups (Megatron-Core's parallel folding, each expert "
+            f"whole on its rank): priced with the same expert weights and work per rank as ep={config.ep_over_data} with "
+            f"experts split over tp, the all-to-all over {config.ep} consecutive ranks and no tensor-parallel collectives "
+            f"in the routing and experts; Plan.apply does not build it",)
 
 
 def _tp_across_nodes_note(config: ParallelConfig, stages: list[PricedStage]) -> tuple[str, ...]:

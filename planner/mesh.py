@@ -52,17 +52,17 @@ class MeshGroups:
 
 def mesh_groups(config: ParallelConfig, devices_per_node: int) -> MeshGroups:
     """Communication groups of every axis of `config` on nodes of `devices_per_node` devices."""
-    return _mesh_groups(config.tp, config.cp, config.dp, config.ep, config.dp_replicate, devices_per_node)
+    return _mesh_groups(config.tp, config.cp, config.dp, config.ep, config.dp_replicate, devices_per_node, config.ep_folds_tp)
 
 
 @functools.lru_cache(maxsize=MESH_GROUPS_CACHE_SIZE)
-def _mesh_groups(tp: int, cp: int, dp: int, ep: int, replicas: int, devices_per_node: int) -> MeshGroups:
+def _mesh_groups(tp: int, cp: int, dp: int, ep: int, replicas: int, devices_per_node: int, ep_folds_tp: bool) -> MeshGroups:
     shard = dp * cp // replicas
     return MeshGroups(
         tp=axis_group(tp, 1, devices_per_node),
         cp=axis_group(cp, tp, devices_per_node),
         dp=axis_group(dp, tp * cp, devices_per_node),
-        ep=axis_group(ep, tp, devices_per_node),
+        ep=axis_group(ep, 1 if ep_folds_tp else tp, devices_per_node),  # folded over tp: consecutive ranks
         pp=axis_group(2, tp * cp * dp, devices_per_node),
         shard=axis_group(shard, tp, devices_per_node),
         replicate=axis_group(replicas, tp * shard, devices_per_node),
@@ -71,9 +71,10 @@ def _mesh_groups(tp: int, cp: int, dp: int, ep: int, replicas: int, devices_per_
 
 def expert_data_group(config: ParallelConfig, node: NodeSpec) -> CommGroup:
     """The group that shares the same experts and shards their ZeRO states: dp*cp/ep ranks, ep*tp
-    apart; under hybrid sharding (ep 1) a replica's shard group, as for the dense states."""
-    return axis_group(max(1, config.dp * config.cp // (config.ep * config.dp_replicate)), config.tp * config.ep,
-                      node.devices_per_node)
+    apart (ep folded over tp: dp*cp*tp/ep ranks, ep apart); under hybrid sharding (ep 1) a replica's
+    shard group, as for the dense states."""
+    split = config.ep_over_data
+    return axis_group(max(1, config.dp * config.cp // (split * config.dp_replicate)), config.tp * split, node.devices_per_node)
 
 
 def stage_devices(cluster: Cluster, pp: int) -> list[tuple[DeviceSpec, NodeSpec]]:

@@ -166,7 +166,7 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict, gl
                 dp = devices // (tp * cp * pp)
                 if dp not in dp_options:
                     continue
-                for ep in _ep_options(graph, dp * cp, constraints, space):
+                for ep in _ep_options(graph, dp * cp, tp, constraints, space):
                     space.degrees.append((dp, tp, pp, cp, ep))
     if not space.degrees:
         raise no_degrees_error(space, constraints)
@@ -190,9 +190,11 @@ def _stages_on_one_device_type(cluster: Cluster, pp: int, space: Space) -> bool:
     return True
 
 
-def _ep_options(graph: ModelGraph, data_ranks: int, constraints: dict, space: Space) -> list[int]:
+def _ep_options(graph: ModelGraph, data_ranks: int, tp: int, constraints: dict, space: Space) -> list[int]:
     """Expert-parallel degrees dividing the experts and `data_ranks` (dp x cp): ep groups inside the
-    flattened data-parallel axes, as Megatron-Core and `Plan.apply` build them."""
+    flattened data-parallel axes, as Megatron-Core and `Plan.apply` build them; and a fixed ep that
+    folds tp in (tp times a divisor of dp x cp: Megatron-Core's parallel folding, which the search
+    does not offer on its own since Plan.apply does not build it)."""
     experts = graph.dims.experts
     if not experts:
         return _fixed(constraints, "ep", [1], space, "expert parallelism", ": the model has no experts")
@@ -204,7 +206,10 @@ def _ep_options(graph: ModelGraph, data_ranks: int, constraints: dict, space: Sp
     rejection = Rejection(f"ep={fixed}", f"does not divide the {experts} experts")
     if fixed and experts % fixed and rejection not in space.rejected:
         space.rejected.append(rejection)
-    return _fixed(constraints, "ep", [e for e in divisors(data_ranks) if experts % e == 0], space, "expert parallelism",
+    options = [e for e in divisors(data_ranks) if experts % e == 0]
+    if fixed and fixed not in options and not experts % fixed and tp > 1 and not fixed % tp and not data_ranks % (fixed // tp):
+        options.append(fixed)
+    return _fixed(constraints, "ep", options, space, "expert parallelism",
                   f" ({experts} experts; ep divides them and dp x cp)", f" with dp x cp={data_ranks}")
 
 

@@ -10,6 +10,7 @@ on the tp group inside one node (tp is innermost on the mesh).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from costmodel.comm import Collective, collective_time_s
@@ -122,6 +123,27 @@ def tp_plan_for(layer: Layer, tp: int, device: DeviceSpec, node: NodeSpec, dtype
         collectives=tuple((Collective(str(call.kind)), call.bytes, own.get(call.producer, call.producer)) for call in layout.collectives),
         whole_params=whole_params(layer, layout),
     )
+
+
+def folded_expert_plan(plan: TpPlan, layer: Layer, experts: int) -> TpPlan:
+    """`plan` with ep folded over tp (`ParallelConfig.ep_folds_tp`): the MoE module's tokens stay split
+    by sequence and reach their `experts` through the all-to-all alone, so the tensor-parallel
+    collectives of its routing (the module's own ops and its router, the Linear scoring every expert)
+    and of its experts do not run (their work per rank is unchanged); a shared expert beside them
+    keeps its tensor parallelism."""
+    roots = set()
+    for op in layer.ops:
+        parts = op.fqn.split(".")
+        if EXPERTS_MODULE in parts:
+            roots.add(".".join(parts[:parts.index(EXPERTS_MODULE)]))
+
+    def routing(op: Op) -> bool:
+        parent = op.fqn.rpartition(".")[0]
+        return (op.fqn in roots or any(op.fqn.startswith(f"{root}.{EXPERTS_MODULE}") for root in roots)
+                or (parent in roots and op.kind == OpKind.MATMUL and op.attrs.get("out_features") == experts))
+
+    inside = {op.name for op in layer.ops if routing(op)}
+    return dataclasses.replace(plan, collectives=tuple(call for call in plan.collectives if call[2] not in inside))
 
 
 def whole_params(layer: Layer, layout: Layout) -> int:

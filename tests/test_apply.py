@@ -615,6 +615,22 @@ def test_tensor_parallel_layouts_plan_apply_cannot_run_in_bert_are_refused_in_on
         check_applicable(tok_split, model)
 
 
+def test_expert_groups_folded_over_tp_are_planned_when_asked_and_refused_by_plan_apply(spec_dir, monkeypatch):
+    # ep=4 on dp=2 x tp=2 folds the tp ranks into the expert groups (Megatron-Core's parallel
+    # folding): the planner prices it when the user fixes ep, never offers it on its own (Plan.apply
+    # builds expert groups inside dp*cp), and Plan.apply refuses it before any process-group work.
+    spec = spec_dir / "moe.yaml"
+    folded = _plan(spec, "cpu:1x4", tp=2, dp=2, pp=1, ep=4, zero=0)
+    assert folded.config.ep_folds_tp and folded.config.ep == 4
+    searched = _plan(spec, "cpu:1x4", tp=2, pp=1)
+    assert not searched.config.ep_folds_tp
+    assert all(not alt.config.ep_folds_tp for alt in searched.alternatives)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(PlannerError, match=r"^ep=4: the expert groups fold tp=2 in .*; plan with an ep dividing 2 to apply it$"):
+        folded.apply(_build(str(spec)))
+    assert not dist.is_initialized()
+
+
 def test_a_mixed_precision_plan_applied_without_a_policy_warns(spec_dir):
     # planner.plan prices bf16 by default; Plan.apply keeps the model's dtype unless given a
     # mixed-precision policy, which the plan's estimate assumed: the run is told so.

@@ -33,7 +33,7 @@ from planner.stages import split_dp
 from planner.state_cost import BLOCKING_FETCH_BYTES_PER_S, tied_gradient_sum_s
 from planner.tracing import trace
 from planner.training_code import TrainingCode
-from planner.tp_plan import layouts_for, tp_plan_for
+from planner.tp_plan import folded_expert_plan, layouts_for, tp_plan_for
 
 GIB = 2**30
 MIXED_ADAM = STATE_BYTES_PER_PARAM[Optimizer.ADAM_MIXED]  # 2 + 2 + 12 bytes per parameter
@@ -654,6 +654,35 @@ def test_tensor_parallelism_splits_the_expert_projections(tiny_moe):
     assert len(experts) == 3
     plan = tp_plan_for(block, 2, device, node, "bf16", evaluator.layout_cache, evaluator.graph)
     assert {op.name for op in experts} <= plan.split_ops
+
+
+def test_expert_parallelism_folded_over_tp_holds_and_works_as_its_unfolded_twin(tiny_moe):
+    # tp=2, dp=4: ep=8 does not divide dp, but is tp x 4: the expert groups fold the tp ranks in
+    # (Megatron-Core's parallel folding), each of the 8 experts whole on one rank. A rank holds the
+    # same expert weights as ep=4 with each expert split over tp=2 (E/8 of them), does the same
+    # expert work, shards the experts' states over dp*tp/ep = 1 rank as ep=4 does over dp/ep = 1,
+    # and exchanges the same bytes per rank (its tokens, split by sequence) with 8 consecutive ranks
+    # instead of 4 ranks tp apart; what it saves are the tensor-parallel collectives of routing and
+    # experts, so only the attention's remain.
+    folded, twin = ParallelConfig(dp=4, tp=2, ep=8, micro_batch=2, zero=1), ParallelConfig(dp=4, tp=2, ep=4, micro_batch=2, zero=1)
+    assert folded.ep_folds_tp and folded.ep_over_data == 4 and not twin.ep_folds_tp
+    assert mesh_groups(folded, 8).ep == axis_group(8, 1, 8) and mesh_groups(twin, 8).ep == axis_group(4, 2, 8)
+    evaluator = Evaluator(tiny_moe, load_cluster("a100-80g:1x8"))
+    estimates = {config.ep: evaluator.estimate(config, 8) for config in (folded, twin)}
+    for field in ("weights_bytes", "grads_bytes", "optimizer_bytes"):
+        assert estimates[8].memory[0][field] == pytest.approx(estimates[4].memory[0][field], rel=1e-12)
+    assert estimates[8].time_breakdown["compute_s"] == pytest.approx(estimates[4].time_breakdown["compute_s"], rel=1e-12)
+    block = tiny_moe.blocks[0]
+    device, node = stage_devices(evaluator.cluster, 1)[0]
+    plan = tp_plan_for(block, 2, device, node, "bf16", evaluator.layout_cache, tiny_moe)
+    kept = folded_expert_plan(plan, block, tiny_moe.dims.experts).collectives
+    fqn = {op.name: op.fqn for op in block.ops}
+    assert kept and {fqn[producer].split(".")[-2] for _, _, producer in kept} <= {"layers", "attn"}
+    assert len(kept) < len(plan.collectives)
+    assert 0 < estimates[8].time_breakdown["tp_comm_s"] < estimates[4].time_breakdown["tp_comm_s"]
+    assert any("folds tp=2 into the expert groups" in note for note in estimates[8].notes)
+    with pytest.raises(PlannerError, match=r"ep=6: must divide dp\*cp=4 .* or be tp=2 times a divisor of it"):
+        ParallelConfig(dp=4, tp=2, ep=6)
 
 
 @pytest.mark.parametrize("zero", [0, 1])

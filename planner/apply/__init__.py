@@ -252,6 +252,10 @@ def check_applicable(plan: Plan, model: nn.Module) -> tuple[ModelMatch, TensorPa
             raise unsupported(f"schedule=zb: the first pipeline stage ({first_chunk[0]}..{first_chunk[-1]}) is frozen whole, so "
                               f"the next stage's input takes no gradient and torch's split backward gives its weights none; "
                               f"plan with --schedule 1f1b, or with a trainable layer in the first stage")
+    if config.ep_folds_tp:
+        raise unsupported(f"ep={config.ep}: the expert groups fold tp={config.tp} in (Megatron-Core's parallel folding), "
+                          f"which Plan.apply does not build (its expert groups lie inside dp*cp={config.dp * config.cp}); "
+                          f"plan with an ep dividing {config.dp * config.cp} to apply it")
     if config.ep > 1 and not any(isinstance(module, GroupedLinear) for module in model.modules()):
         raise unsupported(f"ep={config.ep}: Plan.apply splits experts held as the zoo's GroupedLinear, and this model has "
                           f"none (every rank would keep every expert); plan with --ep 1 to apply it")
