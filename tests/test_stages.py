@@ -20,6 +20,7 @@ from planner.errors import PlannerError, PlannerErrorKind
 from planner.milp import SolveStatus, _c_stdout_silenced
 from planner.stage_ilp import split_ilp
 from planner.stage_problem import StageProblem
+from costmodel import pipeline
 from costmodel.pipeline_sim import simulate
 from planner.stage_polish import refine
 from planner.stages import split_dp, split_uniform
@@ -396,3 +397,54 @@ def test_refinement_balances_the_optimizer_step_the_step_ends_with():
     assert problem.schedule_step_s((0, 1, 4), choices) == pytest.approx(4.0 + 3.0)
     assert tuple(refine(problem, (0, 1, 4), choices)) == (0, 2, 4)
     assert problem.schedule_step_s((0, 2, 4), choices) == pytest.approx(4.0 + 2.0)
+
+
+def _interleaved_problem(layers: int, devices: int, vpp: int, microbatches: int, cap_bytes: float = 1e9) -> StageProblem:
+    """`layers` equal layers (1 s, forward a third; 1 byte of states and 1 of activations each) in
+    devices x vpp chunks of an interleaved schedule, chunk c on device c % devices."""
+    times = np.ones(layers)
+    chunks = devices * vpp
+    return StageProblem(layer_time_s=times, layer_static_bytes=np.ones(layers), layer_act_bytes=np.ones(layers),
+                        num_stages=chunks, in_flight=np.ones(chunks), mem_cap_bytes=np.full(chunks, cap_bytes),
+                        stage_speed=np.ones(chunks), num_microbatches=microbatches, devices=devices,
+                        layer_fwd_s=times / 3, schedule="interleaved")
+
+
+def test_an_interleaved_split_is_refined_to_even_the_devices_sums_of_chunks():
+    # 26 equal layers in 12 chunks on 4 devices: a chunk holds 3 layers at most in any split the
+    # chunk-balancing solvers consider best (26 > 2 x 12), so they may hand one device all the
+    # 3-layer chunks: here device 3 holds all three and 9 layers against 5-6 elsewhere. The devices'
+    # sums are what the interleaved schedule runs: shifting cut points by one layer evens them to at
+    # most 7 layers a device (26 / 4), each chunk still holding a layer.
+    problem = _interleaved_problem(26, 4, 3, 8)
+    choices = np.zeros(26, dtype=int)
+    piled = np.cumsum([0, 2, 2, 2, 3, 2, 2, 2, 3, 2, 1, 2, 3])
+    assert piled[-1] == 26 and len(piled) == 13
+
+    def layers_per_device(boundaries) -> np.ndarray:
+        return np.bincount(np.arange(12) % 4, np.diff(boundaries), 4)
+
+    assert list(layers_per_device(piled)) == [6, 5, 6, 9]
+    refined = refine(problem, piled, choices)
+    assert max(layers_per_device(refined)) == 7 and np.all(np.diff(refined) >= 1)
+    # The price follows the busiest device, 7 layers for 8 micro-batches, plus the fill: within 6%
+    # of the best arrangement of 7, 7, 6, 6 layers (a descent by single shifts stops on a plateau).
+    best_s = pipeline.step_time_s("interleaved", [7 / 3, 7 / 3, 2, 2], [14 / 3, 14 / 3, 4, 4], 8, 3)
+    assert best_s <= problem.schedule_step_s(refined, choices) <= 1.065 * best_s
+    assert problem.schedule_step_s(piled, choices) > 1.3 * best_s
+
+
+def test_an_interleaved_refinement_keeps_each_device_under_its_memory():
+    # Device 0 keeps 3 micro-batches' activations (4 bytes a layer), the others 1 (2 bytes a layer);
+    # each chunk's cap is a third of its device's 24 bytes. A chunk may take more than that share
+    # where the device's other chunks take less (device 0's third chunk holds 3 layers, 12 bytes),
+    # but device 0 holds at most 6 layers, so it cannot take the 7th an even split of 26 layers
+    # would give one device.
+    problem = dataclasses.replace(_interleaved_problem(26, 4, 3, 8, cap_bytes=8.0), in_flight=np.array([3.0, 1, 1, 1] * 3))
+    choices = np.zeros(26, dtype=int)
+    piled = np.cumsum([0, 1, 2, 2, 3, 2, 2, 2, 3, 3, 1, 2, 3])
+    assert problem.stage_mem_bytes(piled, choices)[8] == 12.0
+    refined = refine(problem, piled, choices)
+    device_bytes = np.bincount(np.arange(12) % 4, problem.stage_mem_bytes(refined, choices), 4)
+    assert np.all(device_bytes <= 24.0) and device_bytes[0] == 24.0
+    assert problem.schedule_step_s(refined, choices) < 0.9 * problem.schedule_step_s(piled, choices)
