@@ -42,6 +42,7 @@ from planner.graph import EXPERTS_MODULE, Layer, LayerKind, ModelDims, ModelGrap
 from planner.head_attrs import KEY_VALUE_HEAD_ATTRS, QUERY_HEAD_ATTRS, head_count
 from planner.graph_layers import graph_layers
 from planner.layering import Grouping, tied_modules
+from planner.lm_loss import with_language_model_loss
 from planner.models import NO_SEQUENCE_SEQ_LEN, resolve_model
 from planner.module_layers import module_layers
 from planner.source import ModelSource
@@ -122,7 +123,7 @@ def _trace_cached(key: ModelSource | str | nn.Module | ModelSpec, seq_len: int, 
         if seq_len > source.learned_positions > 0:
             notes.append(f"{source.name}'s learned position table of {source.learned_positions} positions is extended to "
                          f"{seq_len} (its weights included): no longer the published model")
-        model = _on_meta(model, notes)
+        model = with_language_model_loss(_on_meta(model, notes), inputs, notes)
         grouping = Grouping.of(model)
         method, layers = _capture_and_measure(source, model, inputs, grouping, seq_len,
                                               micro_batch, notes)

@@ -597,3 +597,38 @@ def test_a_factorys_mixture_of_experts_is_planned_with_expert_parallelism_as_its
                      for source in (graph, trace(parse_spec(TINY_MOE_SPEC, "tiny-moe"), seq_len=64)))
     assert factory.step_time_s == pytest.approx(spec.step_time_s, rel=1e-9) and factory.time_breakdown["ep_comm_s"] > 0
     assert planner.plan(graph, "a100-80g:1x2", global_batch=8, ep=2).config.ep == 2
+
+
+class _DictLMWithLoss(nn.Module):
+    """`DictLM` computing in its forward the loss a training step adds to its logits."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.fixtures.custom_models import DictLM
+        self.lm = DictLM()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.lm(tokens).flatten(0, 1).float(), tokens.flatten())
+
+
+def test_a_model_returning_logits_is_priced_with_the_loss_its_training_step_adds():
+    # The last stage of a model returning logits over its vocabulary still runs the loss, in the
+    # training code: cross-entropy over the logits cast to fp32 keeps an fp32 copy and its softmax.
+    # It is measured as the same model computing that loss in its forward (modules, names and
+    # parameters unchanged); a model computing its loss, or returning hidden states, is not changed.
+    from tests.fixtures.custom_models import DictLM
+    torch.manual_seed(0)
+    logits_graph = trace(DictLM(), seq_len=32)
+    loss_graph = trace(_DictLMWithLoss(), seq_len=32)
+    head, reference = logits_graph.layers[-1], loss_graph.layers[-1]
+    assert [op.kind for op in head.ops if op.kind == OpKind.LOSS] == [OpKind.LOSS]
+    assert head.saved_bytes == reference.saved_bytes and head.fwd_flops == reference.fwd_flops
+    # fp32 logits (32 tokens x 256 x 4 bytes) are kept for the backward, beyond the head's input
+    assert head.saved_bytes[Recompute.NONE] >= 32 * 256 * 4
+    assert [layer.fqns for layer in logits_graph.layers] == [tuple(f.removeprefix("lm.") for f in layer.fqns)
+                                                            for layer in loss_graph.layers]
+    assert logits_graph.params == loss_graph.params
+    assert any("returns logits over its 256-token vocabulary" in note for note in logits_graph.notes)
+    assert not any("returns logits" in note for note in loss_graph.notes)
+    hidden = nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 64))
+    assert not any(op.kind == OpKind.LOSS for layer in trace(hidden, seq_len=32).layers for op in layer.ops)
