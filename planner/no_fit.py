@@ -83,8 +83,15 @@ def _lever(evaluator: Evaluator, label: str, variant: ParallelConfig, need_bytes
         check_config(evaluator.graph, evaluator.cluster, variant, global_batch, evaluator.code.cp_comm)
     except PlannerError:
         return label
-    peak_bytes = evaluator.estimate(variant, global_batch, headroom=headroom).peak_memory_bytes
-    return _verdict(label, "the closest", peak_bytes, need_bytes, usable_bytes)
+    estimate = evaluator.estimate(variant, global_batch, headroom=headroom)
+    verdict = _verdict(label, "the closest", estimate.peak_memory_bytes, need_bytes, usable_bytes)
+    over = [row for row in estimate.memory if row["host_capacity_bytes"] and row["host_bytes"] > row["host_capacity_bytes"]]
+    if verdict is None or not over:
+        return verdict
+    row = max(over, key=lambda r: r["host_bytes"] / r["host_capacity_bytes"])
+    devices = math.ceil(evaluator.cluster.num_devices * row["host_bytes"] / row["host_capacity_bytes"])
+    return (f"{verdict[:-1]}, but its offloaded states then need {row['host_bytes'] / GIB:.1f} GiB of host memory per "
+            f"device of {row['host_capacity_bytes'] / GIB:.1f} GiB: with nodes of more host memory or about {devices}+ devices)")
 
 
 def _verdict(label: str, what: str, peak_bytes: float, need_bytes: float, usable_bytes: float) -> str | None:

@@ -372,6 +372,23 @@ def test_nothing_fits_names_the_priced_peak_of_the_closest_miss():
     assert f"of 22.1 GiB ({usable_gib:.1f} GiB under the 30% headroom)" in error.value.message
 
 
+def test_the_offload_remedy_says_when_the_host_memory_would_not_hold_the_states():
+    # gpt3-1.3b on one a10g with offload held back: offloading makes the closest miss fit the device,
+    # but with 8 GiB of host memory per device its 1.3 B parameters' states (16 bytes each) do not
+    # fit there, so the remedy names the host memory it needs and the devices that would share it.
+    graph = planner.trace("gpt3-1.3b", seq_len=2048)
+    cluster = {"groups": [{"device": "a10g", "nodes": 1, "devices_per_node": 1, "host_mem_bytes": 8 * 2**30}]}
+    with pytest.raises(PlannerError) as error:
+        planner.plan(graph, cluster, global_batch=8, allow_offload=False, micro_batch=2)
+    found = re.search(r"allowing optimizer offload \(the closest then fits at [\d.]+ GiB, but its offloaded states then "
+                      r"need ([\d.]+) GiB of host memory per device of 8.0 GiB: with nodes of more host memory or "
+                      r"about (\d+)\+ devices\)", error.value.message)
+    assert found, error.value.message
+    host_gib = float(found.group(1))
+    assert host_gib == pytest.approx(16 * graph.params / 2**30, rel=0.01)
+    assert int(found.group(2)) == math.ceil(host_gib / 8.0)
+
+
 def test_nothing_fits_suggests_only_what_the_closest_miss_lacks():
     # gpt3-13b on two a100-40g with ZeRO fixed at 0: the remedies name ZeRO-3.
     graph = planner.trace("gpt3-13b", seq_len=1024)
