@@ -6,7 +6,11 @@ absolute percentage error (MAPE) of throughput per group and over the goal group
 predicted peak memory over the device's capacity: every row ran, so a row over 100% is a memory
 prediction proven too high.
 
-Usage: python benchmarks/published.py [--all-groups] [--csv out.csv]
+With `--contract-flags` each row is priced with only the command-line contract's options (degrees,
+micro-batch, ZeRO, recompute, dtype, cluster), the training code's kernels and overlap at their
+defaults: what a caller that knows nothing of the row's software gets.
+
+Usage: python benchmarks/published.py [--all-groups] [--contract-flags] [--csv out.csv]
 """
 from __future__ import annotations
 
@@ -26,14 +30,16 @@ from planner.tracing import trace  # noqa: E402
 from planner.zoo.spec import parse_spec  # noqa: E402
 
 
-def evaluate_row(row: Row) -> Estimate:
-    """The row's own configuration priced (open choices filled by FILL_RULES); PlannerError if it cannot be."""
+def evaluate_row(row: Row, contract_flags: bool = False) -> Estimate:
+    """The row's own configuration priced (open choices filled by FILL_RULES); PlannerError if it cannot be.
+    `contract_flags`: the training software's options (FILL_RULES attention .. sp_gather) left at their defaults."""
     source = resolve_model(parse_spec(row.spec, f"{row.id}.yaml"))
     graph = trace(source, seq_len=row.seq_len)
+    software = {} if contract_flags else dict(
+        attention=row.attention, tp_overlap=row.tp_overlap, loss=row.loss, zero3_fetch=row.zero3_fetch,
+        dp_sync=row.dp_sync, pp_buffers=row.pp_buffers, sp_gather=row.sp_gather)
     for config in fitting_configs(row):
-        est = evaluate(graph, row.cluster_spec(), config, global_batch=row.global_batch, attention=row.attention,
-                       tp_overlap=row.tp_overlap, dtype=row.dtype, loss=row.loss, zero3_fetch=row.zero3_fetch,
-                       dp_sync=row.dp_sync, pp_buffers=row.pp_buffers, sp_gather=row.sp_gather)
+        est = evaluate(graph, row.cluster_spec(), config, global_batch=row.global_batch, dtype=row.dtype, **software)
         if est.fits:
             break
     return est
@@ -47,6 +53,8 @@ def throughput_error(row: Row, est: Estimate) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--all-groups", action="store_true", help="also rows outside the goal groups")
+    parser.add_argument("--contract-flags", action="store_true",
+                        help="price with the contract's options only, the software's kernels and overlap at their defaults")
     parser.add_argument("--csv", help="write the per-row table here")
     args = parser.parse_args()
     rows, skipped = load_rows(None if args.all_groups else GOAL_GROUPS)
@@ -56,7 +64,7 @@ def main() -> None:
     over_capacity = []
     for row in rows:
         try:
-            est = evaluate_row(row)
+            est = evaluate_row(row, args.contract_flags)
         except PlannerError as error:
             print(f"{row.id:58s} skipped: {error.message}")
             continue
