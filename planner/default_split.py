@@ -13,13 +13,14 @@ from planner.config import ParallelConfig
 from planner.errors import PlannerError
 from planner.graph import Recompute
 from planner.stage_polish import refine, refines
+from planner.stage_problem import StageProblem
 from planner.stages import split_dp, split_time_only
 
 
 def solver_split(evaluator, config: ParallelConfig, policies: tuple[Recompute, ...],
-                 headroom: float = 0.0) -> tuple[tuple[int, ...], bool]:
+                 headroom: float = 0.0, problem: StageProblem | None = None) -> tuple[tuple[int, ...], bool]:
     """Layer cut points of the pp*vpp pipeline chunks of `config` from the exact memory-aware DP
-    under `evaluator` (a `planner.estimate.Evaluator`).
+    under `evaluator` (a `planner.estimate.Evaluator`), on `problem` when it is built already.
 
     Returns:
         (boundaries, memory_aware): memory_aware is False when no split fits and the split
@@ -27,7 +28,7 @@ def solver_split(evaluator, config: ParallelConfig, policies: tuple[Recompute, .
     """
     if config.pp * config.vpp == 1:
         return (0, len(evaluator.graph.layers)), True
-    problem = evaluator.stage_problem(config, [policies], headroom)
+    problem = problem or evaluator.stage_problem(config, [policies], headroom)
     try:
         return split_dp(problem).boundaries, True
     except PlannerError:
@@ -35,13 +36,14 @@ def solver_split(evaluator, config: ParallelConfig, policies: tuple[Recompute, .
 
 
 def refined_split(evaluator, config: ParallelConfig, policy_sets: list[tuple[Recompute, ...]], boundaries: tuple[int, ...],
-                  headroom: float = 0.0, choices: tuple[int, ...] | None = None) -> tuple[int, ...]:
+                  headroom: float = 0.0, choices: tuple[int, ...] | None = None,
+                  problem: StageProblem | None = None) -> tuple[int, ...]:
     """`boundaries` refined by where the schedule puts the heavy stages, with per-layer `choices`
-    among `policy_sets` (default: the first set); `boundaries` itself while the evaluator's
-    `schedule_splits` is off or refinement can move nothing."""
+    among `policy_sets` (default: the first set), on `problem` when it is built already;
+    `boundaries` itself while the evaluator's `schedule_splits` is off or refinement can move nothing."""
     if not evaluator.schedule_splits or not refines(config.pp * config.vpp, config.pp):
         return tuple(boundaries)
-    problem = evaluator.stage_problem(config, policy_sets, headroom)
+    problem = problem or evaluator.stage_problem(config, policy_sets, headroom)
     picked = np.zeros(problem.num_layers, dtype=int) if choices is None else np.asarray(choices)
     return tuple(int(b) for b in refine(problem, np.asarray(boundaries), picked))
 
@@ -49,6 +51,9 @@ def refined_split(evaluator, config: ParallelConfig, policy_sets: list[tuple[Rec
 def default_splits(evaluator, config: ParallelConfig, policies: tuple[Recompute, ...],
                    headroom: float = 0.0) -> tuple[tuple[int, ...], ...]:
     """The splits `config` is priced at when none is given: the solver's, and its refinement where it differs."""
-    boundaries, memory_aware = solver_split(evaluator, config, policies, headroom)
-    refined = refined_split(evaluator, config, [policies], boundaries, headroom) if memory_aware else boundaries
+    if config.pp * config.vpp == 1:
+        return solver_split(evaluator, config, policies, headroom)[:1]
+    problem = evaluator.stage_problem(config, [policies], headroom)
+    boundaries, memory_aware = solver_split(evaluator, config, policies, headroom, problem)
+    refined = refined_split(evaluator, config, [policies], boundaries, headroom, problem=problem) if memory_aware else boundaries
     return (boundaries,) if refined == boundaries else (boundaries, refined)

@@ -28,6 +28,8 @@ def with_language_model_loss(model: nn.Module, inputs: tuple, notes: list[str]) 
     tokens = inputs[0] if len(inputs) == 1 else None
     if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point() or tokens.dim() != 2:
         return model
+    if any(isinstance(module, nn.modules.loss._Loss) for module in model.modules()):
+        return model  # computes its loss (the zoo's models): no forward run needed to tell
     vocabularies = {module.num_embeddings for module in model.modules() if isinstance(module, nn.Embedding)}
     try:
         with torch.no_grad():

@@ -308,15 +308,16 @@ def _with_schedule_splits(evaluator: Evaluator, ranked: list, global_batch: int,
     """The fitting candidates priced again at their splits refined by the schedule (`planner.stage_polish`),
     as `evaluate` prices them, in order. The first `kept` are; a later one only where its step
     without what a refined split can save beats the `kept`-th so priced: its pipeline bubble, and
-    under an interleaved schedule also the micro-batches' time on the busiest device over the mean
-    (the refinement evens the devices' sums of chunks)."""
+    under an interleaved schedule whose devices differ by more than a layer's time, also the
+    micro-batches' time on the busiest device over the mean (the refinement evens the devices' sums
+    of chunks)."""
     priced: list[tuple[float, ParallelConfig, object]] = []
     times: list[float] = []  # of `priced`, ascending
     for step_s, config, estimate in ranked:
         threshold_s = times[kept - 1] if len(times) >= kept else math.inf
         saving_s = estimate.time_breakdown["pp_bubble_s"]
-        if config.vpp > 1:
-            busy_s = [stage.fwd_s + stage.bwd_s for stage in estimate.stages]
+        busy_s = [stage.fwd_s + stage.bwd_s for stage in estimate.stages]
+        if config.vpp > 1 and max(busy_s) - min(busy_s) > sum(busy_s) / len(evaluator.graph.layers):
             saving_s += config.num_microbatches * (max(busy_s) - sum(busy_s) / len(busy_s))
         if refines(config.pp * config.vpp, config.pp) and step_s - saving_s < threshold_s:
             estimate = evaluator.estimate(config, global_batch, headroom=headroom)

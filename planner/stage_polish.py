@@ -19,8 +19,9 @@ closed form, 0.04% on average (the solvers' answer: 13%, 1.3%).
 An interleaved pipeline's chunks share devices, and the schedule runs each device's sum of chunks:
 the DP, which balances the chunks, may give one device the longer ones (nemotron-4-340b in 48
 chunks on 4 GB200s: one device 45% more layers than the others, the step 29% slower). There a move
-shifts one cut point by one layer, a device's memory is checked over its chunks together, and the
-rounds run until no shift lowers the price or `MAX_PRICED_CHUNK_SPLITS` are priced.
+shifts a cut point of the busiest device's chunks by one layer, a device's memory is checked over
+its chunks together, and the rounds run until no shift lowers the price or `MAX_PRICED_CHUNK_SPLITS`
+are priced.
 """
 from __future__ import annotations
 
@@ -42,10 +43,10 @@ MIN_BUBBLE_SHARE = 0.05
 # Most stages refined: a round prices S (S - 1) moves, and deeper pipelines hold a layer or two per
 # stage, where moves have little to choose from.
 MAX_REFINED_STAGES = 16
-# Most splits priced in refining an interleaved pipeline, whose rounds price the 2 (S - 1) shifts of
-# one cut point of its S chunks (~0.1 ms each): nemotron-4-340b's 48 chunks on 4 devices, whose DP
-# split left one device 45% more layers than the others, took 1,100.
-MAX_PRICED_CHUNK_SPLITS = 2000
+# Most splits priced in refining an interleaved pipeline, whose rounds price the 2 v shifts of the
+# cut points of the busiest device's v chunks (~0.1 ms each): nemotron-4-340b's 48 chunks on 4
+# devices, whose DP split left one device 45% more layers than the others, took 223.
+MAX_PRICED_CHUNK_SPLITS = 600
 
 
 def refines(stages: int, devices: int) -> bool:
@@ -58,10 +59,11 @@ def refine(problem: StageProblem, boundaries: np.ndarray, choices: np.ndarray) -
     `schedule_step_s`; `boundaries` itself without a schedule price, with one layer per stage or
     with more than `MAX_REFINED_STAGES` stages of a device each.
 
-    Where chunks share devices (interleaved), a move shifts one cut point by one layer (a layer
-    passes between neighbouring chunks, on neighbouring devices), while it lowers the price, which
-    sums each device's chunks: the split solvers balance the chunks alone, and among equally
-    balanced chunk splits may give one device more of the longer chunks."""
+    Where chunks share devices (interleaved), a move shifts a cut point of one of the busiest
+    device's chunks by one layer (the layer passes to the neighbouring chunk, on the neighbouring
+    device), while it lowers the price, which sums each device's chunks: the split solvers balance
+    the chunks alone, and among equally balanced chunk splits may give one device more of the
+    longer chunks. Devices within a layer's time of each other are left as they are."""
     boundaries = np.asarray(boundaries, dtype=int)
     if (not problem.schedule_priced or problem.num_stages == problem.num_layers
             or not refines(problem.num_stages, problem.devices)):
@@ -79,12 +81,19 @@ def refine(problem: StageProblem, boundaries: np.ndarray, choices: np.ndarray) -
             return bool(np.all(np.bincount(device, stage_bytes, problem.devices) <= device_cap_bytes))
         return bool(np.all(stage_bytes <= problem.mem_cap_bytes))
 
+    def device_s(candidate: np.ndarray) -> np.ndarray:
+        return np.bincount(device, problem.stage_times_s(candidate, choices), problem.devices)
+
     best_s = problem.schedule_step_s(boundaries, choices)
-    if not interleaved and 1 - problem.num_microbatches * max(problem.stage_times_s(boundaries, choices)) / best_s < MIN_BUBBLE_SHARE:
+    if interleaved:
+        layer_s = float(np.median(problem.layer_time_s[np.arange(problem.num_layers), choices]))
+        if np.ptp(device_s(boundaries)) <= layer_s:
+            return boundaries  # no layer moved off the busiest device lowers it below another's
+    elif 1 - problem.num_microbatches * max(problem.stage_times_s(boundaries, choices)) / best_s < MIN_BUBBLE_SHARE:
         return boundaries
     budget = MAX_PRICED_CHUNK_SPLITS if interleaved else MAX_PRICED_SPLITS
     for _ in range(budget if interleaved else POLISH_ROUNDS_PER_STAGE * problem.num_stages):
-        moves = _shifts(boundaries) if interleaved else [
+        moves = _shifts(boundaries, device == int(np.argmax(device_s(boundaries)))) if interleaved else [
             _moved(boundaries, source, target) for source in range(problem.num_stages)
             for target in range(problem.num_stages) if source != target and boundaries[source + 1] - boundaries[source] > 1]
         budget -= len(moves)
@@ -102,14 +111,18 @@ def refine(problem: StageProblem, boundaries: np.ndarray, choices: np.ndarray) -
     return boundaries
 
 
-def _shifts(boundaries: np.ndarray) -> list[np.ndarray]:
-    """`boundaries` with one inner cut point moved by one layer, each chunk keeping a layer."""
+def _shifts(boundaries: np.ndarray, busiest: np.ndarray) -> list[np.ndarray]:
+    """`boundaries` with one cut point of a chunk marked in `busiest` (the busiest device's) moved
+    inwards by one layer, which passes to the neighbouring chunk; each chunk keeps a layer."""
     shifted = []
-    for cut in range(1, len(boundaries) - 1):
-        for step in (-1, 1):
-            moved = boundaries.copy()
-            moved[cut] += step
-            if moved[cut - 1] < moved[cut] < moved[cut + 1]:
+    last = len(boundaries) - 2
+    for chunk in np.flatnonzero(busiest):
+        if boundaries[chunk + 1] - boundaries[chunk] < 2:
+            continue
+        for cut, step in ((chunk, 1), (chunk + 1, -1)):
+            if 0 < cut <= last:
+                moved = boundaries.copy()
+                moved[cut] += step
                 shifted.append(moved)
     return shifted
 

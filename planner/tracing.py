@@ -127,6 +127,7 @@ def _trace_cached(key: ModelSource | str | nn.Module | ModelSpec, seq_len: int, 
         grouping = Grouping.of(model)
         method, layers = _capture_and_measure(source, model, inputs, grouping, seq_len,
                                               micro_batch, notes)
+    _check_position_tables(source, layers, seq_len)
     frozen = sum(layer.frozen_params for layer in layers)
     if frozen:
         notes.append(f"{frozen:,} of {sum(layer.params for layer in layers):,} parameters take no gradient (frozen):"
@@ -139,6 +140,27 @@ def _trace_cached(key: ModelSource | str | nn.Module | ModelSpec, seq_len: int, 
     return ModelGraph(name=source.name, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
                       trace_method=method, layers=tuple(layers), dims=dims, notes=tuple(notes),
                       tied=tied_modules(model))
+
+
+# Ops that pass their input's values on unchanged (position ids reshaped or broadcast on their way to a table).
+_VALUE_PRESERVING_TARGETS = frozenset({"unsqueeze", "expand", "view", "reshape", "to", "long", "int", "repeat", "contiguous"})
+
+
+def _check_position_tables(source: ModelSource, layers: Sequence[Layer], seq_len: int) -> None:
+    """Raises INVALID_INPUT where an embedding is looked up at positions 0 .. seq_len - 1 (an
+    `arange`, maybe reshaped) and holds fewer rows: on a device the lookup fails, on the meta
+    tensors tracing uses it does not."""
+    ops = {op.name: op for layer in layers for op in layer.ops}
+    for op in ops.values():
+        if op.kind != OpKind.EMBEDDING or not op.param_shapes or not op.inputs:
+            continue
+        source_op = ops.get(op.inputs[-1])
+        while source_op is not None and source_op.target in _VALUE_PRESERVING_TARGETS and source_op.inputs:
+            source_op = ops.get(source_op.inputs[0])
+        rows = op.param_shapes[0][0]
+        if source_op is not None and source_op.target == "arange" and source_op.out_shape and source_op.out_shape[0] > rows:
+            raise invalid(f"seq_len={seq_len}: `{op.fqn}` of model `{source.name}` is a learned position table of {rows} "
+                          f"positions, looked up at {source_op.out_shape[0]}; fix: --seq-len of at most {rows}")
 
 
 def _example_inputs(source: ModelSource, micro_batch: int, seq_len: int,

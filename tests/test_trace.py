@@ -632,3 +632,15 @@ def test_a_model_returning_logits_is_priced_with_the_loss_its_training_step_adds
     assert not any("returns logits" in note for note in loss_graph.notes)
     hidden = nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 64))
     assert not any(op.kind == OpKind.LOSS for layer in trace(hidden, seq_len=32).layers for op in layer.ops)
+
+
+def test_a_sequence_past_a_learned_position_table_is_refused_in_one_line():
+    # nanoGPT's layout looks its 32-row position table up at arange(seq_len): a longer sequence fails
+    # on a device (index out of range) but not on the meta tensors tracing runs, so it is refused
+    # before any pricing; the zoo's models, which extend their tables (with a note), are not.
+    with pytest.raises(PlannerError, match=r"^seq_len=64: `transformer.wpe` of model .* is a learned position table of 32 "
+                                           r"positions, looked up at 64; fix: --seq-len of at most 32$") as error:
+        trace(f"{FIXTURES}:dict_lm", seq_len=64)
+    assert error.value.kind == PlannerErrorKind.INVALID_INPUT
+    assert trace(f"{FIXTURES}:dict_lm", seq_len=32).seq_len == 32
+    assert any("position table" in note for note in trace("gpt2", seq_len=2048).notes)
