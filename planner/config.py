@@ -57,9 +57,10 @@ class ParallelConfig:
     `dp * tp * pp * cp` equals the device count; expert parallelism `ep` lives inside `dp * cp`
     (experts are sharded over ep ranks of the data-parallel group, each expert split over tp), or
     folds tp in (Megatron-Core's MoE parallel folding: `ep` is tp times a divisor of `dp * cp`, its
-    groups consecutive ranks across tp, each expert whole on its rank; `ep_folds_tp`). `vpp` is the number of virtual
-    pipeline chunks per device (interleaved schedule only). `micro_batch` is sequences per
-    micro-batch per data-parallel rank and `num_microbatches` how many of them one step runs.
+    groups consecutive ranks across tp, each expert whole on its rank; `ep_folds_tp`). `vpp` is the
+    number of virtual pipeline chunks per device (interleaved schedule only). `micro_batch` is
+    sequences per micro-batch per data-parallel rank and `num_microbatches` how many of them one step
+    runs.
     `offload_optimizer` keeps the fp32 master weights and Adam moments in host memory and runs the
     update on the CPU (ZeRO-Offload). `dp_replicate` > 1 is hybrid sharding (HSDP, MiCS): the dp
     ranks form `dp_replicate` replicas, each sharding the ZeRO states over its `dp / dp_replicate`

@@ -15,8 +15,8 @@ import math
 
 from costmodel.comm import Collective, collective_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
-from planner.graph import EXPERTS_MODULE, Layer, LayerKind, ModelGraph, Op, OpKind
 from planner.apply_pins import apply_pins
+from planner.graph import EXPERTS_MODULE, Layer, LayerKind, ModelGraph, Op, OpKind
 from planner.layer_cost import TpPlan, op_time_s
 from planner.mesh import axis_group
 from planner.sharding import Layout, solve_layout

@@ -154,7 +154,7 @@ def _check_position_tables(source: ModelSource, layers: Sequence[Layer], seq_len
     for op in ops.values():
         if op.kind != OpKind.EMBEDDING or not op.param_shapes or not op.inputs:
             continue
-        source_op = ops.get(op.inputs[-1])
+        source_op = ops.get(op.inputs[0])
         while source_op is not None and source_op.target in _VALUE_PRESERVING_TARGETS and source_op.inputs:
             source_op = ops.get(source_op.inputs[0])
         rows = op.param_shapes[0][0]
