@@ -118,8 +118,15 @@ def memory_plan(evaluator: Evaluator, config: ParallelConfig, estimate: Estimate
     """The memory plan (recompute per layer, ZeRO stage, offload, headroom per stage) and the
     refined estimate; a `recompute_fixed` policy stays uniform."""
     estimate, solver = refine_recompute(evaluator, config, estimate, global_batch, headroom, recompute_fixed, time_limit_s)
-    per_layer = solver.get("per_layer") or [str(p) for p in uniform_recompute(evaluator, config.recompute)]
+    uniform = [str(p) for p in uniform_recompute(evaluator, config.recompute)]
+    per_layer = solver.get("per_layer") or uniform
     recompute = {str(p): [evaluator.graph.layers[i].name for i, q in enumerate(per_layer) if q == str(p)] for p in Recompute}
+    if list(per_layer) != uniform:
+        counts = ", ".join(f"{policy} on {len(names)}" for policy, names in recompute.items() if names)
+        estimate = dataclasses.replace(estimate, notes=estimate.notes + (
+            f"recompute is chosen per layer ({counts} layers): the config's recompute={config.recompute} is the uniform "
+            f"policy it was refined from, so evaluate with the config's flags prices another plan; "
+            f"`paraplan evaluate --plan FILE` prices this one",))
     stages = [
         {"stage": row["stage"], "total_bytes": row["total_bytes"], "capacity_bytes": row["capacity_bytes"],
          "headroom_bytes": row["capacity_bytes"] - row["total_bytes"]}

@@ -542,6 +542,11 @@ def test_a_pipelined_candidate_just_over_memory_is_refined_per_layer():
     exhaustive = planner.plan(graph, "h100-sxm:2x8", global_batch=16, tp=2, exhaustive=True)
     assert plan.config.pp > 1 and len(plan.memory_plan["recompute"]) > 1
     assert plan.estimate.step_time_s == pytest.approx(exhaustive.estimate.step_time_s, rel=1e-9)
+    # The config's uniform policy is not what the layers run: the plan says so, and how to price it.
+    counts = ", ".join(f"{policy} on {len(names)}" for policy, names in plan.memory_plan["recompute"].items())
+    assert (f"recompute is chosen per layer ({counts} layers): the config's recompute={plan.config.recompute} is the "
+            f"uniform policy it was refined from") in " ".join(plan.estimate.notes)
+    assert "`paraplan evaluate --plan FILE` prices this one" in " ".join(plan.estimate.notes)
 
 
 def test_a_configuration_its_uniform_recompute_ranks_low_is_refined_when_it_can_win():
