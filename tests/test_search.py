@@ -625,12 +625,12 @@ def test_runner_ups_left_unrefined_by_the_time_budget_are_counted(monkeypatch):
     # llama3-8b on two 4-L4 nodes refines runner-ups per layer within the budget (status optimal).
     # With no budget left after the leader, those that could still overtake it are counted, the
     # status says the plan is the best found, and it is no faster than the refined search's.
-    import planner.search
+    import planner.search_front
 
     graph = planner.trace("llama3-8b", seq_len=2048)
     full = planner.plan(graph, "l4:2x4", global_batch=16)
     assert full.search["status"] == "optimal" and full.search["runner_ups_unrefined"] == 0
-    monkeypatch.setattr(planner.search, "RUNNER_UP_REFINE_BUDGET_S", 0.0)
+    monkeypatch.setattr(planner.search_front, "RUNNER_UP_REFINE_BUDGET_S", 0.0)
     budgeted = planner.plan(graph, "l4:2x4", global_batch=16)
     assert budgeted.search["status"] == "best found" and budgeted.search["runner_ups_unrefined"] > 0
     assert budgeted.estimate.step_time_s >= full.estimate.step_time_s and budgeted.estimate.fits
