@@ -56,6 +56,8 @@ from planner.op_sac import OpSacCounter
 SAVED_BYTES_DEVICE = torch.device("cpu")
 _META = torch.device("meta")
 _RMS_NORM_FUNCS = frozenset({F.rms_norm, torch.ops.aten.rms_norm.default})
+# Out-of-place dropout, (input, p, training) in this order (F.dropout also takes `inplace`).
+_DROPOUT_FUNCS = frozenset({F.dropout, torch.dropout, torch.ops.aten.dropout.default})
 _ATTENTION_CORE_FUNCS = frozenset({
     F.scaled_dot_product_attention,
     torch.ops.aten.scaled_dot_product_attention.default,
@@ -307,6 +309,9 @@ class GpuKernelSaves(TorchFunctionMode):
     - RMSNorm: the CPU kernel decomposes and keeps fp32 copies of its input and output (8 bytes
       per element); the fused CUDA kernel (`aten._fused_rms_norm`) keeps only its input and the
       fp32 reciprocal RMS per row, which `_FusedRMSNorm` reproduces.
+    - Dropout: off CUDA, `aten.dropout` multiplies by a mask in the input's dtype and keeps it
+      (2 bytes per element in bf16); on CUDA it runs `aten.native_dropout`, which keeps a bool
+      mask (1 byte), and so does this run.
     - Factory calls that name the `meta` device, which `torch.export` bakes into graphs traced
       from a meta model (`aten.arange(..., device=meta)`), create their tensors on the CPU.
     """
@@ -315,9 +320,23 @@ class GpuKernelSaves(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _RMS_NORM_FUNCS:
             return _fused_rms_norm(*args, **kwargs)
+        if func in _DROPOUT_FUNCS:
+            return _cuda_dropout(func, args, kwargs)
         if kwargs.get("device") == _META:
             kwargs = {**kwargs, "device": SAVED_BYTES_DEVICE}
         return func(*args, **kwargs)
+
+
+def _cuda_dropout(func, args: tuple, kwargs: dict) -> torch.Tensor:
+    """Dropout as ATen runs it on CUDA: out of place, in training and with 0 < p < 1 it is
+    `native_dropout`, saving a bool mask; otherwise (in place, or nothing to drop) as called."""
+    names = ("input", "p", "training", "inplace")
+    bound = {**dict(zip(names, args)), **kwargs}
+    bound.setdefault("train", bound.pop("training", True))
+    p = bound.get("p", 0.5)
+    if bound["train"] and 0 < p < 1 and not bound.get("inplace", False) and bound["input"].numel():
+        return torch.native_dropout(bound["input"], p, True)[0]
+    return func(*args, **kwargs)
 
 
 def _fused_rms_norm(input: torch.Tensor, normalized_shape: Sequence[int],

@@ -195,6 +195,23 @@ def _on_meta(model: nn.Module, notes: list[str]) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def _in_dtypes_of(model: nn.Module, reference: nn.Module) -> nn.Module:
+    """`model`, or, where its dtypes differ from `reference`'s (the meta model, in the training
+    dtype), a copy whose parameters and buffers take the dtypes of `reference`'s of the same name:
+    the module-level run then measures what the fx and export paths measure."""
+    wanted = {name: t.dtype for name, t in [*reference.named_parameters(), *reference.named_buffers()]}
+    named = [*model.named_parameters(), *model.named_buffers()]
+    if all(wanted.get(name, t.dtype) == t.dtype for name, t in named):
+        return model
+    memo = {id(t): _retyped(t, wanted.get(name, t.dtype)) for name, t in named}
+    return copy.deepcopy(model, memo)
+
+
+def _retyped(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    cast = t.detach().to(dtype)
+    return nn.Parameter(cast, t.requires_grad) if isinstance(t, nn.Parameter) else cast
+
+
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
     dtype = torch.get_default_dtype() if t.is_floating_point() else t.dtype
     meta = torch.empty_like(t, device=_META, dtype=dtype)
@@ -267,7 +284,7 @@ def _capture_and_measure(source: ModelSource, model: nn.Module, inputs: tuple,
             f"{EAGER_FALLBACK_MAX_PARAM_BYTES >> 20} MiB ({param_bytes >> 20} MiB here); fix: "
             f"make the failing module traceable by torch.fx or torch.export"))
     with _CPU:
-        cpu_model = source.build(seq_len=seq_len)
+        cpu_model = _in_dtypes_of(source.build(seq_len=seq_len), model)
     cpu_inputs = _example_inputs(source, micro_batch, seq_len, _CPU)
     try:
         run = eager_run.run_eager(cpu_model, cpu_inputs)

@@ -644,3 +644,49 @@ def test_a_sequence_past_a_learned_position_table_is_refused_in_one_line():
     assert error.value.kind == PlannerErrorKind.INVALID_INPUT
     assert trace(f"{FIXTURES}:dict_lm", seq_len=32).seq_len == 32
     assert any("position table" in note for note in trace("gpt2", seq_len=2048).notes)
+
+
+
+class _DropoutBlock(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.fc(x))
+
+
+class _DropoutModel(nn.Module):
+    """Three dropout blocks between an embedding and a head, behind a branch on the sequence
+    length when `branching` (then torch.fx cannot follow it, export can)."""
+
+    def __init__(self, hidden: int, branching: bool):
+        super().__init__()
+        self.branching = branching
+        self.embed = nn.Embedding(100, hidden)
+        self.blocks = nn.Sequential(*(_DropoutBlock(hidden) for _ in range(3)))
+        self.head = nn.Linear(hidden, 100)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.branching and tokens.shape[1] == 1:
+            tokens = tokens.repeat(1, 2)
+        return self.head(self.blocks(self.embed(tokens))).sum()
+
+
+@pytest.mark.parametrize("capture", ["fx", "export", "module"])
+def test_dropout_keeps_the_one_byte_mask_the_cuda_kernel_keeps(capture, monkeypatch):
+    """A block x + dropout(fc(x)) trained in bf16 keeps, for backward, fc's input x (2 sbh) and the
+    dropout mask: CUDA's native_dropout keeps it as bool (1 sbh), where the CPU kernel's bf16 mask
+    would be 2 sbh. NONE = 3 sbh on every capture path, the module-level one included, which runs
+    the fp32 instance given here in bf16 as the others do."""
+    if capture == "module":
+        def untraceable(*args, **kwargs):
+            raise RuntimeError("capture disabled for this test")
+
+        monkeypatch.setattr(torch.fx.Tracer, "trace", untraceable)
+        monkeypatch.setattr(torch.export, "export", untraceable)
+    hidden, s, b = 64, 16, 2
+    graph = trace(_DropoutModel(hidden, branching=capture == "export"), seq_len=s, micro_batch=b)
+    assert graph.trace_method == capture
+    assert [block.saved_bytes[Recompute.NONE] for block in graph.blocks] == [3 * s * b * hidden] * 3
