@@ -56,6 +56,8 @@ from planner.op_sac import OpSacCounter
 SAVED_BYTES_DEVICE = torch.device("cpu")
 _META = torch.device("meta")
 _RMS_NORM_FUNCS = frozenset({F.rms_norm, torch.ops.aten.rms_norm.default})
+# Position of `dropout_p` in scaled_dot_product_attention's arguments (query, key, value, attn_mask, dropout_p).
+SDPA_DROPOUT_ARG = 4
 # Out-of-place dropout, (input, p, training) in this order (F.dropout also takes `inplace`).
 _DROPOUT_FUNCS = frozenset({F.dropout, torch.dropout, torch.ops.aten.dropout.default})
 _ATTENTION_CORE_FUNCS = frozenset({
@@ -312,6 +314,9 @@ class GpuKernelSaves(TorchFunctionMode):
     - Dropout: off CUDA, `aten.dropout` multiplies by a mask in the input's dtype and keeps it
       (2 bytes per element in bf16); on CUDA it runs `aten.native_dropout`, which keeps a bool
       mask (1 byte), and so does this run.
+    - Attention with dropout: the CPU runs the math path in fp32 and keeps s x s matrices; CUDA's
+      flash, memory-efficient and cuDNN kernels draw the dropout mask from a saved RNG offset and
+      keep what they keep without dropout, which this run measures by dropping nothing.
     - Factory calls that name the `meta` device, which `torch.export` bakes into graphs traced
       from a meta model (`aten.arange(..., device=meta)`), create their tensors on the CPU.
     """
@@ -322,6 +327,8 @@ class GpuKernelSaves(TorchFunctionMode):
             return _fused_rms_norm(*args, **kwargs)
         if func in _DROPOUT_FUNCS:
             return _cuda_dropout(func, args, kwargs)
+        if func in _ATTENTION_CORE_FUNCS:
+            args, kwargs = _without_dropout(args, kwargs)
         if kwargs.get("device") == _META:
             kwargs = {**kwargs, "device": SAVED_BYTES_DEVICE}
         return func(*args, **kwargs)
@@ -337,6 +344,13 @@ def _cuda_dropout(func, args: tuple, kwargs: dict) -> torch.Tensor:
     if bound["train"] and 0 < p < 1 and not bound.get("inplace", False) and bound["input"].numel():
         return torch.native_dropout(bound["input"], p, True)[0]
     return func(*args, **kwargs)
+
+
+def _without_dropout(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Scaled-dot-product attention's arguments with `dropout_p` (its fifth) set to 0."""
+    if len(args) > SDPA_DROPOUT_ARG:
+        return (*args[:SDPA_DROPOUT_ARG], 0.0, *args[SDPA_DROPOUT_ARG + 1:]), kwargs
+    return args, {**kwargs, "dropout_p": 0.0} if "dropout_p" in kwargs else kwargs
 
 
 def _fused_rms_norm(input: torch.Tensor, normalized_shape: Sequence[int],

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from rich.console import Console
 from torch import nn
 
@@ -690,3 +691,31 @@ def test_dropout_keeps_the_one_byte_mask_the_cuda_kernel_keeps(capture, monkeypa
     graph = trace(_DropoutModel(hidden, branching=capture == "export"), seq_len=s, micro_batch=b)
     assert graph.trace_method == capture
     assert [block.saved_bytes[Recompute.NONE] for block in graph.blocks] == [3 * s * b * hidden] * 3
+
+
+class _DropoutAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int, dropout_p: float):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.heads, self.dropout_p = heads, dropout_p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p, is_causal=True)
+        return x + self.out(y.transpose(1, 2).reshape(b, s, h))
+
+
+def test_attention_dropout_keeps_what_flash_attention_keeps_without_it():
+    """CUDA's flash, memory-efficient and cuDNN attention regenerate their dropout mask from an RNG
+    offset, so attention with dropout_p=0.1 keeps what it keeps with none (q, k, v, output and
+    log-sum-exp); the CPU's math path would keep the fp32 s x s scores and mask (8x more here)."""
+    hidden, heads, s, b = 64, 4, 128, 2
+
+    def model(dropout_p: float) -> nn.Module:
+        return nn.Sequential(nn.Embedding(100, hidden), *(_DropoutAttention(hidden, heads, dropout_p) for _ in range(2)),
+                             nn.Linear(hidden, 100))
+
+    with_dropout, without = (trace(model(p), seq_len=s, micro_batch=b) for p in (0.1, 0.0))
+    assert [block.saved_bytes for block in with_dropout.blocks] == [block.saved_bytes for block in without.blocks]
+    assert without.blocks[0].saved_bytes[Recompute.NONE] < 11 * s * b * hidden
