@@ -12,7 +12,8 @@ included since they move nothing), joined by the graph's data edges. Its forward
 bytes of its distinct outside inputs plus the bytes of its outputs read outside the region (or by
 no op of the layer: the layer's output); its backward moves `MEMORY_BWD_TRAFFIC_RATIO` times that,
 as an eager op's does (reading output gradients and the region's inputs, writing input gradients;
-Inductor recomputes the cheap intermediates rather than saving them).
+Inductor recomputes the cheap intermediates rather than saving them), counting only the tensors
+read or written by members whose output takes a gradient (integer bookkeeping has no backward).
 """
 from __future__ import annotations
 
@@ -105,10 +106,12 @@ def fused_regions(ops: tuple[Op, ...]) -> tuple[FusedRegion, ...]:
         reads: dict[str, tuple[str, float]] = {}
         for name in sorted(members):
             for producer in by_name[name].inputs:
-                if producer not in members:
-                    # An input from outside the layer is taken to be the size of the reader's output.
+                if producer not in members and (producer not in reads or by_name[name].takes_grad
+                                                and not by_name[reads[producer][0]].takes_grad):
+                    # An input from outside the layer is taken to be the size of the reader's output;
+                    # a tensor read by several members is charged to one that takes a gradient, if any.
                     size = by_name[producer].out_bytes if producer in by_name else by_name[name].out_bytes
-                    reads.setdefault(producer, (name, float(size)))
+                    reads[producer] = (name, float(size))
         writes = tuple((name, float(by_name[name].out_bytes)) for name in sorted(members)
                        if any(user not in members for user in consumers.get(name, ["<layer output>"])))
         regions.append(FusedRegion(frozenset(members), tuple(reads.values()), writes))
@@ -124,7 +127,9 @@ def fused_works(ops: tuple[Op, ...], share: float, split_of: Callable[[Op], int]
     fwd, bwd = [], []
     for region in fused_regions(ops):
         members |= region.members
-        traffic = share * sum(size / split_of(by_name[name]) for name, size in region.reads + region.writes)
+        moved = [(by_name[name], size) for name, size in region.reads + region.writes]
+        traffic = share * sum(size / split_of(op) for op, size in moved)
+        graded = share * sum(size / split_of(op) for op, size in moved if op.takes_grad)
         fwd.append(OpWork(WorkKind.MEMORY, 0.0, traffic, FUSED_REGION_KEY))
-        bwd.append(OpWork(WorkKind.MEMORY, 0.0, MEMORY_BWD_TRAFFIC_RATIO * traffic, f"{FUSED_REGION_KEY}:bwd"))
+        bwd.append(OpWork(WorkKind.MEMORY, 0.0, MEMORY_BWD_TRAFFIC_RATIO * graded, f"{FUSED_REGION_KEY}:bwd"))
     return frozenset(members), fwd, bwd

@@ -75,6 +75,8 @@ class Op:
         param_shapes: shapes of the parameters this op reads (e.g. the Linear weight).
         attrs: op-specific facts the sharding ILP needs, e.g. {"heads": 32, "kv_heads": 8} for
             attention, {"in_features": 4096, "out_features": 11008} for a linear.
+        takes_grad: its output is floating point and can take a gradient; an op whose output is
+            integer or bool (indices, masks, counts) runs no backward.
     """
 
     name: str
@@ -87,6 +89,7 @@ class Op:
     fwd_flops: float = 0.0
     param_shapes: tuple[tuple[int, ...], ...] = ()
     attrs: dict = field(default_factory=dict, compare=False, hash=False)
+    takes_grad: bool = True
 
 
 @dataclass(frozen=True)

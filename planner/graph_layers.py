@@ -20,7 +20,7 @@ from planner import measure
 from planner.graph import Layer, LayerKind, Op, OpKind
 from planner.layering import (Grouping, digest, layer_keys, layer_runs, make_layer, measured_signature, new_tensors,
                               unused_params_notes)
-from planner.op_kinds import KIND_BY_TARGET, gelu_target, module_target, op_attrs
+from planner.op_kinds import GATHER_TARGET, KIND_BY_TARGET, SHAPE_ONLY_TARGETS, gelu_target, module_target, op_attrs
 
 _CALL_OPS = ("call_function", "call_method", "call_module")
 
@@ -205,7 +205,7 @@ def _graph_op(root: nn.Module, node: fx.Node, values: dict, flops: dict) -> Op |
         target = module_target(module)
         param_shapes = tuple(tuple(p.shape) for p in module.parameters())
     else:
-        target = _function_target(node)
+        target = GATHER_TARGET if _indexes_by_tensor(node, values) else _function_target(node)
         param_shapes = tuple(tuple(p.shape) for a in node.all_input_nodes if a.op == "get_attr"
                              and isinstance(p := _fetch_attr(root, a.target), nn.Parameter))
     if target == "gelu":
@@ -214,13 +214,23 @@ def _graph_op(root: nn.Module, node: fx.Node, values: dict, flops: dict) -> Op |
     kind = KIND_BY_TARGET.get(target, OpKind.OTHER)
     attrs = op_attrs(kind, param_shapes, [values[a] for a in node.all_input_nodes
                                           if a.op != "get_attr"])
+    reads = () if target in SHAPE_ONLY_TARGETS else node.all_input_nodes
     return Op(name=node.name, fqn=_node_fqn(node), target=target, kind=kind,
-              inputs=tuple(a.name for a in node.all_input_nodes
-                           if a.op in _CALL_OPS and _first_tensor(values[a]) is not None),
+              inputs=tuple(a.name for a in reads if a.op in _CALL_OPS and _first_tensor(values[a]) is not None),
               out_shape=tuple(out.shape),
               out_bytes=sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value)
                             if isinstance(t, torch.Tensor)),
-              fwd_flops=float(flops[node]), param_shapes=param_shapes, attrs=attrs)
+              fwd_flops=float(flops[node]), param_shapes=param_shapes, attrs=attrs,
+              takes_grad=out.is_floating_point())
+
+
+def _indexes_by_tensor(node: fx.Node, values: dict) -> bool:
+    """Whether `node` is `x[index]` with a tensor among its indices (a gather, not a view)."""
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) < 2:
+        return False
+    indices = pytree.tree_leaves(node.args[1])
+    return isinstance(values.get(node.args[0]), torch.Tensor) and any(
+        isinstance(index, fx.Node) and isinstance(values.get(index), torch.Tensor) for index in indices)
 
 
 def _first_tensor(value: object) -> torch.Tensor | None:

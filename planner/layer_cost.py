@@ -169,8 +169,16 @@ def _works(op: Op, share: float, input_bytes: float | None = None, cp: int = 1,
     `input_bytes` is what the op reads (its producers' outputs); when unknown each input is taken
     to be the size of the output. Reductions such as the loss read far more than they write.
     Attention's unit is one head of one sequence, whose queries context parallelism divides by `cp`;
-    an elementwise op's work is keyed by its name for a measured rate (`OpTable`).
+    an elementwise op's work is keyed by its name for a measured rate (`OpTable`). An op whose
+    output takes no gradient (`Op.takes_grad`) has no backward.
     """
+    fwd, bwd = _fwd_bwd_works(op, share, input_bytes, cp, attention)
+    return (fwd, bwd) if op.takes_grad else (fwd, [])
+
+
+def _fwd_bwd_works(op: Op, share: float, input_bytes: float | None, cp: int,
+                   attention: AttentionKernel) -> tuple[list[OpWork], list[OpWork]]:
+    """`_works` of an op whose output takes a gradient."""
     if op.target in VIEW_TARGETS and op.fwd_flops == 0:
         return [], []
     flops = op.fwd_flops * share

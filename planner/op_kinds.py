@@ -35,6 +35,17 @@ KIND_BY_TARGET = {
 VIEW_TARGETS = frozenset({
     "view", "reshape", "unflatten", "flatten", "transpose", "permute", "t", "unsqueeze", "squeeze",
     "expand", "getitem", "size", "split", "chunk", "narrow", "select", "slice", "unbind", "detach", "alias",
+    "view_as", "expand_as",
+})
+
+# Indexing by a tensor (`x[index]`, `x[mask]`): a gather kernel that writes a new tensor, unlike
+# indexing by ints and slices, which is a view.
+GATHER_TARGET = "index"
+
+# Ops that read their tensor input for its shape, dtype and device only (`x.new_zeros(n, h)`,
+# `torch.zeros_like(x)`): they write their output and read nothing.
+SHAPE_ONLY_TARGETS = frozenset({
+    "new_zeros", "new_ones", "new_full", "new_empty", "zeros_like", "ones_like", "full_like", "empty_like",
 })
 
 

@@ -5,6 +5,7 @@ each output used outside once), never from the roofline's constants.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -17,6 +18,7 @@ from planner.errors import PlannerError
 from planner.estimate import Evaluator
 from planner.fusion import FUSIBLE_KINDS, ElementwiseKernels, fused_regions, fused_works
 from planner.graph import Op, OpKind
+from planner.layer_cost import op_time_s
 from planner.op_kinds import VIEW_TARGETS
 from planner.sweeps.executors import PlanSettings, plan_point
 from planner.sweeps.spec import load_sweep_spec
@@ -146,3 +148,22 @@ def test_fused_fp8_casts_skip_the_separate_amax_pass():
                     for mode in ElementwiseKernels)
     assert eager - fused == pytest.approx(gemm.bytes / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency))
     assert layer_time_s([gemm], device, "bf16", cast_traffic_ratio=1.5) == layer_time_s([gemm], device, "bf16")
+
+
+def test_ops_whose_output_takes_no_gradient_run_no_backward():
+    # An integer op (routing indices, a mask) has no backward, eager or fused. Eager, its time is its
+    # forward alone (priced without its producer's size, it reads as much as it writes). Fused: y (a linear's 100 B) feeds argmax i (10 B of indices, also read by an
+    # embedding lookup outside the region) and softmax s (100 B); the mul m of s and i is the layer's
+    # output. Forward: y read once, m and i written, 210 B. Backward: only what the floating members
+    # read and write (y, read by s too, and m), twice over; i's 10 B take no gradient.
+    device = load_device("h100-sxm")
+    indices = _op("i", OpKind.OTHER, "argmax", ("y",), 10)
+    indices = dataclasses.replace(indices, takes_grad=False)
+    assert op_time_s(indices, device, "bf16", 1) == layer_time_s([OpWork(WorkKind.MEMORY, 0.0, 20, "argmax")], device)
+    assert op_time_s(dataclasses.replace(indices, takes_grad=True), device, "bf16", 1) > op_time_s(indices, device, "bf16", 1)
+    ops = (_op("y", OpKind.MATMUL, "linear", ("x",), 100, flops=1e6), indices,
+           _op("s", OpKind.ELEMENTWISE, "softmax", ("y",), 100), _op("m", OpKind.ELEMENTWISE, "mul", ("s", "i"), 100),
+           _op("e", OpKind.EMBEDDING, "embedding", ("i",), 100))
+    _, fwd, bwd = fused_works(ops, 1.0, lambda op: 1)
+    assert [work.bytes for work in fwd] == [210]
+    assert [work.bytes for work in bwd] == [MEMORY_BWD_TRAFFIC_RATIO * 200]

@@ -10,9 +10,11 @@ from rich.console import Console
 from torch import nn
 
 import planner
+from costmodel.profile_loader import load_device
 from planner import measure
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.graph import LayerKind, OpKind, Recompute
+from planner.layer_cost import op_time_s
 from planner.op_sac_cost import op_sac_kept
 from planner.models import resolve_model
 from planner.report.inspect import inspect_json, render_inspect
@@ -719,3 +721,31 @@ def test_attention_dropout_keeps_what_flash_attention_keeps_without_it():
     with_dropout, without = (trace(model(p), seq_len=s, micro_batch=b) for p in (0.1, 0.0))
     assert [block.saved_bytes for block in with_dropout.blocks] == [block.saved_bytes for block in without.blocks]
     assert without.blocks[0].saved_bytes[Recompute.NONE] < 11 * s * b * hidden
+
+
+class _RoutingBlock(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        order = y.sum(-1).flatten().argsort()
+        picked = y.flatten(0, 1)[order]
+        pad = y.new_zeros(1, y.shape[-1])
+        return x + torch.cat([picked, pad])[:-1].view_as(x)
+
+
+def test_ops_record_gathers_shape_only_reads_and_integer_outputs():
+    """x[index] by a tensor is a gather (`index`), not a view; new_zeros reads nothing of its
+    input; view_as is a view; argsort's integer output takes no gradient, the float ops' do."""
+    model = nn.Sequential(nn.Embedding(100, 16), *(_RoutingBlock(16) for _ in range(2)), nn.Linear(16, 100))
+    graph = trace(model, seq_len=8, micro_batch=2)
+    ops = {op.target: op for op in graph.blocks[0].ops}
+    assert {"index", "new_zeros", "argsort", "view_as"} <= set(ops)
+    assert ops["index"].out_bytes == 16 * 16 * BF16_BYTES and ops["index"].takes_grad
+    assert ops["new_zeros"].inputs == ()
+    assert not ops["argsort"].takes_grad and ops["argsort"].out_bytes == 16 * INT64_BYTES
+    assert ops["linear"].takes_grad and ops["sum"].takes_grad
+    device = load_device("h100-sxm")
+    assert op_time_s(ops["view_as"], device, "bf16", 1) == 0.0

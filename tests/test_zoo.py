@@ -13,10 +13,13 @@ from hypothesis import given, settings, strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.errors import PlannerError, PlannerErrorKind
+from planner.graph import Recompute
+from planner.measure import measure_piece
 from planner.zoo import SPECS_DIR, build_model, example_inputs, zoo_specs
 from planner.zoo.moe import MoEFeedForward
 from planner.zoo.spec import Arch, ModelSpec, load_spec, parse_spec, parse_spec_text
 
+BF16_BYTES = 2
 
 @functools.cache
 def _param_counts(name: str) -> tuple[int, int]:
@@ -245,6 +248,24 @@ def test_moe_drops_token_choices_past_expert_capacity():
     out = layer(x)
     assert torch.count_nonzero(out[0, :2].abs().sum(-1)) == 2
     assert torch.count_nonzero(out[0, 2:]) == 0
+
+
+def test_moe_keeps_one_copy_of_the_routed_tokens_each_way():
+    """Bytes the MoE feed-forward keeps for backward in bf16, T tokens, hidden H, E experts of
+    width F, top-k, capacity C = T*k/E, as fused permute kernels keep them: the slots the experts
+    read (E*C*H), the gate and up projections, their SiLU and product (4*E*C*F), and the gathered
+    expert outputs the routing weights multiply (T*k*H), plus the layer input (T*H), the router's
+    probabilities (T*E) and per-pair indices and weights (under 32 bytes a pair). No copy of the
+    tokens per pair (T*k*H more) is kept to send them to the slots."""
+    hidden, experts, top_k, ffn, tokens = 64, 8, 2, 32, 128
+    capacity = tokens * top_k // experts
+    with torch.device("meta"):
+        layer = MoEFeedForward(hidden, experts, top_k, ffn).to(torch.bfloat16)
+        x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16)
+    saved = measure_piece(layer, (x,)).saved_bytes[Recompute.NONE]
+    routed = BF16_BYTES * (experts * capacity * hidden + 4 * experts * capacity * ffn + tokens * top_k * hidden)
+    inputs = BF16_BYTES * (tokens * hidden + tokens * experts)
+    assert routed + inputs <= saved < routed + inputs + 32 * tokens * top_k
 
 
 # Bad specs: (mapping, field named in the error).

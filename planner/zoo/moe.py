@@ -5,7 +5,10 @@ fake tensors, and FlopCounterMode sees exactly the expert work of `tokens * top_
 pairs: GShard-style capacity dispatch (Lepikhin et al. 2021) with capacity factor 1, i.e.
 `capacity = ceil(tokens * top_k / experts)` slots per expert, one batched matmul over the
 stacked expert weights, and token-expert pairs past an expert's capacity dropped (their slot is
-a spare row that is never computed). Expert weights live under a submodule named `experts`.
+a spare row that is never computed). Tokens move as fused permute kernels move them (Megatron-Core's
+`--moe-permute-fusion`, torchtitan's index gather): one gather into the slots and one gather back,
+weighted and summed, each token-expert pair once each way. Expert weights live under a submodule
+named `experts`.
 """
 from __future__ import annotations
 
@@ -90,11 +93,12 @@ class MoEFeedForward(nn.Module):
         is_choice = chosen.unsqueeze(1) == torch.arange(self.num_experts, device=x.device)
         queue_pos = (is_choice.cumsum(dim=0) * is_choice).sum(dim=1) - 1
         slot = torch.where(queue_pos < capacity, chosen * capacity + queue_pos, spare_slot)
-        dispatched = tokens.new_zeros(spare_slot + 1, hidden).index_add(
-            0, slot, tokens.repeat(self.top_k, 1))
-        expert_out = self.experts(dispatched[:-1].unflatten(0, (self.num_experts, capacity)))
-        gathered = torch.cat([expert_out.flatten(0, 1), expert_out.new_zeros(1, hidden)])[slot]
-        routed = (gathered * weights.unsqueeze(1)).unflatten(0, (self.top_k, num_tokens)).sum(0)
+        pair_token = torch.arange(num_tokens * self.top_k, device=x.device) % num_tokens
+        slot_token = slot.new_zeros(spare_slot + 1).scatter(0, slot, pair_token)[:-1]
+        expert_out = self.experts(tokens[slot_token].unflatten(0, (self.num_experts, capacity)))
+        kept = slot < spare_slot
+        gathered = expert_out.flatten(0, 1)[slot.clamp(max=spare_slot - 1)]
+        routed = (gathered * (weights * kept).unsqueeze(1)).unflatten(0, (self.top_k, num_tokens)).sum(0)
         out = routed.view_as(x)
         if self.shared is not None:
             out = out + self.shared(x)
