@@ -145,8 +145,9 @@ def nothing_fits(evaluator: Evaluator, global_batch: int, closest: tuple[float, 
     usable = capacity * (1 - headroom)
     offload_tried = constraints.get("allow_offload", True) and "offload_optimizer" not in constraints
     least = min(devices_for_states(evaluator, config, offload) for offload in {False, offload_tried})
-    remedies = [f"at least {max(least, math.ceil(cluster.num_devices * need / usable))} devices (the model states "
-                f"alone, fully sharded, need {least})"] if _devices_can_help(evaluator, config, constraints, global_batch, usable) else []
+    scaled = math.ceil(cluster.num_devices * need / usable)
+    remedies = [f"at least {max(least, scaled)} devices ({scaled} to spread the closest's peak within capacity; the model "
+                f"states alone, fully sharded, need {least})"] if _devices_can_help(evaluator, config, constraints, global_batch, usable) else []
     levers = []
     if constraints.get("micro_batch", 1) > 1:
         levers.append(("micro_batch=1", dataclasses.replace(

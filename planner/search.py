@@ -234,8 +234,8 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
     kept = top + 1  # the plan and `top` alternatives
     evaluator.schedule_splits = False
     ranked = tally.run(evaluator, space, graph, global_batch, constraints, headroom, kept, exhaustive)
-    if (constraints.get("allow_offload", True) and "offload_optimizer" not in constraints
-            and (not ranked or ranked[0][1].recompute != Recompute.NONE)):
+    may_offload = constraints.get("allow_offload", True) and "offload_optimizer" not in constraints
+    if may_offload and (not ranked or ranked[0][1].recompute != Recompute.NONE):
         # Offloading the optimizer states frees device memory for less recompute: tried where memory
         # forced recompute on the best plan (or nothing fits), against that plan's time.
         offloaded = tally.run(evaluator, space, graph, global_batch, {**constraints, "offload_optimizer": True}, headroom,
@@ -247,11 +247,17 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
 
     if not ranked:
         def retry(extra: dict) -> tuple[float, ParallelConfig] | None:
-            """(peak bytes, config) of the best plan under the constraints with `extra` fixed, else of its closest miss."""
-            again = _Pass(Counter(), {}, [])
-            found = again.run(evaluator, space, graph, global_batch, {**constraints, **extra}, headroom, 1, False)
-            return ((found[0][2].peak_memory_bytes, found[0][1]) if found else
-                    closest_miss(evaluator, again.closest_miss, again.screened_misses, global_batch, headroom))
+            """(peak bytes, config) of the best plan under the constraints with `extra` fixed (with the
+            optimizer states offloaded too where the search may offload), else of its closest miss."""
+            misses = []
+            for offload in (False, True) if may_offload else (False,):
+                again = _Pass(Counter(), {}, [])
+                fixed = {**constraints, **extra, **({"offload_optimizer": True} if offload else {})}
+                found = again.run(evaluator, space, graph, global_batch, fixed, headroom, 1, False)
+                if found:
+                    return found[0][2].peak_memory_bytes, found[0][1]
+                misses.append(closest_miss(evaluator, again.closest_miss, again.screened_misses, global_batch, headroom))
+            return min((miss for miss in misses if miss), key=lambda miss: miss[0], default=None)
 
         closest = closest_miss(evaluator, tally.closest_miss, tally.screened_misses, global_batch, headroom)
         raise nothing_fits(evaluator, global_batch, closest, evaluated + screened,

@@ -438,6 +438,22 @@ def test_the_zero3_remedy_is_searched_over_the_degrees_that_can_shard():
     assert dp > 1 and planner.evaluate(graph, "h100-sxm:2x8", config, global_batch=64).fits
 
 
+def test_the_zero3_remedy_offloads_the_optimizer_where_the_search_may():
+    # llama3-70b on 8 H100s at 4K tokens with tp 1, pp 1, ZeRO-0 and no recompute fixed: the closest
+    # miss needs 390 GiB; ZeRO-3 with full recompute alone still needs 155 GiB, and with the optimizer
+    # states offloaded too (which the search may do) it fits. The remedy names that configuration,
+    # and it fits.
+    graph = planner.trace("llama3-70b", seq_len=4096)
+    with pytest.raises(PlannerError) as error:
+        planner.plan(graph, "h100-sxm:1x8", global_batch=64, tp=1, pp=1, zero=0, recompute="none")
+    message = error.value.message
+    remedy = re.search(r"allowing zero=3 with recompute=full \(dp(\d+) tp1 pp1 mb(\d+)x\d+ z3 full 1f1b offload then fits at", message)
+    assert remedy, message
+    config = dict(dp=int(remedy.group(1)), tp=1, pp=1, micro_batch=int(remedy.group(2)), zero=3, recompute="full",
+                  offload_optimizer=True)
+    assert planner.evaluate(graph, "h100-sxm:1x8", config, global_batch=64).fits
+
+
 @pytest.mark.parametrize("constraints, reason, example", [
     # 16 devices, 8 sequences: dp=16 cannot split the batch; every dp that can (1, 2, 4, 8) leaves
     # 8/dp sequences per replica, which micro_batch=3 never divides.
