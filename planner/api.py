@@ -132,7 +132,11 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
         full = make_config(config, hardware.num_devices, global_batch)
         if not isinstance(config, ParallelConfig):  # degrees a user gives: sequence parallelism where it can run
             full = dataclasses.replace(full, sequence_parallel=sequence_parallel_for(graph.stream_tokens, full.tp, full.cp))
-        return evaluator.estimate(full, global_batch, boundaries=_checked_boundaries(boundaries, full, len(graph.layers)))
+        estimate = evaluator.estimate(full, global_batch, boundaries=_checked_boundaries(boundaries, full, len(graph.layers)))
+        if seq_len is None and not isinstance(model, ModelGraph):
+            estimate = dataclasses.replace(estimate, notes=estimate.notes + (
+                f"no seq_len given: priced at {graph.seq_len} tokens per sequence, the model's own",))
+        return estimate
     if boundaries is not None:
         raise invalid("boundaries: a plan is priced at its own split; give the degrees instead of the plan to price another")
     full, boundaries, policies = _planned_choices(planned, graph, global_batch)

@@ -44,6 +44,8 @@ def assemble_estimate(graph: ModelGraph, num_devices: int, dtype: str, config: P
         bubble_fraction=time_breakdown["pp_bubble_s"] / pipe_s if pipe_s > 0 else 0.0,
         config=config,
         pipeline_p2p_s=hops_s,
+        seq_len=graph.seq_len,
+        global_batch=global_batch,
         notes=(graph.notes + graph.recompute_notes(config.recompute) + _substituted_dtype_note(memory, dtype)
                + _unchecked_host_note(memory) + _partial_round_note(config) + _tp_across_nodes_note(config, stages)
                + _folded_experts_note(config)),

@@ -86,6 +86,8 @@ class Estimate:
     # Seconds of one transfer from each stage's device to the next (the last: to the first, the
     # wrap of an interleaved schedule); empty without pipelining.
     pipeline_p2p_s: tuple[float, ...] = ()
+    seq_len: int | None = None  # tokens per sequence priced (the model's own where none was given)
+    global_batch: int | None = None  # sequences per optimizer step
 
     def host_overflow(self) -> dict | None:
         """The stage row (of `memory`) whose offloaded optimizer states exceed its devices' share of
@@ -111,6 +113,8 @@ class Estimate:
         }
         if self.config is not None:
             out["config"] = self.config.to_dict()
+        if self.seq_len is not None:
+            out.update(seq_len=self.seq_len, global_batch=self.global_batch)
         return out
 
     @classmethod
@@ -129,6 +133,8 @@ class Estimate:
             config=ParallelConfig.from_dict(data["config"]) if "config" in data else None,
             notes=tuple(data.get("notes", ())),
             pipeline_p2p_s=tuple(data.get("pipeline_p2p_s", ())),
+            seq_len=data.get("seq_len"),
+            global_batch=data.get("global_batch"),
         )
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import cli
+import planner
 from costmodel.memory import ALLOCATOR_FRAGMENTATION_FRACTION
 from costmodel.profile_loader import load_device
 from planner.report.plan import PUBLISHED_MAPE, alternatives_table
@@ -121,6 +122,16 @@ def test_evaluate_json_contract(capsys):
     assert data["peak_memory_bytes"] == max(row["total_bytes"] for row in data["memory"])
     assert data["tokens_per_s"] == pytest.approx(32 * 128 / data["step_time_s"])
     assert isinstance(data["fits"], bool) and 0 < data["mfu"] < 1
+    assert (data["seq_len"], data["global_batch"]) == (128, 32) and data["notes"] == []
+
+
+def test_evaluate_without_seq_len_says_the_length_it_priced(capsys):
+    argv = ["--model", "gpt3-125m", "--cluster", "a100-80g:1x8", "--global-batch", "32"]
+    code, out, _ = run(["evaluate", *argv, "--tp", "1", "--pp", "1", "--json"], capsys)
+    data = json.loads(out)
+    default = planner.trace("gpt3-125m").seq_len
+    assert code == 0 and data["seq_len"] == default != 128
+    assert f"no seq_len given: priced at {default} tokens per sequence, the model's own" in data["notes"]
 
 
 def test_evaluate_help_states_the_recompute_it_prices_when_none_is_given(capsys):
