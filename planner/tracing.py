@@ -136,10 +136,23 @@ def _trace_cached(key: ModelSource | str | nn.Module | ModelSpec, seq_len: int, 
     if recurrent := recurrent_targets(layers):
         notes.append(f"recurrent layers ({', '.join(recurrent)}) are priced as GEMMs over the whole sequence at once: "
                      f"their time steps, which run in sequence order, are not modelled, so their time is optimistic")
+    notes += _sequence_first_notes(model)
     dims = source.dims if source.dims != ModelDims() else _infer_dims(model, layers)
     return ModelGraph(name=source.name, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
                       trace_method=method, layers=tuple(layers), dims=dims, notes=tuple(notes),
                       tied=tied_modules(model))
+
+
+def _sequence_first_notes(model: nn.Module) -> list[str]:
+    """A note naming the outermost module built sequence-first (`batch_first=False`: nn.Transformer,
+    its layers, nn.MultiheadAttention, recurrent layers), which reads dimension 0 as the tokens:
+    the trace gives dimension 0 the samples, so such a model is priced with the two swapped."""
+    first = next((fqn for fqn, module in model.named_modules() if getattr(module, "batch_first", True) is False), None)
+    if first is None:
+        return []
+    return [f"`{first or type(model).__name__}` is built sequence-first (batch_first=False) and reads dimension 0 as the "
+            f"tokens, while the inputs are laid out batch first: priced with the sequence and the batch swapped (its "
+            f"attention over micro-batch-long sequences); fix: build it with batch_first=True"]
 
 
 # Ops that pass their input's values on unchanged (position ids reshaped or broadcast on their way to a table).

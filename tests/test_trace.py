@@ -749,3 +749,16 @@ def test_ops_record_gathers_shape_only_reads_and_integer_outputs():
     assert ops["linear"].takes_grad and ops["sum"].takes_grad
     device = load_device("h100-sxm")
     assert op_time_s(ops["view_as"], device, "bf16", 1) == 0.0
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_a_sequence_first_model_is_noted(batch_first):
+    # nn.TransformerEncoderLayer defaults to (sequence, batch, features): fed batch-first token ids,
+    # it attends over the micro-batch, which the trace prices as it runs; the note says so.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=batch_first)
+    model = nn.Sequential(nn.Embedding(100, 32), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                          nn.Linear(32, 100))
+    notes = [note for note in trace(model, seq_len=16, micro_batch=2).notes if "sequence-first" in note]
+    assert len(notes) == (not batch_first)
+    assert all(note.startswith("`1.layers.0.self_attn` is built sequence-first (batch_first=False)") for note in notes)
