@@ -164,6 +164,22 @@ def test_evaluate_says_what_would_fit_and_how_to_shrink_a_bubble(capsys):
     assert code == 0 and "Does not fit" not in out and "bubble idles" not in out
 
 
+def test_evaluate_names_the_pipeline_buffers_where_they_exceed_the_overshoot(capsys):
+    # llama2-70b at tp4 pp4 with 20 chunks per device and 32 micro-batches: the receive buffers
+    # torch.distributed.pipelining preallocates (a forward input and a gradient per chunk and
+    # micro-batch) take more than the stage is over capacity; with transient buffers it fits.
+    argv = ["evaluate", "--model", "llama2-70b", "--cluster", "h100-sxm:8x8", "--global-batch", "128", "--seq-len", "4096",
+            "--tp", "4", "--pp", "4", "--vpp", "20", "--micro-batch", "1", "--zero", "1"]
+    code, out, _ = run([*argv, "--json"], capsys)
+    row = max(json.loads(out)["memory"], key=lambda r: r["total_bytes"])
+    assert code == 0 and row["comm_buffers_bytes"] > row["total_bytes"] - row["capacity_bytes"] > 0
+    code, out, _ = run(argv, capsys)
+    assert re.search(r"Its pipeline buffers \([\d.]+ GiB\) exceed the overshoot \([\d.]+ GiB\): .* \(--pp-buffers "
+                     r"transient --pp-outputs dropped", " ".join(out.split()))
+    code, out, _ = run([*argv, "--pp-buffers", "transient", "--json"], capsys)
+    assert json.loads(out)["fits"]
+
+
 def test_what_would_fit_names_only_levers_not_pulled(capsys):
     # llama3-405b over 16 H100s already at ZeRO-3 with its optimizer offloaded, in two replicas:
     # neither the device nor its 256 GiB share of host memory holds the states. Fewer replicas or

@@ -109,8 +109,14 @@ def hints(estimate: Estimate) -> list[str]:
                if states >= row["activations_bytes"] else
                f"its activations ({fmt_bytes(row['activations_bytes'])}) shrink with recompute (--recompute full),"
                " a smaller --micro-batch, or more tp, cp or pp")
+        over = row["total_bytes"] - row["capacity_bytes"]
+        buffers = (f" Its pipeline buffers ({fmt_bytes(row['comm_buffers_bytes'])}) exceed the overshoot "
+                   f"({fmt_bytes(over)}): training code that receives into transient buffers and frees each micro-batch's "
+                   f"outputs with its loss (--pp-buffers transient --pp-outputs dropped: Megatron-LM, DeepSpeed) holds "
+                   f"fewer of them."
+                   if config is not None and config.pp > 1 and row["comm_buffers_bytes"] >= over > 0 else "")
         out.append(f"Does not fit: stage {row['stage']} needs {fmt_bytes(row['total_bytes'])} of "
-                   f"{fmt_bytes(row['capacity_bytes'])}; {fix}. `paraplan plan` searches for what fits.")
+                   f"{fmt_bytes(row['capacity_bytes'])}; {fix}. `paraplan plan` searches for what fits.{buffers}")
     if config is not None and config.pp > 1 and estimate.bubble_fraction > BUBBLE_HINT_FRACTION:
         interleave = "" if config.vpp > 1 else " or an interleaved schedule (--vpp 2 or more)"
         out.append(f"The pipeline bubble idles the devices {estimate.bubble_fraction:.0%} of the step: more "
