@@ -111,6 +111,7 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
         >>> est.config.dp, est.fits
         (4, True)
     """
+    from planner.default_split import memory_shaped_note
     from planner.estimate import Evaluator
     from planner.training_code import TrainingCode
 
@@ -133,10 +134,10 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
         if not isinstance(config, ParallelConfig):  # degrees a user gives: sequence parallelism where it can run
             full = dataclasses.replace(full, sequence_parallel=sequence_parallel_for(graph.stream_tokens, full.tp, full.cp))
         estimate = evaluator.estimate(full, global_batch, boundaries=_checked_boundaries(boundaries, full, len(graph.layers)))
+        notes = memory_shaped_note(evaluator, full, estimate, global_batch) if boundaries is None else ()
         if seq_len is None and not isinstance(model, ModelGraph):
-            estimate = dataclasses.replace(estimate, notes=estimate.notes + (
-                f"no seq_len given: priced at {graph.seq_len} tokens per sequence, the model's own",))
-        return estimate
+            notes += (f"no seq_len given: priced at {graph.seq_len} tokens per sequence, the model's own",)
+        return dataclasses.replace(estimate, notes=estimate.notes + notes) if notes else estimate
     if boundaries is not None:
         raise invalid("boundaries: a plan is priced at its own split; give the degrees instead of the plan to price another")
     full, boundaries, policies = _planned_choices(planned, graph, global_batch)

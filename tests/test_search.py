@@ -32,7 +32,7 @@ from planner.graph import Recompute
 from planner.config_check import check_config
 from planner.memory_plan import memory_plan
 from planner.space import CP_MIN_SEQ_LEN, configs_for, enumerate_degrees
-from planner.stages import split_uniform
+from planner.stages import split_time_only, split_uniform
 from planner.training_code import TrainingCode
 from planner.zoo.spec import parse_spec
 
@@ -261,6 +261,26 @@ def test_memory_aware_split_fits_where_uniform_split_does_not():
           f"({uniform_best.config.short()}): {uniform_best.tokens_per_s:,.0f} tokens/s; searched plan "
           f"({searched.config.short()}): {searched.estimate.tokens_per_s:,.0f} tokens/s "
           f"({searched.estimate.tokens_per_s / uniform_best.tokens_per_s:.2f}x)")
+
+
+def test_evaluate_notes_where_memory_shapes_the_split():
+    # llama3-8b at 4K tokens on 8 H100s, pp 8 with 4 sequences a micro-batch: 1F1B keeps 8
+    # micro-batches in flight on stage 0, and the split that balances time alone overflows it, so
+    # evaluate prices the memory-aware split and says what the balanced one would take and need.
+    # With one sequence a micro-batch the balanced split fits: no note.
+    graph = planner.trace("llama3-8b", seq_len=4096)
+    config = dict(tp=1, pp=8, micro_batch=4, zero=1, recompute="none")
+    estimate = planner.evaluate(graph, "h100-sxm:1x8", config, global_batch=64)
+    note = next(note for note in estimate.notes if note.startswith("memory shapes the stage split"))
+    taken_s, stage = re.search(r"would take ([\d.]+) s \(\d+% less\) but needs [\d.]+ GiB on stage (\d+)", note).groups()
+    evaluator = Evaluator(graph, load_cluster("h100-sxm:1x8"))
+    full = estimate.config
+    balanced = evaluator.estimate(full, 64, boundaries=split_time_only(evaluator.stage_problem(full, [evaluator.policies(full)])).boundaries)
+    assert estimate.fits and not balanced.fits and balanced.step_time_s < estimate.step_time_s
+    assert float(taken_s) == pytest.approx(balanced.step_time_s, rel=1e-3)
+    assert max(balanced.memory, key=lambda row: row["total_bytes"] / row["capacity_bytes"])["stage"] == int(stage)
+    relaxed = planner.evaluate(graph, "h100-sxm:1x8", {**config, "micro_batch": 1}, global_batch=64)
+    assert relaxed.fits and not any(note.startswith("memory shapes") for note in relaxed.notes)
 
 
 def test_heterogeneous_cluster_gives_fast_devices_more_layers():
