@@ -112,10 +112,7 @@ def simulate(
     """
     schedule = check_args(schedule, fwd_s, bwd_s, num_microbatches, vpp, p2p_s, bwd_weight_fraction)
     pp, m = len(fwd_s), num_microbatches
-    split = bwd_weight_fraction if schedule == PipeSchedule.ZERO_BUBBLE else 0.0
-    orders = [_device_order(schedule, pp, d, m, vpp) for d in range(pp)]
-    durations = [(fwd_s[d] / vpp, bwd_s[d] * (1.0 - split) / vpp, bwd_s[d] * split) for d in range(pp)]
-    starts, ends = _run(orders, durations, m, vpp, hop_times(p2p_s, pp) if pp > 1 else (0.0,))
+    orders, starts, ends = _timeline(schedule, fwd_s, bwd_s, m, vpp, p2p_s, bwd_weight_fraction)
     events: list[PipeEvent] = []
     for d in range(pp):
         codes, microbatches, chunks = zip(*orders[d])
@@ -125,6 +122,17 @@ def simulate(
     busy = tuple(m * (fwd_s[d] + bwd_s[d]) for d in range(pp))
     bubble = 1.0 - sum(busy) / (pp * step) if step > 0 else 0.0
     return ScheduleResult(step_time_s=step, bubble_fraction=bubble, events=tuple(events), busy_s=busy)
+
+
+def _timeline(schedule: PipeSchedule, fwd_s: Sequence[float], bwd_s: Sequence[float], m: int, vpp: int,
+              p2p_s: float | Sequence[float], bwd_weight_fraction: float) -> tuple[list[list[_Op]], list[list[float]], list[list[float]]]:
+    """(orders, starts, ends) per device of a checked `simulate` call: the ops and their times."""
+    pp = len(fwd_s)
+    split = bwd_weight_fraction if schedule == PipeSchedule.ZERO_BUBBLE else 0.0
+    orders = [_device_order(schedule, pp, d, m, vpp) for d in range(pp)]
+    durations = [(fwd_s[d] / vpp, bwd_s[d] * (1.0 - split) / vpp, bwd_s[d] * split) for d in range(pp)]
+    starts, ends = _run(orders, durations, m, vpp, hop_times(p2p_s, pp) if pp > 1 else (0.0,))
+    return orders, starts, ends
 
 
 def _device_order(schedule: PipeSchedule, pp: int, device: int, m: int, vpp: int) -> list[_Op]:
@@ -260,5 +268,8 @@ def priced_step_s(schedule: PipeSchedule | str, fwd_s: Sequence[float], bwd_s: S
 @functools.lru_cache(maxsize=SIMULATED_STEPS_CACHE_SIZE)
 def _simulated_step_s(schedule: str, fwd_s: tuple, bwd_s: tuple, num_microbatches: int, vpp: int, hops: tuple,
                       bwd_weight_fraction: float) -> float:
-    """`simulate`'s step time, kept: a search prices the same pipeline under several ZeRO stages."""
-    return simulate(schedule, fwd_s, bwd_s, num_microbatches, vpp, hops, bwd_weight_fraction).step_time_s
+    """`simulate`'s step time, kept (a search prices the same pipeline under several ZeRO stages), without
+    building its events."""
+    checked = check_args(schedule, fwd_s, bwd_s, num_microbatches, vpp, hops, bwd_weight_fraction)
+    ends = _timeline(checked, fwd_s, bwd_s, num_microbatches, vpp, hops, bwd_weight_fraction)[2]
+    return max(device_ends[-1] for device_ends in ends)
