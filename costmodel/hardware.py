@@ -106,6 +106,8 @@ class DeviceSpec:
             achievable fraction of peak of a GEMM of that many FLOPs (interpolated in log space).
         devices_per_node, intra_link, nic: the usual node this device ships in.
         host_mem_bytes: host (CPU) memory of that usual node, shared by its devices (0 when unknown).
+        node_spans_hosts: the usual node is an NVLink domain across several hosts (GB200 NVL72: 18
+            trays of 4 GPUs), so smaller nodes of this device share one (`load_cluster`'s shorthand).
         price_per_hour: on-demand price per device-hour in USD (0 when unknown).
         power_w: board power (0 when unknown).
         description: human-readable product name.
@@ -135,6 +137,7 @@ class DeviceSpec:
     price_per_hour: float = 0.0
     power_w: float = 0.0
     host_mem_bytes: float = 0.0
+    node_spans_hosts: bool = False
     source: dict = field(default_factory=dict, compare=False, hash=False)
     description: str = field(default="", compare=False)
     op_tables: dict[str, str] = field(default_factory=dict, compare=False, hash=False)

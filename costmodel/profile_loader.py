@@ -56,7 +56,7 @@ _DEVICE_KEYS = ("name", "description", "peak_flops_per_s", "mem_bytes", "mem_bw_
                 "nic", "price_per_hour", "power_w", "op_tables", "sources")
 _DEVICE_REQUIRED = ("peak_flops_per_s", "mem_bytes", "mem_bw_bytes_per_s", "node", "nic")
 _SAME_RATE = {"fwd": 1.0, "bwd": 1.0}  # flash2_attention_ratio where FlashAttention-2 is the device's flash kernel
-_NODE_KEYS = ("devices_per_node", "intra_link", "host_mem_bytes")
+_NODE_KEYS = ("devices_per_node", "intra_link", "host_mem_bytes", "spans_hosts")
 _NODE_REQUIRED = ("devices_per_node", "intra_link")
 # `sources` may also name the node's host memory.
 _DEVICE_SOURCE_KEYS = (*_DEVICE_KEYS, "host_mem_bytes")
@@ -88,7 +88,10 @@ def load_cluster(spec: str | Path | dict | Cluster) -> Cluster:
     Args:
         spec: a Cluster (returned unchanged); a dict in the cluster-file schema; a built-in cluster
             name; a cluster `.yaml`/`.json` path; `DEVICE:NODESxGPUS` (NODES nodes of GPUS devices,
-            with the device's usual links even when GPUS differs from its usual node size); or
+            with the device's usual links even when GPUS differs from its usual node size; where that
+            node is an NVLink domain across hosts, `DeviceSpec.node_spans_hosts`, nodes of fewer
+            devices are joined into domains: the most devices, up to the usual node, that whole
+            nodes fill and that divide the cluster, e.g. gb200:32x8 is 4 domains of 64); or
             `DEVICE:N` (N devices: one node when N fits in the device's usual node, otherwise
             N / devices_per_node full nodes, which must divide evenly). DEVICE may be a device
             file path.
@@ -152,9 +155,15 @@ def _load_shorthand(text: str) -> Cluster:
                                f" use a multiple of {per_node} or write NODESxGPUS explicitly")
         nodes, gpus = (1, total) if total <= per_node else (total // per_node, per_node)
     fields.cluster_devices(origin, "NODES", nodes * gpus)
+    given = f"{nodes} x {gpus}"
+    if device.node_spans_hosts and gpus < device.devices_per_node:
+        domain = max(size for size in range(gpus, min(device.devices_per_node, nodes * gpus) + 1, gpus)
+                     if nodes * gpus % size == 0)
+        nodes, gpus = nodes * gpus // domain, domain
     node = NodeSpec(device, gpus, device.intra_link, device.nic, usual_host_share(device, gpus))
+    joined = f" (the {given} nodes joined into NVLink domains of {gpus})" if given != f"{nodes} x {gpus}" else ""
     return Cluster(f"{device.name}:{nodes}x{gpus}", (NodeGroup(node, nodes),),
-                   description=f"{nodes} x {gpus} {device.description or device.name}")
+                   description=f"{nodes} x {gpus} {device.description or device.name}{joined}")
 
 
 def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Path, ...], base: Path) -> DeviceSpec:
@@ -187,6 +196,7 @@ def _parse_device(origin: Origin, data: dict, default_name: str, dirs: tuple[Pat
         price_per_hour=fields.optional_positive(origin, "price_per_hour", data),
         power_w=fields.optional_positive(origin, "power_w", data),
         host_mem_bytes=_host_bytes(origin, "node.host_mem_bytes", node),
+        node_spans_hosts=fields.boolean(origin, "node.spans_hosts", node.get("spans_hosts", False)),
         op_tables=_op_tables(origin, data.get("op_tables", {}), base, name),
         source=fields.sources(origin, "", data.get("sources", {}), _DEVICE_SOURCE_KEYS),
         description=fields.text(origin, "description", data.get("description", "")),

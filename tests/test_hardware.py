@@ -168,6 +168,21 @@ def test_shorthand_device_count(spec, nodes, per_node):
     assert (cluster.num_nodes, cluster.groups[0].node.devices_per_node) == (nodes, per_node)
 
 
+@pytest.mark.parametrize("spec, nodes, per_node", [
+    # GB200's NVLink domain is the 72-GPU rack across 18 trays: nodes of fewer GPUs share one, up to
+    # the most GPUs that whole nodes fill and that divide the cluster (256 = 4 x 64; 80 = 2 x 40).
+    ("gb200:32x8", 4, 64), ("gb200:64x4", 4, 64), ("gb200:2x8", 1, 16), ("gb200:10x8", 2, 40), ("gb200:2x64", 2, 64),
+    ("gb200:1x72", 1, 72),
+    # An H100's NVLink domain is its host: nodes of 4 stay nodes of 4.
+    ("h100-sxm:16x4", 16, 4)])
+def test_shorthand_joins_nodes_into_a_domain_that_spans_hosts(spec, nodes, per_node):
+    cluster = load_cluster(spec)
+    assert (cluster.num_nodes, cluster.groups[0].node.devices_per_node) == (nodes, per_node)
+    given_nodes, gpus = map(int, spec.split(":")[1].split("x"))
+    assert cluster.num_devices == given_nodes * gpus
+    assert ("joined into NVLink domains" in cluster.description) == (nodes != given_nodes)
+
+
 def test_shorthand_accepts_a_device_file(tmp_path):
     path = _device_with(tmp_path)
     assert load_cluster(f"{path}:3x2").num_devices == 6
@@ -403,7 +418,8 @@ def test_random_shorthand_parses_to_nodes_times_gpus_or_raises_profile_error(dev
         assert "\n" not in str(err)
         return
     assert isinstance(cluster, Cluster)
-    assert cluster.num_devices == int(nodes) * int(gpus) and cluster.num_nodes == int(nodes)
+    joined = cluster.groups[0].node.device.node_spans_hosts and int(gpus) < cluster.groups[0].node.device.devices_per_node
+    assert cluster.num_devices == int(nodes) * int(gpus) and (joined or cluster.num_nodes == int(nodes))
 
 
 # --- rendering ---------------------------------------------------------------------------------
