@@ -93,6 +93,8 @@ class MoEFeedForward(nn.Module):
         is_choice = chosen.unsqueeze(1) == torch.arange(self.num_experts, device=x.device)
         queue_pos = (is_choice.cumsum(dim=0) * is_choice).sum(dim=1) - 1
         slot = torch.where(queue_pos < capacity, chosen * capacity + queue_pos, spare_slot)
+        # The token each slot holds: pairs write their slots (only dropped pairs share one, the spare,
+        # cut off); an empty slot reads token 0, whose expert output no pair gathers back.
         pair_token = torch.arange(num_tokens * self.top_k, device=x.device) % num_tokens
         slot_token = slot.new_zeros(spare_slot + 1).scatter(0, slot, pair_token)[:-1]
         expert_out = self.experts(tokens[slot_token].unflatten(0, (self.num_experts, capacity)))
