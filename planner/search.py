@@ -44,7 +44,8 @@ EXPLAIN_EXAMPLES_PER_REASON = 3
 # recompute twin to be refined per layer at the candidate's bound (`Search.run`). A search-speed
 # choice, measured (this machine, `python benchmarks/search_speed.py`): with no limit the four cases
 # took 6.5-23 s instead of 2.9-7.5 s for the same plans; mixtral-8x7b on 2 x 8 H100 at 4K tokens, 16
-# sequences at tp 2, missed by 1.0% a plan (one layer recomputed) whose candidate was 0.1% over.
+# sequences at tp 2, missed by 1.0% a plan (one layer recomputed) whose candidate was 0.1% over (since
+# its MoE tokens move by gathers that candidate fits; `tests/test_search.py` takes 4608 tokens, 2.5% over).
 PIPELINED_TWIN_OVERSHOOT = 0.05
 
 
