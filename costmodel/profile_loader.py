@@ -151,8 +151,11 @@ def _load_shorthand(text: str) -> Cluster:
         if total < 1:
             raise origin.error("N", "needs at least 1 device")
         if total > per_node and total % per_node:
+            domain = max(size for size in range(1, per_node + 1) if total % size == 0)
+            joined = (f", e.g. {device.name}:{total // domain}x{domain} ({device.name} nodes of fewer devices are parts of "
+                      f"NVLink domains)" if device.node_spans_hosts and domain > 1 else "")
             raise origin.error("N", f"{total} devices do not fill whole {per_node}-device {device.name} nodes;"
-                               f" use a multiple of {per_node} or write NODESxGPUS explicitly")
+                               f" use a multiple of {per_node} or write NODESxGPUS explicitly{joined}")
         nodes, gpus = (1, total) if total <= per_node else (total // per_node, per_node)
     fields.cluster_devices(origin, "NODES", nodes * gpus)
     given = f"{nodes} x {gpus}"

@@ -183,6 +183,16 @@ def test_shorthand_joins_nodes_into_a_domain_that_spans_hosts(spec, nodes, per_n
     assert ("joined into NVLink domains" in cluster.description) == (nodes != given_nodes)
 
 
+def test_a_device_count_past_a_host_spanning_domain_suggests_nodes_that_join_one():
+    # 256 GB200s do not fill 72-GPU racks; 4 domains of 64 do, and the shorthand builds them.
+    with pytest.raises(ProfileError, match=r"72-device gb200 nodes; .* e\.g\. gb200:4x64 \(gb200 nodes of fewer"):
+        load_cluster("gb200:256")
+    assert load_cluster("gb200:4x64").num_devices == 256
+    with pytest.raises(ProfileError) as error:
+        load_cluster("a100-80g:12")
+    assert "e.g." not in str(error.value)
+
+
 def test_shorthand_accepts_a_device_file(tmp_path):
     path = _device_with(tmp_path)
     assert load_cluster(f"{path}:3x2").num_devices == 6
