@@ -649,7 +649,6 @@ def test_a_sequence_past_a_learned_position_table_is_refused_in_one_line():
     assert any("position table" in note for note in trace("gpt2", seq_len=2048).notes)
 
 
-
 class _DropoutBlock(nn.Module):
     def __init__(self, hidden: int):
         super().__init__()
