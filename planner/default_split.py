@@ -64,6 +64,12 @@ def default_splits(evaluator, config: ParallelConfig, policies: tuple[Recompute,
     return (boundaries,) if refined == boundaries else (boundaries, refined)
 
 
+def chunk_boundaries(estimate: Estimate) -> np.ndarray:
+    """The pp*vpp+1 layer cut points of the estimate's pipeline chunks, in chunk order."""
+    runs = sorted(run for stage in estimate.stages for run in (stage.chunks or ((stage.first_layer, stage.last_layer),)))
+    return np.array([first for first, _ in runs] + [runs[-1][1] + 1])
+
+
 # Gap (a fraction of the step) beyond which a note says memory shaped the split.
 MEMORY_SHAPED_NOTE_GAP = 0.01
 
@@ -74,8 +80,7 @@ def memory_shaped_note(evaluator, config: ParallelConfig, estimate: Estimate, gl
     does not fit."""
     if config.pp * config.vpp == 1 or not estimate.fits:
         return ()
-    runs = sorted(run for stage in estimate.stages for run in (stage.chunks or ((stage.first_layer, stage.last_layer),)))
-    chosen = (*(first for first, _ in runs), runs[-1][1] + 1)
+    chosen = tuple(int(b) for b in chunk_boundaries(estimate))
     problem = evaluator.stage_problem(config, [evaluator.policies(config, None)])
     balanced = tuple(int(b) for b in split_time_only(problem).boundaries)
     if balanced == chosen:

@@ -22,7 +22,7 @@ import numpy as np
 
 from costmodel.memory import ALLOCATOR_FRAGMENTATION_FRACTION
 from planner.config import ParallelConfig
-from planner.default_split import refined_split
+from planner.default_split import chunk_boundaries, refined_split
 from planner.errors import PlannerError
 from planner.estimate import Evaluator
 from planner.graph import LayerKind, Recompute
@@ -90,12 +90,6 @@ def refine_recompute(evaluator: Evaluator, config: ParallelConfig, estimate: Est
                 break
             caps = corrected
     return best, best_info or info
-
-
-def chunk_boundaries(estimate: Estimate) -> np.ndarray:
-    """The pp*vpp+1 layer cut points of the estimate's pipeline chunks, in chunk order."""
-    runs = sorted(run for stage in estimate.stages for run in (stage.chunks or ((stage.first_layer, stage.last_layer),)))
-    return np.array([first for first, _ in runs] + [runs[-1][1] + 1])
 
 
 def _corrected_caps(caps: np.ndarray, ilp_bytes, estimate: Estimate, headroom: float, config: ParallelConfig) -> np.ndarray:

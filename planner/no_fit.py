@@ -85,10 +85,9 @@ def _lever(evaluator: Evaluator, label: str, variant: ParallelConfig, need_bytes
         return label
     estimate = evaluator.estimate(variant, global_batch, headroom=headroom)
     verdict = _verdict(label, "the closest", estimate.peak_memory_bytes, need_bytes, usable_bytes)
-    over = [row for row in estimate.memory if row["host_capacity_bytes"] and row["host_bytes"] > row["host_capacity_bytes"]]
-    if verdict is None or not over:
+    row = estimate.host_overflow()
+    if verdict is None or row is None:
         return verdict
-    row = max(over, key=lambda r: r["host_bytes"] / r["host_capacity_bytes"])
     devices = math.ceil(evaluator.cluster.num_devices * row["host_bytes"] / row["host_capacity_bytes"])
     return (f"{verdict[:-1]}, but its offloaded states then need {row['host_bytes'] / GIB:.1f} GiB of host memory per "
             f"device of {row['host_capacity_bytes'] / GIB:.1f} GiB: with nodes of more host memory or about {devices}+ devices)")

@@ -14,9 +14,10 @@ import time
 from collections import Counter
 
 from planner.config import ParallelConfig
+from planner.default_split import chunk_boundaries
 from planner.estimate import Evaluator
 from planner.graph import Recompute
-from planner.memory_plan import MEMORY_ILP_TIME_LIMIT_S, chunk_boundaries, memory_plan, uniform_recompute
+from planner.memory_plan import MEMORY_ILP_TIME_LIMIT_S, memory_plan, uniform_recompute
 from planner.result import Alternative
 from planner.stage_polish import refines
 from planner.stages import split_time_only
