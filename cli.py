@@ -16,7 +16,7 @@ from typing import TextIO
 
 from planner.cli_args import build_parser
 from planner.config import CONFIG_KEYS
-from planner.errors import PlannerError, invalid
+from planner.errors import PlannerError, PlannerErrorKind, invalid
 from planner.output_paths import check_writable_dir, check_writable_file
 
 
@@ -208,6 +208,16 @@ def _terminate(signum, frame):
     raise _Terminated
 
 
+def _fail(kind: PlannerErrorKind, message: str, exit_code: int, json_out) -> int:
+    """Writes the one-line error to standard error and, under --json, as the JSON object
+    {"error": {"kind", "message", "exit_code"}} to `json_out`; returns the exit code."""
+    sys.stderr.write(f"paraplan: {message}\n")
+    if json_out is not None:
+        json.dump({"error": {"kind": str(kind), "message": message, "exit_code": exit_code}}, json_out)
+        json_out.write("\n")
+    return exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from costmodel.errors import ProfileError
@@ -216,15 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # `--model mymodel:build` imports mymodel.py from here, as `python -m` would
     json_out = sys.stdout
+    wants_json = getattr(args, "json", False)
     try:
-        with contextlib.redirect_stdout(sys.stderr) if getattr(args, "json", False) else contextlib.nullcontext():
+        with contextlib.redirect_stdout(sys.stderr) if wants_json else contextlib.nullcontext():
             return _run(args, json_out)
     except PlannerError as error:
-        sys.stderr.write(f"paraplan: {error.message}\n")
-        return error.exit_code
+        return _fail(error.kind, error.message, error.exit_code, json_out if wants_json else None)
     except ProfileError as error:
-        sys.stderr.write(f"paraplan: {error}\n")
-        return 2
+        return _fail(PlannerErrorKind.INVALID_INPUT, str(error), 2, json_out if wants_json else None)
     except KeyboardInterrupt:
         sys.stderr.write("paraplan: interrupted\n")
         return 130

@@ -60,7 +60,7 @@ def evaluate_row(model: str, gpus: int, global_batch: int, micro_batch: int, seq
     # NeMo runs Megatron-Core's pipeline schedules, its vocab-parallel cross-entropy (in place on fp32 logits)
     # and its sequence-parallel linears, which gather their input again in backward
     return evaluate(graph, cluster, config, global_batch=global_batch, dtype=dtype, elementwise=elementwise,
-                    pp_buffers="transient", loss="inplace", sp_gather="regathered")
+                    pp_buffers="transient", loss="inplace", sp_gather="regathered", fixes=False)
 
 
 def main() -> None:

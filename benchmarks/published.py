@@ -39,7 +39,8 @@ def evaluate_row(row: Row, contract_flags: bool = False) -> Estimate:
         attention=row.attention, tp_overlap=row.tp_overlap, loss=row.loss, zero3_fetch=row.zero3_fetch,
         dp_sync=row.dp_sync, pp_buffers=row.pp_buffers, sp_gather=row.sp_gather)
     for config in fitting_configs(row):
-        est = evaluate(graph, row.cluster_spec(), config, global_batch=row.global_batch, dtype=row.dtype, **software)
+        est = evaluate(graph, row.cluster_spec(), config, global_batch=row.global_batch, dtype=row.dtype, fixes=False,
+                       **software)
         if est.fits:
             break
     return est

@@ -94,7 +94,7 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
              dtype: str | None = None, attention: str | None = None, tp_overlap: bool | None = None, loss: str | None = None,
              zero3_fetch: str | None = None, dp_sync: str | None = None, elementwise: str | None = None,
              pp_buffers: str | None = None, cp_comm: str | None = None, sp_gather: str | None = None,
-             pp_outputs: str | None = None, boundaries: tuple[int, ...] | None = None) -> Estimate:
+             pp_outputs: str | None = None, boundaries: tuple[int, ...] | None = None, fixes: bool = True) -> Estimate:
     """Predict step time, throughput, MFU and per-stage memory of one configuration.
 
     `model` is as for `plan`. `config` is the degrees a user gives (`make_config`), a ParallelConfig, or a Plan: a plan is
@@ -104,6 +104,8 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
     `boundaries`, for degrees given: the pipeline split as pp*vpp+1 cut points over the traced graph's
     layers (`trace(...).layers`; chunk c holds layers [boundaries[c], boundaries[c+1])); by default the
     memory-aware split, refined by where the schedule puts its heavy stages.
+    `fixes`: where the degrees given do not fit, price the single changes that would
+    (`Estimate.fixes`, `planner.fit_fixes`).
 
     Example::
 
@@ -113,6 +115,7 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
     """
     from planner.default_split import memory_shaped_note
     from planner.estimate import Evaluator
+    from planner.fit_fixes import fit_fixes, idle_recompute_note
     from planner.training_code import TrainingCode
 
     planned = config if isinstance(config, Plan) else None
@@ -134,7 +137,10 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
         if not isinstance(config, ParallelConfig):  # degrees a user gives: sequence parallelism where it can run
             full = dataclasses.replace(full, sequence_parallel=sequence_parallel_for(graph.stream_tokens, full.tp, full.cp))
         estimate = evaluator.estimate(full, global_batch, boundaries=_checked_boundaries(boundaries, full, len(graph.layers)))
-        notes = memory_shaped_note(evaluator, full, estimate, global_batch) if boundaries is None else ()
+        notes = idle_recompute_note(evaluator, full, estimate, global_batch)
+        notes += memory_shaped_note(evaluator, full, estimate, global_batch) if boundaries is None else ()
+        if fixes and boundaries is None:
+            estimate = dataclasses.replace(estimate, fixes=fit_fixes(evaluator, full, estimate, global_batch))
         if seq_len is None and not isinstance(model, ModelGraph):
             notes += (f"no seq_len given: priced at {graph.seq_len} tokens per sequence, the model's own",)
         return dataclasses.replace(estimate, notes=estimate.notes + notes) if notes else estimate

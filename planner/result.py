@@ -63,6 +63,22 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class Fix:
+    """One change of a configuration that does not fit, priced (`planner.fit_fixes`): `change` as
+    command-line flags, with the step time and peak memory per device the changed one has;
+    `combined` where it is several changes made together because no single one fits."""
+
+    change: str
+    step_time_s: float
+    peak_memory_bytes: float
+    fits: bool
+    combined: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class Estimate:
     """Predicted performance and memory of one configuration on one cluster.
 
@@ -88,6 +104,7 @@ class Estimate:
     pipeline_p2p_s: tuple[float, ...] = ()
     seq_len: int | None = None  # tokens per sequence priced (the model's own where none was given)
     global_batch: int | None = None  # sequences per optimizer step
+    fixes: tuple[Fix, ...] = ()  # where it does not fit: the changes that would (`planner.fit_fixes`)
 
     def host_overflow(self) -> dict | None:
         """The stage row (of `memory`) whose offloaded optimizer states exceed its devices' share of
@@ -110,6 +127,7 @@ class Estimate:
             "stages": [s.to_dict() for s in self.stages],
             "notes": list(self.notes),
             "pipeline_p2p_s": list(self.pipeline_p2p_s),
+            "fixes": [fix.to_dict() for fix in self.fixes],
         }
         if self.config is not None:
             out["config"] = self.config.to_dict()
@@ -135,6 +153,7 @@ class Estimate:
             pipeline_p2p_s=tuple(data.get("pipeline_p2p_s", ())),
             seq_len=data.get("seq_len"),
             global_batch=data.get("global_batch"),
+            fixes=tuple(Fix(**fix) for fix in data.get("fixes", ())),
         )
 
 

@@ -122,7 +122,9 @@ def test_evaluate_json_contract(capsys):
     assert data["peak_memory_bytes"] == max(row["total_bytes"] for row in data["memory"])
     assert data["tokens_per_s"] == pytest.approx(32 * 128 / data["step_time_s"])
     assert isinstance(data["fits"], bool) and 0 < data["mfu"] < 1
-    assert (data["seq_len"], data["global_batch"]) == (128, 32) and data["notes"] == []
+    assert (data["seq_len"], data["global_batch"]) == (128, 32) and data["fixes"] == []
+    # gpt2's attention is a fused kernel: selective recompute drops nothing and says so.
+    assert len(data["notes"]) == 1 and data["notes"][0].startswith("--recompute selective drops 0.")
 
 
 def test_evaluate_without_seq_len_says_the_length_it_priced(capsys):
@@ -679,6 +681,23 @@ def test_nothing_fits_exits_3_saying_what_would(capsys):
     assert out == ""
     assert err.count("\n") == 1
     assert "no plan fits" in err and "devices" in err
+
+
+def test_under_json_an_error_is_also_a_json_object_on_standard_output(capsys):
+    # A script reading --json gets the error as the one object on standard output; the line on
+    # standard error and the exit code stay as without --json.
+    bad = ["evaluate", *RUN_ARGS, "--tp", "3", "--pp", "1"]
+    code, out, err = run(bad, capsys)
+    assert code == 2 and out == ""
+    code, out, json_err = run([*bad, "--json"], capsys)
+    assert code == 2 and json_err == err
+    assert json.loads(out) == {"error": {"kind": "invalid_input", "message": err.removeprefix("paraplan: ").rstrip("\n"),
+                                         "exit_code": 2}}
+    code, out, err = run(["plan", "--model", "llama2-7b", "--seq-len", "256", "--cluster", "a100-40g:1x1", "--global-batch", "8",
+                          "--no-offload", "--json"], capsys)
+    error = json.loads(out)["error"]
+    assert code == 3 and error["kind"] == "insufficient_memory" and error["exit_code"] == 3
+    assert err == f"paraplan: {error['message']}\n" and "no plan fits" in error["message"]
 
 
 @pytest.mark.parametrize("model", ["gpt3-125m", "tests.fixtures.custom_models:mismatched_inputs_factory"])

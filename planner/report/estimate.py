@@ -116,12 +116,23 @@ def hints(estimate: Estimate) -> list[str]:
                    f"fewer of them."
                    if config is not None and config.pp > 1 and row["comm_buffers_bytes"] >= over > 0 else "")
         out.append(f"Does not fit: stage {row['stage']} needs {fmt_bytes(row['total_bytes'])} of "
-                   f"{fmt_bytes(row['capacity_bytes'])}; {fix}. `paraplan plan` searches for what fits.{buffers}")
+                   f"{fmt_bytes(row['capacity_bytes'])}; {fix}.{_fits_with(estimate.fixes)} `paraplan plan` searches for "
+                   f"what fits.{buffers}")
     if config is not None and config.pp > 1 and estimate.bubble_fraction > BUBBLE_HINT_FRACTION:
         interleave = "" if config.vpp > 1 else " or an interleaved schedule (--vpp 2 or more)"
         out.append(f"The pipeline bubble idles the devices {estimate.bubble_fraction:.0%} of the step: more "
                    f"micro-batches (a larger --global-batch or a smaller --micro-batch){interleave} shrink it.")
     return out
+
+
+def _fits_with(fixes) -> str:
+    """The priced changes that fit (`Estimate.fixes`) as a sentence, with a leading space; "" for none."""
+    priced = [f"{fix.change} ({fmt_bytes(fix.peak_memory_bytes)}, {fix.step_time_s:.3f} s a step)" for fix in fixes]
+    if not priced:
+        return ""
+    if fixes[0].combined:
+        return f" No single change fits; these together do: {priced[0]}."
+    return f" It fits with {_or(priced)}."
 
 
 def _state_fixes(config, offload: bool) -> list[str]:
