@@ -23,11 +23,8 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import io
-import logging
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
@@ -37,6 +34,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from planner import eager_run, measure
+from planner.capture_context import autocast_meta_as_cpu, quiet_export
 from planner.errors import PlannerError, PlannerErrorKind, check_positive_int, invalid
 from planner.graph import EXPERTS_MODULE, Layer, LayerKind, ModelDims, ModelGraph, OpKind, recurrent_targets
 from planner.head_attrs import KEY_VALUE_HEAD_ATTRS, QUERY_HEAD_ATTRS, head_count
@@ -67,7 +65,6 @@ NOTE_REASON_CHARS = 160
 
 _META = torch.device("meta")
 _CPU = torch.device("cpu")
-_EXPORT_LOGGERS = ("torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes", "torch._subclasses.fake_tensor")
 _TOKEN_ACTIVATION_RANK = 3  # (batch, sequence, hidden)
 
 
@@ -125,8 +122,9 @@ def _trace_cached(key: ModelSource | str | nn.Module | ModelSpec, seq_len: int, 
                          f"{seq_len} (its weights included): no longer the published model")
         model = with_language_model_loss(_on_meta(model, notes), inputs, notes)
         grouping = Grouping.of(model)
-        method, layers = _capture_and_measure(source, model, inputs, grouping, seq_len,
-                                              micro_batch, notes)
+        with autocast_meta_as_cpu():
+            method, layers = _capture_and_measure(source, model, inputs, grouping, seq_len,
+                                                  micro_batch, notes)
     _check_position_tables(source, layers, seq_len)
     frozen = sum(layer.frozen_params for layer in layers)
     if frozen:
@@ -276,7 +274,7 @@ def _capture_and_measure(source: ModelSource, model: nn.Module, inputs: tuple,
         failed_in = next(reversed(tracer.module_stack.values()), ("",))[0]
         notes.append(f"fx failed in {_module_label(failed_in)}: {_reason(exc)}")
     try:
-        with _quiet_export():
+        with quiet_export():
             gm = torch.export.export(model, inputs, strict=False).module()
         return "export", graph_layers(gm, gm.graph, model, inputs, grouping, notes)
     except measure.NoGradOutputError as exc:
@@ -311,22 +309,6 @@ def _capture_and_measure(source: ModelSource, model: nn.Module, inputs: tuple,
     notes.append("module-level trace: one op per leaf-module call, measured in one eager run "
                  "on CPU tensors")
     return "module", module_layers(run, cpu_model, grouping, notes)
-
-
-@contextmanager
-def _quiet_export() -> Iterator[None]:
-    """Silences what a failing torch.export prints: the partial graph (written to stderr) and
-    logged guard warnings; the reason is kept in the notes instead."""
-    loggers = [logging.getLogger(name) for name in _EXPORT_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL)
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
 
 
 def _module_label(fqn: str) -> str:

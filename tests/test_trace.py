@@ -255,6 +255,18 @@ def test_blocks_inside_a_torch_nn_module_are_layers():
         assert all(model.get_submodule(fqn) is not None for fqn in layer.fqns)
 
 
+def test_autocast_on_the_capture_device_does_not_stop_the_capture():
+    # Hugging Face's rotary embeddings open torch.autocast(device_type=x.device.type); captured on
+    # meta that is autocast("meta"), which torch refuses. fx cannot trace it either (the device type
+    # is a proxy), so export must run it, not the module-level fallback on real weights.
+    graph = trace(f"{FIXTURES}:autocast_rotary_lm", seq_len=32)
+    assert graph.trace_method == "export"
+    plain = trace(f"{FIXTURES}:fused_qkv_lm", seq_len=32)
+    assert graph.params == plain.params
+    # The rotary angles add elementwise work only: the same matmul and attention FLOPs.
+    assert graph.layers[1].fwd_flops == pytest.approx(plain.layers[1].fwd_flops, rel=0.01)
+
+
 def test_layers_own_the_buffers_they_read():
     # Batch norm keeps running mean and variance (C values each, fp32 in training whatever the traced
     # dtype: FSDP2 casts parameters only) and a step count (int64): the stem's BN has 16 channels,
