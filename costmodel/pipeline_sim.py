@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from itertools import repeat
 
+import numpy as np
+
 from costmodel.pipeline import PipeSchedule, check_args, hop_times, step_time_s, warmup_forwards
+from costmodel.pipeline_levels import Program, record, run
 
 # Transfers up to this share of a device's shortest op (a chunk's forward or backward, a zero-bubble
 # B or W) leave the closed form (`pipeline.step_time_s`) at most 4.8% below the simulation: measured
@@ -25,6 +28,8 @@ from costmodel.pipeline import PipeSchedule, check_args, hop_times, step_time_s,
 CLOSED_FORM_HOP_SHARE = 0.25
 # Simulated pipelines kept by `priced_step_s`.
 SIMULATED_STEPS_CACHE_SIZE = 4096
+# Recorded schedule shapes (schedule, pp, m, vpp) kept; a search meets a handful.
+RECORDED_SHAPES_CACHE_SIZE = 16
 
 
 class EventKind(StrEnum):
@@ -128,11 +133,29 @@ def _timeline(schedule: PipeSchedule, fwd_s: Sequence[float], bwd_s: Sequence[fl
               p2p_s: float | Sequence[float], bwd_weight_fraction: float) -> tuple[list[list[_Op]], list[list[float]], list[list[float]]]:
     """(orders, starts, ends) per device of a checked `simulate` call: the ops and their times."""
     pp = len(fwd_s)
+    orders, program = _recorded(schedule, pp, m, vpp)
+    _, starts, ends = run(program, _durations(schedule, fwd_s, bwd_s, vpp, bwd_weight_fraction), _hops(p2p_s, pp), times=True)
+    bounds = np.cumsum([len(order) for order in orders])[:-1]
+    return orders, [part.tolist() for part in np.split(starts, bounds)], [part.tolist() for part in np.split(ends, bounds)]
+
+
+def _durations(schedule: PipeSchedule, fwd_s: Sequence[float], bwd_s: Sequence[float], vpp: int,
+               bwd_weight_fraction: float) -> list[tuple[float, float, float]]:
+    """Each device's forward, backward and weight-gradient op times: a chunk's share of its stage's,
+    the weight gradient split from the backward under zero bubble only."""
     split = bwd_weight_fraction if schedule == PipeSchedule.ZERO_BUBBLE else 0.0
+    return [(fwd_s[d] / vpp, bwd_s[d] * (1.0 - split) / vpp, bwd_s[d] * split) for d in range(len(fwd_s))]
+
+
+def _hops(p2p_s: float | Sequence[float], pp: int) -> tuple[float, ...]:
+    return hop_times(p2p_s, pp) if pp > 1 else (0.0,)
+
+
+@functools.lru_cache(maxsize=RECORDED_SHAPES_CACHE_SIZE)
+def _recorded(schedule: PipeSchedule, pp: int, m: int, vpp: int) -> tuple[list[list[_Op]], Program]:
+    """Every device's order of ops and their recorded program (`pipeline_levels.record`), once per shape."""
     orders = [_device_order(schedule, pp, d, m, vpp) for d in range(pp)]
-    durations = [(fwd_s[d] / vpp, bwd_s[d] * (1.0 - split) / vpp, bwd_s[d] * split) for d in range(pp)]
-    starts, ends = _run(orders, durations, m, vpp, hop_times(p2p_s, pp) if pp > 1 else (0.0,))
-    return orders, starts, ends
+    return orders, record(orders, m, vpp)
 
 
 def _device_order(schedule: PipeSchedule, pp: int, device: int, m: int, vpp: int) -> list[_Op]:
@@ -166,84 +189,6 @@ def _device_order(schedule: PipeSchedule, pp: int, device: int, m: int, vpp: int
     return with_weights
 
 
-def _run(
-    orders: list[list[_Op]], durations: list[tuple[float, float, float]], m: int, vpp: int, hops_s: tuple[float, ...]
-) -> tuple[list[list[float]], list[list[float]]]:
-    """Times every op: each starts once the previous op on its device and its dependencies end.
-
-    A device advances until its next op waits on another device's result and notes which one;
-    producing that result puts the device back on the work stack. Every op is timed once. A
-    result bound for another device is stored as its arrival there (`_send`).
-    """
-    pp = len(orders)
-    last_stage = vpp * pp - 1
-    forward_ready: list[float | None] = [None] * ((last_stage + 1) * m)
-    backward_ready: list[float | None] = [None] * ((last_stage + 1) * m)
-    waits_forward = [-1] * pp
-    waits_backward = [-1] * pp
-    starts: list[list[float]] = [[] for _ in range(pp)]
-    ends: list[list[float]] = [[] for _ in range(pp)]
-    free_at = [0.0] * pp
-    link_free_at = [0.0] * pp  # each device's sends go out one at a time (its NIC or NVLink port)
-    cursor = [0] * pp
-    pending = list(range(pp))
-    while pending:
-        device = pending.pop()
-        order, position, now = orders[device], cursor[device], free_at[device]
-        device_starts, device_ends, cost = starts[device], ends[device], durations[device]
-        next_device, previous_device = (device + 1) % pp, (device - 1) % pp
-        while position < len(order):
-            code, mb, chunk = order[position]
-            stage = chunk * pp + device
-            ready = 0.0
-            if code == _FORWARD:
-                if stage > 0:
-                    key = (stage - 1) * m + mb
-                    upstream = forward_ready[key]
-                    if upstream is None:
-                        waits_forward[device] = key
-                        break
-                    ready = upstream
-            elif code == _BACKWARD and stage < last_stage:
-                key = (stage + 1) * m + mb
-                downstream = backward_ready[key]
-                if downstream is None:
-                    waits_backward[device] = key
-                    break
-                ready = downstream
-            start = now if now > ready else ready
-            now = start + cost[code]
-            device_starts.append(start)
-            device_ends.append(now)
-            position += 1
-            if code == _FORWARD:
-                key = stage * m + mb
-                forward_ready[key] = _send(link_free_at, device, now, hops_s[device]) if stage < last_stage else now
-                if waits_forward[next_device] == key:
-                    waits_forward[next_device] = -1
-                    pending.append(next_device)
-            elif code == _BACKWARD:
-                key = stage * m + mb
-                backward_ready[key] = _send(link_free_at, device, now, hops_s[previous_device]) if stage > 0 else now
-                if waits_backward[previous_device] == key:
-                    waits_backward[previous_device] = -1
-                    pending.append(previous_device)
-        cursor[device], free_at[device] = position, now
-    stuck = [d for d in range(pp) if cursor[d] < len(orders[d])]
-    if stuck:
-        raise RuntimeError(f"pipeline schedule deadlocked on devices {stuck}: the per-device orders are inconsistent")
-    return starts, ends
-
-
-def _send(link_free_at: list[float], device: int, ready_s: float, hop_s: float) -> float:
-    """When a result `device` has ready at `ready_s` arrives at its neighbour, after the device's
-    earlier sends (one at a time, in the order it produced them, to either neighbour: they leave
-    through the same NIC or NVLink port); marks the device's sending busy until then."""
-    arrival = max(ready_s, link_free_at[device]) + hop_s
-    link_free_at[device] = arrival
-    return arrival
-
-
 def priced_step_s(schedule: PipeSchedule | str, fwd_s: Sequence[float], bwd_s: Sequence[float], num_microbatches: int,
                   vpp: int = 1, p2p_s: float | Sequence[float] = 0.0, bwd_weight_fraction: float = 0.5) -> float:
     """The pipeline time an estimate prices: the closed form (`pipeline.step_time_s`), within 4.8%
@@ -271,5 +216,5 @@ def _simulated_step_s(schedule: str, fwd_s: tuple, bwd_s: tuple, num_microbatche
     """`simulate`'s step time, kept (a search prices the same pipeline under several ZeRO stages), without
     building its events."""
     checked = check_args(schedule, fwd_s, bwd_s, num_microbatches, vpp, hops, bwd_weight_fraction)
-    ends = _timeline(checked, fwd_s, bwd_s, num_microbatches, vpp, hops, bwd_weight_fraction)[2]
-    return max(device_ends[-1] for device_ends in ends)
+    program = _recorded(checked, len(fwd_s), num_microbatches, vpp)[1]
+    return run(program, _durations(checked, fwd_s, bwd_s, vpp, bwd_weight_fraction), _hops(hops, len(fwd_s)))[0]

@@ -270,6 +270,38 @@ def test_simulation_respects_every_dependency(case, p2p_s):
     assert result.step_time_s == max(e.end_s for e in result.events)
 
 
+@given(unequal_stage_cases(), st.floats(0.0, 0.5))
+def test_every_op_starts_as_soon_as_its_device_and_its_input_allow(case, p2p_s):
+    # Replayed from the events alone: a device's results leave one at a time, in the order it made
+    # them, and arrive a hop later (its link's queue); each op then starts exactly at the later of
+    # its device's previous end and its input's arrival, with the same floating-point operations.
+    schedule, fwd, bwd, m, vpp, weight_fraction = case
+    pp = len(fwd)
+    hop = p2p_s if pp > 1 else 0.0
+    result = simulate(schedule, fwd, bwd, m, vpp, p2p_s, weight_fraction)
+    last_stage = vpp * pp - 1
+    arrival = {}
+    for device in range(pp):
+        link_free = 0.0
+        for event in (e for e in result.events if e.device == device):
+            stage = event.chunk * pp + device
+            sends = (event.kind == EventKind.FORWARD and stage < last_stage) or (event.kind == EventKind.BACKWARD and stage > 0)
+            if sends:
+                link_free = max(event.end_s, link_free) + hop
+            arrival[(event.kind, event.microbatch, stage)] = link_free if sends else event.end_s
+    for device in range(pp):
+        previous_end = 0.0
+        for event in (e for e in result.events if e.device == device):
+            stage = event.chunk * pp + device
+            ready = 0.0
+            if event.kind == EventKind.FORWARD and stage > 0:
+                ready = arrival[(EventKind.FORWARD, event.microbatch, stage - 1)]
+            elif event.kind == EventKind.BACKWARD and stage < last_stage:
+                ready = arrival[(EventKind.BACKWARD, event.microbatch, stage + 1)]
+            assert event.start_s == max(previous_end, ready)
+            previous_end = event.end_s
+
+
 def _order(result, device):
     """Device's ops as text: "F3" is micro-batch 3's forward, "B0.1" micro-batch 0's backward of chunk 1."""
     ops = (f"{e.kind}{e.microbatch}" + (f".{e.chunk}" if e.chunk else "") for e in result.events if e.device == device)
