@@ -33,26 +33,28 @@ from planner.result import Estimate, Fix
 MAX_FIXES = 3
 
 # Selective recompute that drops less than this fraction of the bytes the layers keep without
-# recompute is noted as buying nothing.
+# recompute, and costs a tenth of it or more of the step, is noted as buying nothing.
 IDLE_RECOMPUTE_FRACTION = 0.01
 
 
 def idle_recompute_note(evaluator: Evaluator, config: ParallelConfig, estimate: Estimate,
                         global_batch: int) -> tuple[str, ...]:
-    """A note where `config` recomputes selectively and its stages' activations (`estimate`) are
-    within IDLE_RECOMPUTE_FRACTION of those without recompute (module docstring); () otherwise."""
+    """A note where `config` recomputes selectively, its stages' activations (`estimate`) are within
+    IDLE_RECOMPUTE_FRACTION of those without recompute and the rerun costs time (module docstring);
+    () otherwise."""
     if config.recompute is not Recompute.SELECTIVE:
         return ()
     kept = evaluator.estimate(dataclasses.replace(config, recompute=Recompute.NONE), global_batch)
     kept_bytes = sum(row["activations_bytes"] for row in kept.memory)
     dropped = kept_bytes - sum(row["activations_bytes"] for row in estimate.memory)
-    if not kept_bytes or dropped >= IDLE_RECOMPUTE_FRACTION * kept_bytes:
+    if (not kept_bytes or dropped >= IDLE_RECOMPUTE_FRACTION * kept_bytes
+            or estimate.step_time_s <= kept.step_time_s * (1 + IDLE_RECOMPUTE_FRACTION / 10)):
         return ()
     op_level = (", and torchtitan's op-level selective checkpointing is --recompute selective_op"
                 if Recompute.SELECTIVE_OP in evaluator.graph.recompute_policies else "")
-    return (f"--recompute selective drops {dropped / kept_bytes:.1%} of the activations (it reruns the attention core, "
-            f"and a fused attention kernel keeps no scores to drop): without it the step takes "
-            f"{kept.step_time_s:.3f} s, not {estimate.step_time_s:.3f} s{op_level}",)
+    return (f"--recompute selective drops {dropped / kept_bytes:.1%} of the activations: the attention cores it "
+            f"reruns keep no scores (fused kernels); without it the step takes {kept.step_time_s:.4g} s, not "
+            f"{estimate.step_time_s:.4g} s{op_level}",)
 
 
 def _kept_bytes(evaluator: Evaluator, policy: Recompute) -> int:

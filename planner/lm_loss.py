@@ -34,7 +34,9 @@ def with_language_model_loss(model: nn.Module, inputs: tuple, notes: list[str]) 
     try:
         with torch.no_grad():
             output = model(*inputs)
-    except Exception:  # noqa: BLE001 - a model fx or export can still capture; it is measured as written
+    except Exception as exc:  # noqa: BLE001 - a model fx or export can still capture; it is measured as written
+        notes.append(f"the model's forward does not run on meta tensors ({type(exc).__name__}), so whether it returns "
+                     f"logits is unknown: priced as it returns, without a loss after it")
         return model
     if any(isinstance(leaf, torch.Tensor) and leaf.dim() == 0 for leaf in pytree.tree_leaves(output)):
         return model

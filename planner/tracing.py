@@ -120,9 +120,9 @@ def _trace_cached(key: ModelSource | str | nn.Module | ModelSpec, seq_len: int, 
         if seq_len > source.learned_positions > 0:
             notes.append(f"{source.name}'s learned position table of {source.learned_positions} positions is extended to "
                          f"{seq_len} (its weights included): no longer the published model")
-        model = with_language_model_loss(_on_meta(model, notes), inputs, notes)
-        grouping = Grouping.of(model)
         with autocast_meta_as_cpu():
+            model = with_language_model_loss(_on_meta(model, notes), inputs, notes)
+            grouping = Grouping.of(model)
             method, layers = _capture_and_measure(source, model, inputs, grouping, seq_len,
                                                   micro_batch, notes)
     _check_position_tables(source, layers, seq_len)

@@ -8,13 +8,15 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 import planner
 from costmodel.profile_loader import load_device
-from planner import measure
+from planner import eager_run, measure
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.graph import LayerKind, OpKind, Recompute
 from planner.layer_cost import op_time_s
+from planner.lm_loss import with_language_model_loss
 from planner.op_sac_cost import op_sac_kept
 from planner.models import resolve_model
 from planner.report.inspect import inspect_json, render_inspect
@@ -263,8 +265,22 @@ def test_autocast_on_the_capture_device_does_not_stop_the_capture():
     assert graph.trace_method == "export"
     plain = trace(f"{FIXTURES}:fused_qkv_lm", seq_len=32)
     assert graph.params == plain.params
+    # It returns logits: the forward that tells so runs under the same mapping, so the loss is added.
+    assert any("returns logits over its 256-token vocabulary" in note for note in graph.notes)
+    assert graph.layers[-1].saved_bytes == plain.layers[-1].saved_bytes
     # The rotary angles add elementwise work only: the same matmul and attention FLOPs.
     assert graph.layers[1].fwd_flops == pytest.approx(plain.layers[1].fwd_flops, rel=0.01)
+
+
+def test_the_module_level_run_multiplies_half_precision_in_fp32_and_rounds_back():
+    # CPUs run bf16 GEMMs ~70x slower than fp32 ones; the module-level run computes them in fp32.
+    # The product is the fp32 one rounded to bf16, and FlopCounterMode still counts it once.
+    a, b = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16)
+    with FlopCounterMode(display=False) as counter, eager_run._Fp32Matmuls():
+        out = torch.addmm(torch.zeros(4, dtype=torch.bfloat16), a, b)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, (a.float() @ b.float()).to(torch.bfloat16))
+    assert counter.get_total_flops() == 2 * 8 * 16 * 4
 
 
 def test_layers_own_the_buffers_they_read():
@@ -624,6 +640,25 @@ class _DictLMWithLoss(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(self.lm(tokens).flatten(0, 1).float(), tokens.flatten())
+
+
+class _BranchingLM(nn.Module):
+    """Token ids in, logits out, with a branch on a tensor's value: no forward on meta tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(256, 16), nn.Linear(16, 256)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        return self.head(hidden if hidden.sum() > 0 else -hidden)
+
+
+def test_a_model_whose_forward_cannot_run_on_meta_is_noted_as_priced_without_a_loss():
+    notes = []
+    model = _BranchingLM().to("meta")
+    assert with_language_model_loss(model, (torch.zeros(2, 8, dtype=torch.long, device="meta"),), notes) is model
+    assert len(notes) == 1 and "does not run on meta tensors" in notes[0] and "without a loss" in notes[0]
 
 
 def test_a_model_returning_logits_is_priced_with_the_loss_its_training_step_adds():
