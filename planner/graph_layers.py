@@ -42,10 +42,12 @@ def graph_layers(root: nn.Module, graph: fx.Graph, model: nn.Module, inputs: tup
     param_names = {id(p): name for name, p in model.named_parameters()}
     owned: set[int] = set()
     owned_buffers: set[int] = set()
-    trains_before = False  # whether a layer before this one has trainable parameters (its input needs a gradient)
+    # Nodes a gradient reaches in training: floating values computed from a trainable parameter.
+    # A layer input outside them (a model input, rotary angles from buffers) is data, not an activation.
+    flowing = {n for n in graph.nodes if n.op == "get_attr" and getattr(values[n], "requires_grad", False)}
     layers = []
     for (kind, name), layer_nodes in layer_runs(nodes, keys):
-        signature = _graph_signature(root, kind, layer_nodes, values, trains_before)
+        signature = _graph_signature(root, kind, layer_nodes, values, flowing)
         if signature in first_seen:
             for node, twin in zip(layer_nodes, first_seen[signature]):
                 values[node], flops[node] = values[twin], flops[twin]
@@ -60,13 +62,12 @@ def graph_layers(root: nn.Module, graph: fx.Graph, model: nn.Module, inputs: tup
             try:
                 costs[signature] = measure.measure_piece(
                     piece, tuple(values[n] for n in piece_inputs),
-                    data_args=frozenset(i for i, n in enumerate(piece_inputs)
-                                        if n.op == "placeholder" or not trains_before))
+                    data_args=frozenset(i for i, n in enumerate(piece_inputs) if n not in flowing))
             except Exception as exc:  # noqa: BLE001 - user code may raise anything
                 raise measure.ModuleRunError(name) from exc
         params = new_tensors(_node_params(root, layer_nodes), owned)
         buffers = new_tensors(_node_buffers(root, layer_nodes), owned_buffers)
-        trains_before = trains_before or any(p.requires_grad for p in params)
+        flowing.update(_flowing(root, layer_nodes, values, flowing))
         ops = tuple(op for n in layer_nodes if (op := _graph_op(root, n, values, flops)))
         layers.append(make_layer(name, kind, _units(grouping, layer_nodes, model), costs[signature],
                                  signature, params, param_names, ops, buffers))
@@ -142,10 +143,23 @@ def _extract(root: nn.Module, nodes: Sequence[fx.Node]) -> tuple[fx.GraphModule,
     return fx.GraphModule(root, graph), inputs
 
 
+def _flowing(root: nn.Module, nodes: Sequence[fx.Node], values: dict, flowing: set[fx.Node]) -> list[fx.Node]:
+    """The `nodes` (in graph order) a gradient reaches, given the earlier nodes it reaches
+    (`flowing`): a floating output of a module with trainable parameters, or of an op reading a
+    node it reaches."""
+    reached = set(flowing)
+    for node in nodes:
+        trains = node.op == "call_module" and any(p.requires_grad for p in root.get_submodule(node.target).parameters())
+        floating = any(t.is_floating_point() for t in measure.tensor_leaves(values[node]))
+        if floating and (trains or any(arg in reached for arg in node.all_input_nodes)):
+            reached.add(node)
+    return [node for node in nodes if node in reached]
+
+
 def _graph_signature(root: nn.Module, kind: LayerKind, nodes: Sequence[fx.Node],
-                     values: dict, grad_in: bool) -> str:
+                     values: dict, flowing: set[fx.Node]) -> str:
     """Structural key: op targets, module settings, parameter and input shapes, constants, and
-    whether a gradient reaches the layer's input (`grad_in`)."""
+    which inputs a gradient reaches (`flowing`)."""
     local = {n: i for i, n in enumerate(nodes)}
 
     def describe(arg):
@@ -153,9 +167,9 @@ def _graph_signature(root: nn.Module, kind: LayerKind, nodes: Sequence[fx.Node],
             return arg
         if arg in local:
             return f"%{local[arg]}"
-        return _shape_of(values[arg])
+        return _shape_of(values[arg]), arg in flowing
 
-    parts = [str(kind), f"grad_in:{grad_in}"]
+    parts = [str(kind)]
     for node in nodes:
         target = node.target
         if node.op == "call_module":

@@ -7,6 +7,7 @@ from torch import nn
 
 QUERY_HEAD_ATTRS = ("heads", "n_head", "n_heads", "num_heads", "num_attention_heads")
 KEY_VALUE_HEAD_ATTRS = ("kv_heads", "n_kv_head", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
+REPEAT_ATTRS = ("n_rep", "num_key_value_groups")  # query heads per key/value head (torchtitan, Hugging Face)
 
 
 def head_count(module: nn.Module, names: tuple[str, ...]) -> int | None:

@@ -37,7 +37,7 @@ from planner import eager_run, measure
 from planner.capture_context import autocast_meta_as_cpu, quiet_export
 from planner.errors import PlannerError, PlannerErrorKind, check_positive_int, invalid
 from planner.graph import EXPERTS_MODULE, Layer, LayerKind, ModelDims, ModelGraph, OpKind, recurrent_targets
-from planner.head_attrs import KEY_VALUE_HEAD_ATTRS, QUERY_HEAD_ATTRS, head_count
+from planner.head_attrs import KEY_VALUE_HEAD_ATTRS, QUERY_HEAD_ATTRS, REPEAT_ATTRS, head_count
 from planner.graph_layers import graph_layers
 from planner.layering import Grouping, tied_modules
 from planner.lm_loss import with_language_model_loss
@@ -300,6 +300,11 @@ def _capture_and_measure(source: ModelSource, model: nn.Module, inputs: tuple,
     try:
         run = eager_run.run_eager(cpu_model, cpu_inputs)
     except measure.ModuleRunError as exc:
+        table = cpu_model.get_submodule(exc.fqn) if exc.fqn else None
+        if isinstance(table, nn.Embedding) and isinstance(exc.__cause__, IndexError) and table.num_embeddings < seq_len:
+            raise invalid(f"seq_len={seq_len}: `{exc.fqn}` of model `{source.name}` is a table of {table.num_embeddings} "
+                          f"rows, looked up out of range at this length (learned positions); fix: --seq-len of at most "
+                          f"{table.num_embeddings}") from None
         raise PlannerError(PlannerErrorKind.UNSUPPORTED_MODEL, _one_line(
             f"model `{source.name}`: cannot trace: {'; '.join(notes)}; the module-level run "
             f"failed in {_module_label(exc.fqn)}: {_reason(exc.__cause__)}; fix: it fails in plain eager "
@@ -341,6 +346,9 @@ def _infer_dims(model: nn.Module, layers: Sequence[Layer]) -> ModelDims:
                and op.attrs.get("in_features") == hidden), default=0)
     experts, top_k = _expert_counts(model)
     heads, kv_heads = (attention.attrs["heads"], attention.attrs["kv_heads"]) if attention else _attribute_heads(model)
+    repeat = next((count for module in model.modules() if (count := head_count(module, REPEAT_ATTRS))), 1)
+    if kv_heads == heads and repeat > 1 and heads % repeat == 0:
+        kv_heads = heads // repeat  # keys and values repeated to every query head before the attention call
     return ModelDims(
         hidden=hidden,
         heads=heads,

@@ -272,6 +272,43 @@ def test_autocast_on_the_capture_device_does_not_stop_the_capture():
     assert graph.layers[1].fwd_flops == pytest.approx(plain.layers[1].fwd_flops, rel=0.01)
 
 
+def test_inputs_no_gradient_reaches_are_data_not_activations():
+    # The blocks take rotary angles computed from a buffer: no gradient flows into them, so a
+    # product with them keeps the angles, not the other factor. Checked against what autograd
+    # keeps in a real bf16 run of the same model (saved-tensor hooks, distinct storages, weights out).
+    graph = trace(f"{FIXTURES}:shared_rotary_lm", seq_len=32)
+    torch.manual_seed(0)
+    model = resolve_model(f"{FIXTURES}:shared_rotary_lm").build().to(torch.bfloat16)
+    weights = {t.untyped_storage()._cdata for t in model.parameters()}
+    kept, inside = {}, []
+    model.blocks[1].register_forward_pre_hook(lambda *_: inside.append(True))
+    model.blocks[1].register_forward_hook(lambda *_: inside.clear())
+
+    def pack(t):
+        if inside and t.untyped_storage()._cdata not in weights:
+            kept[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(torch.zeros(1, 32, dtype=torch.long))
+    assert graph.trace_method == "fx"
+    assert graph.layers[2].saved_bytes[Recompute.NONE] == sum(kept.values())
+
+
+def test_a_position_table_too_short_for_the_module_level_run_names_the_longest_sequence():
+    assert trace(f"{FIXTURES}:branching_positions_lm", seq_len=16).trace_method == "module"
+    with pytest.raises(PlannerError) as error:
+        trace(f"{FIXTURES}:branching_positions_lm", seq_len=32)
+    assert error.value.kind == PlannerErrorKind.INVALID_INPUT
+    assert error.value.message.startswith("seq_len=32: `wpe` of model") and "--seq-len of at most 16" in error.value.message
+
+
+def test_key_value_heads_repeated_before_the_attention_call_are_counted_once():
+    # The attention call sees 4 key/value heads (repeated); the module keeps 2 as its repeat factor.
+    graph = trace(f"{FIXTURES}:repeated_kv_lm", seq_len=32)
+    assert (graph.dims.heads, graph.dims.kv_heads) == (4, 2)
+
+
 def test_the_module_level_run_multiplies_half_precision_in_fp32_and_rounds_back():
     # CPUs run bf16 GEMMs ~70x slower than fp32 ones; the module-level run computes them in fp32.
     # The product is the fp32 one rounded to bf16, and FlopCounterMode still counts it once.

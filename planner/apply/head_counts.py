@@ -14,11 +14,10 @@ from __future__ import annotations
 from torch import nn
 
 from planner.errors import unsupported
-from planner.head_attrs import KEY_VALUE_HEAD_ATTRS, QUERY_HEAD_ATTRS, head_count
+from planner.head_attrs import KEY_VALUE_HEAD_ATTRS, QUERY_HEAD_ATTRS, REPEAT_ATTRS, head_count
 from planner.tp_strategies import Placement
 from planner.zoo.layers import Attention
 
-REPEAT_ATTRS = ("n_rep", "num_key_value_groups")  # query heads per key/value head (torchtitan, Hugging Face)
 # The width of all heads together, which attention code reshapes its output to (Hugging Face's
 # `attn_output.reshape(b, s, self.hidden_size)`, OPT's `self.embed_dim`).
 WIDTH_ATTRS = ("hidden_size", "embed_dim")
