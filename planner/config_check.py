@@ -30,8 +30,9 @@ def check_config(graph: ModelGraph, cluster: Cluster, config: ParallelConfig, gl
     if config.cp > 1 and cp_comm is CpComm.ALL_TO_ALL:
         _check_head_split(dims.heads, dims.kv_heads, config.tp, config.cp)
     if config.recompute not in graph.recompute_policies:
-        raise invalid(f"recompute={config.recompute}: not measured for this model (op-level checkpointing is measured on "
-                      "fx/export traces; this one was traced at module level); use none, selective or full")
+        raise invalid(f"recompute={config.recompute}: not priced for this model (selective and op-level checkpointing are "
+                      f"priced on fx/export traces; this one was traced at module level); use "
+                      f"{' or '.join(map(str, graph.recompute_policies))}")
     if config.recompute == Recompute.SELECTIVE_OP and config.ep > 1:
         raise invalid(f"recompute=selective_op with ep={config.ep}: op-level checkpointing replays each block's ops one "
                       f"for one, and the experts' own FSDP units inside the block run other hooks in the replay; use "

@@ -219,9 +219,12 @@ class ModelGraph:
 
     @functools.cached_property
     def recompute_policies(self) -> tuple[Recompute, ...]:
-        """Recompute policies measured on every layer (op-level checkpointing needs an fx/export trace);
-        computed once per graph (every configuration check asks)."""
-        return tuple(policy for policy in Recompute if all(policy in layer.saved_bytes for layer in self.layers))
+        """Recompute policies measured and priced on every layer, computed once per graph (every
+        configuration check asks). Op-level checkpointing needs an fx/export trace; so does pricing
+        selective recompute, whose rerun is the attention ops' time: a module-level trace measures
+        what it drops but has no attention op inside a module to time."""
+        return tuple(policy for policy in Recompute if all(policy in layer.saved_bytes for layer in self.layers)
+                     and not (policy is Recompute.SELECTIVE and self.trace_method == "module"))
 
     @functools.cached_property
     def stream_tokens(self) -> int:

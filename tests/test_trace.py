@@ -303,6 +303,16 @@ def test_a_position_table_too_short_for_the_module_level_run_names_the_longest_s
     assert error.value.message.startswith("seq_len=32: `wpe` of model") and "--seq-len of at most 16" in error.value.message
 
 
+def test_a_module_level_trace_prices_no_selective_recompute():
+    # It measures what selective recompute drops, but its attention runs inside modules as no op of
+    # its own, so the rerun has no time: the search would take the saving for free.
+    graph = trace(f"{FIXTURES}:branching_positions_lm", seq_len=16)
+    assert Recompute.SELECTIVE in graph.layers[0].saved_bytes
+    assert graph.recompute_policies == (Recompute.NONE, Recompute.FULL)
+    with pytest.raises(PlannerError, match=r"recompute=selective: not priced for this model .* use none or full"):
+        planner.evaluate(graph, "a100-80g:1x1", {"tp": 1, "pp": 1, "recompute": "selective"}, global_batch=1)
+
+
 def test_key_value_heads_repeated_before_the_attention_call_are_counted_once():
     # The attention call sees 4 key/value heads (repeated); the module keeps 2 as its repeat factor.
     graph = trace(f"{FIXTURES}:repeated_kv_lm", seq_len=32)
@@ -423,7 +433,7 @@ def test_data_dependent_model_falls_back_to_module_level():
     assert graph.trace_method == "module"
     # Op-level checkpointing is measured on fx/export traces only; evaluating it here is refused.
     assert all(Recompute.SELECTIVE_OP not in layer.saved_bytes for layer in graph.layers)
-    with pytest.raises(PlannerError, match="recompute=selective_op: not measured"):
+    with pytest.raises(PlannerError, match="recompute=selective_op: not priced"):
         planner.evaluate(graph, "cpu:1x2", {"tp": 1, "pp": 1, "recompute": "selective_op"}, global_batch=4)
     assert any(n.startswith("fx failed") and "control flow" in n for n in graph.notes)
     assert any(n.startswith("export failed") and "data-dependent" in n for n in graph.notes)
