@@ -218,13 +218,16 @@ class OpSacRecorder(TorchDispatchMode):
         super().__init__()
         self.counter = OpSacCounter()
         self.kept: dict[int, int] = {}
+        self._held: list = []  # the kept storages, alive so that no later storage reuses a key of `kept`
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.counter.keeps(func):
             for leaf in pytree.tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
-                    self.kept[leaf.untyped_storage()._cdata] = leaf.untyped_storage().nbytes()
+                    storage = leaf.untyped_storage()
+                    self._held.append(storage)
+                    self.kept[storage._cdata] = storage.nbytes()
         return out
 
 
@@ -290,6 +293,7 @@ class AttentionCoreMarker(TorchFunctionMode):
         super().__init__()
         self.inside = False
         self.input_storages: set[int] = set()
+        self._held: list = []  # those storages, alive so that no later storage reuses their keys
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -297,6 +301,7 @@ class AttentionCoreMarker(TorchFunctionMode):
             return func(*args, **kwargs)
         for t in pytree.tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor):
+                self._held.append(t.untyped_storage())
                 self.input_storages.add(t.untyped_storage()._cdata)
         self.inside = True
         try:

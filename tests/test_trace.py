@@ -313,6 +313,18 @@ def test_a_module_level_trace_prices_no_selective_recompute():
         planner.evaluate(graph, "a100-80g:1x1", {"tp": 1, "pp": 1, "recompute": "selective"}, global_batch=1)
 
 
+def test_op_level_checkpointing_counts_every_kept_output_even_those_freed_since():
+    # Outputs that die right away free their storage for the next one; the count keys storages,
+    # so a reused key would count two kept outputs as one. The odd-numbered of 8 products are kept.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        a = torch.empty(64, 64)
+        with measure.OpSacRecorder() as recorder:
+            for _ in range(8):
+                torch.mm(a, a)
+    assert sum(recorder.kept.values()) == 4 * 64 * 64 * 4
+
+
 def test_key_value_heads_repeated_before_the_attention_call_are_counted_once():
     # The attention call sees 4 key/value heads (repeated); the module keeps 2 as its repeat factor.
     graph = trace(f"{FIXTURES}:repeated_kv_lm", seq_len=32)
