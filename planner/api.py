@@ -116,6 +116,7 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
     from planner.default_split import memory_shaped_note
     from planner.estimate import Evaluator
     from planner.fit_fixes import fit_fixes, idle_recompute_note
+    from planner.tp_plan import whole_weights_note
     from planner.training_code import TrainingCode
 
     planned = config if isinstance(config, Plan) else None
@@ -137,7 +138,7 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
         if not isinstance(config, ParallelConfig):  # degrees a user gives: sequence parallelism where it can run
             full = dataclasses.replace(full, sequence_parallel=sequence_parallel_for(graph.stream_tokens, full.tp, full.cp))
         estimate = evaluator.estimate(full, global_batch, boundaries=_checked_boundaries(boundaries, full, len(graph.layers)))
-        notes = idle_recompute_note(evaluator, full, estimate, global_batch)
+        notes = idle_recompute_note(evaluator, full, estimate, global_batch) + whole_weights_note(evaluator, full)
         notes += memory_shaped_note(evaluator, full, estimate, global_batch) if boundaries is None else ()
         if fixes and boundaries is None:
             estimate = dataclasses.replace(estimate, fixes=fit_fixes(evaluator, full, estimate, global_batch))

@@ -171,3 +171,28 @@ def layouts_for(evaluator, config) -> dict[str, str]:
         layout = layout_for(layer, config.tp, device, node, dtype, evaluator.layout_cache, evaluator.graph, config.sequence_parallel)
         out.update({fqn: str(p) for fqn, p in layout.per_fqn.items()})
     return out
+
+
+# Tensor parallelism that leaves more than this share of the blocks' weights whole on every rank is noted.
+WHOLE_WEIGHTS_NOTE_FRACTION = 0.5
+
+
+def whole_weights_note(evaluator, config) -> tuple[str, ...]:
+    """A note where `config`'s tensor parallelism leaves most of the blocks' weights (outside the
+    experts) whole on every rank: modules the layout cannot split (not nn.Linear-like: a weight read
+    by a matrix product it recognises), whose weights, work and activations tp then does not divide."""
+    blocks = [layer for layer in evaluator.graph.layers if layer.kind == LayerKind.BLOCK and layer.ops]
+    dense = sum(layer.params - layer.expert_params for layer in blocks)
+    if config.tp == 1 or not dense:
+        return ()
+    device, node = evaluator.stage_devices(config.pp)[0]
+    dtype = evaluator.dtype_for(device)
+    whole = {layer.signature: whole_params(layer, layout_for(layer, config.tp, device, node, dtype, evaluator.layout_cache,
+                                                              evaluator.graph, config.sequence_parallel))
+             for layer in {layer.signature: layer for layer in blocks}.values()}
+    share = sum(whole[layer.signature] for layer in blocks) / dense
+    if share <= WHOLE_WEIGHTS_NOTE_FRACTION:
+        return ()
+    return (f"tp={config.tp} leaves {share:.0%} of the blocks' weights whole on every rank: the layout splits the "
+            f"matrix products it recognises (nn.Linear's and the like) and not these, so tp divides none of their "
+            f"weights, work or activations",)

@@ -327,3 +327,14 @@ def test_evaluate_prices_a_split_the_user_gives(small_graph):
     for bad in ((0, layers), (0, 3, 2, layers), (1, 2, layers), (0, 2.0, layers)):
         with pytest.raises(PlannerError, match=r"^boundaries=.*need pp\*vpp\+1 = 3 increasing integers from 0"):
             planner.evaluate(small_graph, "a100-80g:1x4", {"pp": 2, "tp": 1}, global_batch=8, boundaries=bad)
+
+
+def test_tensor_parallelism_that_splits_few_block_weights_says_so():
+    # HF GPT-2's Conv1D applies a transposed weight by addmm, which the layout does not split: tp 2
+    # leaves every block weight whole. The same blocks of nn.Linear are split, and not noted.
+    note = "tp=2 leaves 100% of the blocks' weights whole on every rank"
+    config = {"tp": 2, "pp": 1}
+    conv = planner.evaluate("tests.fixtures.custom_models:conv1d_lm", "a100-80g:1x2", config, global_batch=2, seq_len=32)
+    assert any(n.startswith(note) for n in conv.notes)
+    linear = planner.evaluate("tests.fixtures.custom_models:fused_qkv_lm", "a100-80g:1x2", config, global_batch=2, seq_len=32)
+    assert not any("whole on every rank" in n for n in linear.notes)
