@@ -19,10 +19,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.graph import Recompute
-
-aten = torch.ops.aten
 from planner.measure import (AttentionCoreMarker, GpuKernelSaves, ModuleRunError, NoGradOutputError, grads_kept,
                              policy_bytes, run_backward, storage_bytes, tensor_leaves)
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
