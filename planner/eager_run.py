@@ -145,9 +145,11 @@ class _Fp32Matmuls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func not in _MATMULS:
+            return func(*args, **kwargs)
         half = next((t.dtype for t in pytree.tree_leaves((args, kwargs))
                      if isinstance(t, torch.Tensor) and t.dtype in _HALF_DTYPES), None)
-        if func not in _MATMULS or half is None:
+        if half is None:
             return func(*args, **kwargs)
         upcast = pytree.tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype in _HALF_DTYPES else t, (args, kwargs))
         return func(*upcast[0], **upcast[1]).to(half)

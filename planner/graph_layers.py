@@ -67,7 +67,7 @@ def graph_layers(root: nn.Module, graph: fx.Graph, model: nn.Module, inputs: tup
                 raise measure.ModuleRunError(name) from exc
         params = new_tensors(_node_params(root, layer_nodes), owned)
         buffers = new_tensors(_node_buffers(root, layer_nodes), owned_buffers)
-        flowing.update(_flowing(root, layer_nodes, values, flowing))
+        _mark_flowing(root, layer_nodes, values, flowing)
         ops = tuple(op for n in layer_nodes if (op := _graph_op(root, n, values, flops)))
         layers.append(make_layer(name, kind, _units(grouping, layer_nodes, model), costs[signature],
                                  signature, params, param_names, ops, buffers))
@@ -143,17 +143,14 @@ def _extract(root: nn.Module, nodes: Sequence[fx.Node]) -> tuple[fx.GraphModule,
     return fx.GraphModule(root, graph), inputs
 
 
-def _flowing(root: nn.Module, nodes: Sequence[fx.Node], values: dict, flowing: set[fx.Node]) -> list[fx.Node]:
-    """The `nodes` (in graph order) a gradient reaches, given the earlier nodes it reaches
-    (`flowing`): a floating output of a module with trainable parameters, or of an op reading a
-    node it reaches."""
-    reached = set(flowing)
+def _mark_flowing(root: nn.Module, nodes: Sequence[fx.Node], values: dict, flowing: set[fx.Node]) -> None:
+    """Adds to `flowing` (the earlier nodes a gradient reaches) the `nodes`, in graph order, it
+    reaches: a floating output of a module with trainable parameters, or of an op reading such a node."""
     for node in nodes:
         trains = node.op == "call_module" and any(p.requires_grad for p in root.get_submodule(node.target).parameters())
         floating = any(t.is_floating_point() for t in measure.tensor_leaves(values[node]))
-        if floating and (trains or any(arg in reached for arg in node.all_input_nodes)):
-            reached.add(node)
-    return [node for node in nodes if node in reached]
+        if floating and (trains or any(arg in flowing for arg in node.all_input_nodes)):
+            flowing.add(node)
 
 
 def _graph_signature(root: nn.Module, kind: LayerKind, nodes: Sequence[fx.Node],

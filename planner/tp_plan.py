@@ -181,9 +181,11 @@ def whole_weights_note(evaluator, config) -> tuple[str, ...]:
     """A note where `config`'s tensor parallelism leaves most of the blocks' weights (outside the
     experts) whole on every rank: modules the layout cannot split (not nn.Linear-like: a weight read
     by a matrix product it recognises), whose weights, work and activations tp then does not divide."""
+    if config.tp == 1:
+        return ()
     blocks = [layer for layer in evaluator.graph.layers if layer.kind == LayerKind.BLOCK and layer.ops]
     dense = sum(layer.params - layer.expert_params for layer in blocks)
-    if config.tp == 1 or not dense:
+    if not dense:
         return ()
     device, node = evaluator.stage_devices(config.pp)[0]
     dtype = evaluator.dtype_for(device)
