@@ -44,7 +44,8 @@ FILL_RULES = {
     "zero_stage (Megatron-Core)": "1 when the source's flags include --overlap-param-gather, which needs the distributed "
                                   "optimizer (ZeRO-1)",
     "attention": "unfused for runs published before FlashAttention (May 2022) and the frameworks of that era "
-                 "(Megatron-LM 2020-2022, Megatron-DeepSpeed/BLOOM, metaseq/OPT, Alpa); flash otherwise",
+                 "(Megatron-LM 2020-2022, Megatron-DeepSpeed/BLOOM, metaseq/OPT, Alpa); flash1 for MosaicML's MPT runs "
+                 "(their 2023 yamls set attn_impl: triton, the first FlashAttention's Triton port); flash otherwise",
     "zero3_fetch": "blocking for Megatron-LM 2021 Table 2 (its ZeRO-3 rows ran DeepSpeed's ZeRO-3, published April "
                    "2021, before DeepSpeed PR #1188 of June 2021 made fetches overlap); prefetch otherwise",
     "dp_sync": "blocking for BLOOM (Megatron-DeepSpeed's pipeline engine with DeepSpeed's BF16_Optimizer, which the "
@@ -87,6 +88,9 @@ MEGATRON_CODE_GROUPS = ("megatron2020_tp_scaling", "megatron2021_weak", "megatro
 # Groups whose software predates fused (flash) attention: the score tensor is materialised.
 UNFUSED_ATTENTION_GROUPS = ("megatron2020_tp_scaling", "megatron2021_weak", "megatron2021_zero3_vs_ptd",
                             "korthikanti2022_table5", "korthikanti2022_abstract", "bloom", "opt", "alpa_osdi22")
+# Groups whose software ran the first FlashAttention's kernels: llm-foundry's MPT yamls of 2023
+# (scripts/train/yamls/pretrain/mpt-*.yaml, `attn_config: attn_impl: triton`).
+FLASH1_ATTENTION_GROUPS = ("llmfoundry_mpt",)
 
 
 # Groups whose TFLOP/s count the recomputed forward (peak_conventions: Megatron-LM 2021, Alpa
@@ -251,7 +255,8 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
             config["vpp"] = plan["vpp"]
         if isinstance(plan.get("ep"), int) and plan["ep"] > 1:
             config["ep"] = plan["ep"]
-        attention = "unfused" if run["group"] in UNFUSED_ATTENTION_GROUPS else "flash"
+        attention = ("unfused" if run["group"] in UNFUSED_ATTENTION_GROUPS
+                     else "flash1" if run["group"] in FLASH1_ATTENTION_GROUPS else "flash")
         tp_overlap = "--tp-comm-overlap" in flags or "asynctp" in run["id"].lower()
         dtype = "fp8" if "fp8" in str(run.get("precision", "")).lower() else "bf16"
         loss = "fused" if run["group"] in FUSED_LOSS_GROUPS else "inplace" if run["group"] in MEGATRON_CODE_GROUPS else "torch"

@@ -49,6 +49,20 @@ DEFAULT_MATMUL_EFFICIENCY_CURVE: tuple[tuple[float, float], ...] = (
 ATTENTION_FWD_EFFICIENCY_RATIO = 0.86
 ATTENTION_BWD_EFFICIENCY_RATIO = 0.74
 
+# What those rates count, as FlashAttention's benchmarks count it (flash-attention
+# benchmarks/benchmark_flash_attention.py, `flops`): the backward does 2.5 times the forward's
+# FLOPs (five s x s x d products: the scores recomputed, dV, dP, dQ and dK, against the forward's
+# two), and a causal mask halves both, since the kernels skip the score blocks above the diagonal
+# (the diagonal blocks, computed whole, are in the measured rates).
+ATTENTION_BWD_WORK_RATIO = 2.5
+CAUSAL_WORK_FRACTION = 0.5
+
+# The first FlashAttention's kernels (flash-attn 1.x and its Triton port, which MosaicML's MPT code
+# ran as `attn_impl: triton`) reach about half of FlashAttention-2's rates: FlashAttention-2 is
+# "around 2x" faster (Dao 2023, arXiv 2307.08691, abstract; Section 4.1: 1.7-3.0x FlashAttention,
+# 1.3-2.5x its Triton version on A100).
+FLASH1_TO_FLASH2_RATE = 0.5
+
 # Float8 training (torchao's Float8Linear, NVIDIA Transformer Engine) runs the GEMMs of the linear
 # layers in fp8 and everything else (attention, norms, elementwise, communication buffers) in the
 # base dtype named here. Matmul works are not told apart further: the score GEMMs of unfused
@@ -83,7 +97,9 @@ class WorkKind(StrEnum):
     backward, priced as a matmul at a lower efficiency; callers give forward and backward FLOPs as
     separate works. FLASH2_ATTENTION / FLASH2_ATTENTION_BWD: the same run by FlashAttention-2's
     kernels, at the device's `flash2_attention_ratio` of those rates (below 1 where the device has
-    newer attention kernels than FlashAttention-2 uses, as Hopper has). MEMORY: elementwise, norm, embedding lookup: bound by memory bandwidth. LOSS: a
+    newer attention kernels than FlashAttention-2 uses, as Hopper has). FLASH1_ATTENTION /
+    FLASH1_ATTENTION_BWD: the same run by the first FlashAttention's kernels, at
+    FLASH1_TO_FLASH2_RATE of FlashAttention-2's. MEMORY: elementwise, norm, embedding lookup: bound by memory bandwidth. LOSS: a
     loss over the logits, priced as MEMORY unless an op table measured it (on CPUs cross-entropy's
     exp and log over every logit, not the bytes, set its time).
     """
@@ -93,6 +109,8 @@ class WorkKind(StrEnum):
     ATTENTION_BWD = "attention_bwd"
     FLASH2_ATTENTION = "flash2_attention"
     FLASH2_ATTENTION_BWD = "flash2_attention_bwd"
+    FLASH1_ATTENTION = "flash1_attention"
+    FLASH1_ATTENTION_BWD = "flash1_attention_bwd"
     MEMORY = "memory"
     LOSS = "loss"
 
@@ -103,20 +121,28 @@ _EFFICIENCY_RATIO = {
     WorkKind.ATTENTION_BWD: ATTENTION_BWD_EFFICIENCY_RATIO,
     WorkKind.FLASH2_ATTENTION: ATTENTION_FWD_EFFICIENCY_RATIO,
     WorkKind.FLASH2_ATTENTION_BWD: ATTENTION_BWD_EFFICIENCY_RATIO,
+    WorkKind.FLASH1_ATTENTION: ATTENTION_FWD_EFFICIENCY_RATIO,
+    WorkKind.FLASH1_ATTENTION_BWD: ATTENTION_BWD_EFFICIENCY_RATIO,
 }
 
-# What FlashAttention-2 works are, where a measured op table has timed the machine's attention kernel.
-FLASH2_MEASURED_AS = {WorkKind.FLASH2_ATTENTION: WorkKind.ATTENTION, WorkKind.FLASH2_ATTENTION_BWD: WorkKind.ATTENTION_BWD}
+# What the works of named flash kernels are, where a measured op table has timed the machine's
+# attention kernel.
+FLASH_MEASURED_AS = {WorkKind.FLASH2_ATTENTION: WorkKind.ATTENTION, WorkKind.FLASH2_ATTENTION_BWD: WorkKind.ATTENTION_BWD,
+                     WorkKind.FLASH1_ATTENTION: WorkKind.ATTENTION, WorkKind.FLASH1_ATTENTION_BWD: WorkKind.ATTENTION_BWD}
+
+# Which of `flash2_attention_ratio`'s (forward, backward) sets the rate of each named flash kernel's work.
+_FLASH2_RATIO_INDEX = {WorkKind.FLASH2_ATTENTION: 0, WorkKind.FLASH2_ATTENTION_BWD: 1,
+                       WorkKind.FLASH1_ATTENTION: 0, WorkKind.FLASH1_ATTENTION_BWD: 1}
 
 
 def kernel_fraction(kind: WorkKind, device: DeviceSpec) -> float:
     """The fraction of the device's rate for `kind` that its kernels reach: the device's
-    `flash2_attention_ratio` (forward, backward) for FlashAttention-2 works, else 1."""
-    if kind is WorkKind.FLASH2_ATTENTION:
-        return device.flash2_attention_ratio[0]
-    if kind is WorkKind.FLASH2_ATTENTION_BWD:
-        return device.flash2_attention_ratio[1]
-    return 1.0
+    `flash2_attention_ratio` (forward, backward) for FlashAttention-2 works, FLASH1_TO_FLASH2_RATE of
+    that for the first FlashAttention's, else 1."""
+    if kind not in _FLASH2_RATIO_INDEX:
+        return 1.0
+    fraction = device.flash2_attention_ratio[_FLASH2_RATIO_INDEX[kind]]
+    return fraction * FLASH1_TO_FLASH2_RATE if kind in (WorkKind.FLASH1_ATTENTION, WorkKind.FLASH1_ATTENTION_BWD) else fraction
 
 
 @dataclass(frozen=True)

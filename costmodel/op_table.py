@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from costmodel.compute import FLASH2_MEASURED_AS, OpWork, WorkKind
+from costmodel.compute import ATTENTION_BWD_WORK_RATIO, FLASH_MEASURED_AS, OpWork, WorkKind
 from costmodel.curves import interp_log_log, log_curve
 from costmodel.errors import ProfileError
 
@@ -30,11 +30,12 @@ class OpTable:
             without a key match is priced at the achieved FLOP/s interpolated as a power law of
             FLOPs between its nearest measured sizes (clamped outside them).
         attention_times_s: (forward FLOPs, forward time, backward time) of causal fused attention
-            over one head of one sequence (4·s²·d, the full score matrix as the trace counts it, no
-            causal halving), strictly ascending in FLOPs. An attention work is priced at the achieved
-            FLOP/s interpolated at its `unit_flops` the same way: the kernel's efficiency follows the
-            size of one head's problem (sequence length and head size), not the batch times heads
-            it loops over (the backward's FLOPs are twice the forward's).
+            over one head of one sequence (the work of the causal kernel: CAUSAL_WORK_FRACTION of the
+            full score matrix's 4·s²·d), strictly ascending in FLOPs. An attention work is priced at
+            the achieved FLOP/s interpolated at its `unit_flops` the same way: the kernel's efficiency
+            follows the size of one head's problem (sequence length and head size), not the batch
+            times heads it loops over (the backward's work is ATTENTION_BWD_WORK_RATIO times the
+            forward's).
         elementwise_bytes_per_s: bytes per second of an elementwise op by its name ("gelu_tanh"),
             and of its backward ("gelu_tanh:bwd"), with bytes counted as the cost model counts them
             (forward: inputs plus output; backward: MEMORY_BWD_TRAFFIC_RATIO times that). On CPUs
@@ -88,7 +89,7 @@ class OpTable:
             rates[WorkKind.MATMUL] = tuple((flops, flops / time_s) for flops, time_s in self.matmul_times_s)
         if self.attention_times_s:
             rates[WorkKind.ATTENTION] = tuple((flops, flops / fwd_s) for flops, fwd_s, _ in self.attention_times_s)
-            rates[WorkKind.ATTENTION_BWD] = tuple((2 * flops, 2 * flops / bwd_s)
+            rates[WorkKind.ATTENTION_BWD] = tuple((ATTENTION_BWD_WORK_RATIO * flops, ATTENTION_BWD_WORK_RATIO * flops / bwd_s)
                                                   for flops, _, bwd_s in self.attention_times_s)
         return rates
 
@@ -100,7 +101,7 @@ class OpTable:
             return work.bytes / self.elementwise_bytes_per_s[work.key]
         if work.kind is WorkKind.LOSS and self.loss_bytes_per_s > 0:
             return work.bytes / self.loss_bytes_per_s
-        rates = self._curves.get(FLASH2_MEASURED_AS.get(work.kind, work.kind))
+        rates = self._curves.get(FLASH_MEASURED_AS.get(work.kind, work.kind))
         if rates and work.flops > 0:
             size = work.unit_flops or work.flops
             return work.flops / interp_log_log(size, rates, f"op table for {self.device} {work.kind}")

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.benchmark import Timer
 
-from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO
+from costmodel.compute import CAUSAL_WORK_FRACTION, MEMORY_BWD_TRAFFIC_RATIO
 from costmodel.profile_collectives import lockstep_s, rank_max
 
 # Bytes of each tensor of the elementwise measurements (their outputs are allocated, as in training).
@@ -136,8 +136,8 @@ def measure_attention(device, dtypes, shapes, min_run_time_s, advance) -> dict[s
     """(forward FLOPs, forward s, backward s) of causal SDPA per head of one sequence at each shape,
     by dtype, ascending in FLOPs.
 
-    FLOPs are 4·s²·d, the two GEMMs over one head's full score matrix, as `FlopCounterMode` counts
-    attention in the trace; times are the whole call's over batch x heads; the backward is the
+    FLOPs are the causal kernel's work, CAUSAL_WORK_FRACTION of the 4·s²·d that the two GEMMs over
+    one head's full score matrix count (as `FlopCounterMode` counts attention in the trace); times are the whole call's over batch x heads; the backward is the
     forward+backward time less the forward.
     """
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -148,14 +148,14 @@ def measure_attention(device, dtypes, shapes, min_run_time_s, advance) -> dict[s
             q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=getattr(torch, _TORCH_DTYPES[dtype]),
                             requires_grad=True)
             values = {"q": q, "sdpa": sdpa}
-            flops.append(4.0 * seq * seq * head_dim)
+            flops.append(CAUSAL_WORK_FRACTION * 4.0 * seq * seq * head_dim)
             seconds.append(_time_s("sdpa(q, q, q, is_causal=True)", values, min_run_time_s) / (batch * heads))
             seconds.append(_time_s("sdpa(q, q, q, is_causal=True).sum().backward()", values, min_run_time_s)
                            / (batch * heads))
             advance()
         seconds = rank_max(seconds)
-        # A backward (twice the forward's FLOPs) never beats its forward; the floor keeps timing noise
-        # from pricing it below that.
+        # A backward (ATTENTION_BWD_WORK_RATIO times the forward's work) never beats its forward; the
+        # floor keeps timing noise from pricing it below that.
         points = [(f, fwd_s, max(fwd_bwd_s - fwd_s, fwd_s))
                   for f, fwd_s, fwd_bwd_s in zip(flops, seconds[::2], seconds[1::2])]
         out[dtype] = sorted(points)

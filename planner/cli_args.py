@@ -49,7 +49,7 @@ def _add_sweep_args(sub) -> None:
     sweep.add_argument("--global-batches", type=_listed("global-batches", positive=True), help="comma-separated global batches")
     sweep.add_argument("--seq-lens", type=_listed("seq-lens", positive=True), help="comma-separated sequence lengths")
     sweep.add_argument("--dtype", choices=TRAINING_DTYPES)
-    sweep.add_argument("--attention", choices=["flash", "flash2", "unfused"])
+    sweep.add_argument("--attention", choices=["flash", "flash2", "flash1", "unfused"])
     sweep.add_argument("--loss", choices=["torch", "inplace", "fused"])
     sweep.add_argument("--tp-comm-overlap", dest="tp_overlap", action="store_const", const=True,
                        help="TP collectives overlapped with GEMMs (Megatron-Core --tp-comm-overlap, async TP)")
@@ -90,9 +90,10 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool, from_pla
         parser.add_argument("--global-batch", type=_positive("global-batch"), required=not from_plan,
                             help="sequences per optimizer step" + (" (default: a saved plan's)" if from_plan else ""))
         parser.add_argument("--dtype", choices=TRAINING_DTYPES, help="training dtype (default: bf16, or a saved plan's)")
-        parser.add_argument("--attention", choices=["flash", "flash2", "unfused"],
+        parser.add_argument("--attention", choices=["flash", "flash2", "flash1", "unfused"],
                             help="attention kernel of the training code (flash: the device's own, e.g. cuDNN or FlashAttention-3 "
-                                 "on Hopper; flash2: FlashAttention-2's; unfused: scores materialised, pre-FlashAttention)")
+                                 "on Hopper; flash2: FlashAttention-2's; flash1: the first FlashAttention's or its Triton "
+                                 "port; unfused: scores materialised, pre-FlashAttention)")
         parser.add_argument("--loss", choices=["torch", "inplace", "fused"],
                             help="cross-entropy kernel of the training code (torch: fp32 logits and F.cross_entropy; "
                                  "inplace: fp32 logits worked in place, Megatron's vocab-parallel cross-entropy; "

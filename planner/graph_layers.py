@@ -20,7 +20,8 @@ from planner import measure
 from planner.graph import Layer, LayerKind, Op, OpKind
 from planner.layering import (Grouping, digest, layer_keys, layer_runs, make_layer, measured_signature, new_tensors,
                               unused_params_notes)
-from planner.op_kinds import GATHER_TARGET, KIND_BY_TARGET, SHAPE_ONLY_TARGETS, gelu_target, module_target, op_attrs
+from planner.op_kinds import (GATHER_TARGET, KIND_BY_TARGET, SDPA_IS_CAUSAL_POSITION, SHAPE_ONLY_TARGETS, gelu_target,
+                              module_target, op_attrs)
 
 _CALL_OPS = ("call_function", "call_method", "call_module")
 
@@ -223,8 +224,8 @@ def _graph_op(root: nn.Module, node: fx.Node, values: dict, flops: dict) -> Op |
         approximate = module.approximate if node.op == "call_module" else node.kwargs.get("approximate", "none")
         target = gelu_target(approximate)
     kind = KIND_BY_TARGET.get(target, OpKind.OTHER)
-    attrs = op_attrs(kind, param_shapes, [values[a] for a in node.all_input_nodes
-                                          if a.op != "get_attr"])
+    attrs = op_attrs(kind, param_shapes, [values[a] for a in node.all_input_nodes if a.op != "get_attr"],
+                     causal=kind == OpKind.ATTENTION and _is_causal(node))
     reads = () if target in SHAPE_ONLY_TARGETS else node.all_input_nodes
     return Op(name=node.name, fqn=_node_fqn(node), target=target, kind=kind,
               inputs=tuple(a.name for a in reads if a.op in _CALL_OPS and _first_tensor(values[a]) is not None),
@@ -233,6 +234,14 @@ def _graph_op(root: nn.Module, node: fx.Node, values: dict, flops: dict) -> Op |
                             if isinstance(t, torch.Tensor)),
               fwd_flops=float(flops[node]), param_shapes=param_shapes, attrs=attrs,
               takes_grad=out.is_floating_point())
+
+
+def _is_causal(node: fx.Node) -> bool:
+    """Whether an attention call masks causally by its `is_causal` flag (a causal mask passed as a
+    tensor does not count: a kernel given a mask computes every score)."""
+    if "is_causal" in node.kwargs:
+        return bool(node.kwargs["is_causal"])
+    return len(node.args) > SDPA_IS_CAUSAL_POSITION and bool(node.args[SDPA_IS_CAUSAL_POSITION])
 
 
 def _indexes_by_tensor(node: fx.Node, values: dict) -> bool:

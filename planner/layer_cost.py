@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from costmodel.comm import Collective, CommGroup, collective_time_s
-from costmodel.compute import MEMORY_BWD_TRAFFIC_RATIO, OpWork, WorkKind, base_dtype, bytes_per_element, layer_time_s
+from costmodel.compute import (ATTENTION_BWD_WORK_RATIO, CAUSAL_WORK_FRACTION, MEMORY_BWD_TRAFFIC_RATIO, OpWork, WorkKind,
+                               base_dtype, bytes_per_element, layer_time_s)
 from costmodel.hardware import DeviceSpec, NodeSpec
 from costmodel.op_table import OpTable
 from planner.fusion import ElementwiseKernels, fused_works
@@ -25,19 +26,22 @@ from planner.sp_gather import SpGather, kept_gathered_bytes
 
 class AttentionKernel(StrEnum):
     """How the attention core runs: fused (scores stay on chip) with the device's own flash kernels
-    (FlashAttention-2 on Ampere; cuDNN or FlashAttention-3 on Hopper) or FlashAttention-2's, at the
-    device's `flash2_attention_ratio` of those; or unfused (QK^T and AV as batched GEMMs with the
+    (FlashAttention-2 on Ampere; cuDNN or FlashAttention-3 on Hopper), FlashAttention-2's, at the
+    device's `flash2_attention_ratio` of those, or the first FlashAttention's, at
+    FLASH1_TO_FLASH2_RATE of FlashAttention-2's; or unfused (QK^T and AV as batched GEMMs with the
     a*s*s scores in device memory through scale/mask/softmax/dropout kernels: Megatron-LM before
     FlashAttention). README's `--attention` says which training code runs which."""
 
     FLASH = "flash"
     FLASH2 = "flash2"
+    FLASH1 = "flash1"
     UNFUSED = "unfused"
 
 
 # The (forward, backward) work kinds of each fused attention kernel.
 _FUSED_ATTENTION_WORKS = {AttentionKernel.FLASH: (WorkKind.ATTENTION, WorkKind.ATTENTION_BWD),
-                          AttentionKernel.FLASH2: (WorkKind.FLASH2_ATTENTION, WorkKind.FLASH2_ATTENTION_BWD)}
+                          AttentionKernel.FLASH2: (WorkKind.FLASH2_ATTENTION, WorkKind.FLASH2_ATTENTION_BWD),
+                          AttentionKernel.FLASH1: (WorkKind.FLASH1_ATTENTION, WorkKind.FLASH1_ATTENTION_BWD)}
 
 
 # Unfused attention, bytes of device-memory traffic per score element (b*a*s*s) in the forward:
@@ -183,10 +187,12 @@ def _fwd_bwd_works(op: Op, share: float, input_bytes: float | None, cp: int,
         return [], []
     flops = op.fwd_flops * share
     if op.kind == OpKind.ATTENTION:
-        head_flops = op.fwd_flops / (op.out_shape[0] * op.out_shape[1] * cp)
+        work = CAUSAL_WORK_FRACTION if op.attrs.get("causal") else 1.0  # the trace counts the full score matrix
+        flops *= work
+        head_flops = work * op.fwd_flops / (op.out_shape[0] * op.out_shape[1] * cp)
         fwd_kind, bwd_kind = _FUSED_ATTENTION_WORKS[attention]
         return ([OpWork(fwd_kind, flops, 0.0, unit_flops=head_flops)],
-                [OpWork(bwd_kind, 2 * flops, 0.0, unit_flops=2 * head_flops)])
+                [OpWork(bwd_kind, ATTENTION_BWD_WORK_RATIO * flops, 0.0, unit_flops=ATTENTION_BWD_WORK_RATIO * head_flops)])
     if op.kind == OpKind.MATMUL or (flops > 0 and op.kind == OpKind.OTHER):
         io_bytes = op.out_bytes * share
         gemm = OpWork(WorkKind.MATMUL, flops, io_bytes)

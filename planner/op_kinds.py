@@ -49,6 +49,11 @@ SHAPE_ONLY_TARGETS = frozenset({
 })
 
 
+# Where `is_causal` sits among the positional arguments of F.scaled_dot_product_attention and of
+# aten's op of the same name: (query, key, value, attn_mask, dropout_p, is_causal, ...).
+SDPA_IS_CAUSAL_POSITION = 5
+
+
 def module_target(module: nn.Module) -> str:
     """Functional name of a leaf module: Linear -> linear, CrossEntropyLoss -> cross_entropy."""
     name = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_",
@@ -63,13 +68,14 @@ def gelu_target(approximate: str) -> str:
     return "gelu_tanh" if approximate == "tanh" else "gelu"
 
 
-def op_attrs(kind: OpKind, param_shapes: tuple, input_values: list) -> dict:
-    """Shape facts of an op: features of a linear, heads of attention, vocabulary of an embedding."""
+def op_attrs(kind: OpKind, param_shapes: tuple, input_values: list, causal: bool = False) -> dict:
+    """Shape facts of an op: features of a linear, heads of attention (and whether the call masks
+    causally, `is_causal=True`), vocabulary of an embedding."""
     if kind == OpKind.MATMUL and param_shapes and len(param_shapes[0]) == 2:
         return {"in_features": param_shapes[0][1], "out_features": param_shapes[0][0]}
     if kind == OpKind.ATTENTION and len(input_values) >= 2:
         query, key = input_values[0], input_values[1]
-        return {"heads": query.shape[-3], "kv_heads": key.shape[-3]}
+        return {"heads": query.shape[-3], "kv_heads": key.shape[-3], "causal": causal}
     if kind == OpKind.EMBEDDING and param_shapes:
         return {"num_embeddings": param_shapes[0][0], "embedding_dim": param_shapes[0][1]}
     return {}

@@ -6,7 +6,7 @@ those choices, each with PyTorch's or FSDP2's behaviour (what `Plan.apply` runs)
 
 | field | choices (default first) | priced in |
 |-------|-------------------------|-----------|
-| attention | flash, flash2, unfused | `planner.layer_cost.AttentionKernel` |
+| attention | flash, flash2, flash1, unfused | `planner.layer_cost.AttentionKernel` |
 | tp_overlap | False, True | tensor-parallel collectives overlapped with GEMMs (`planner.layer_cost`) |
 | loss | torch, inplace, fused | `planner.loss_cost.LossKernel` |
 | zero3_fetch | prefetch, blocking | `planner.state_cost.Zero3Fetch` |

@@ -143,6 +143,19 @@ def test_flash2_attention_runs_at_the_devices_fraction_of_flash(kind, ratio, dev
     assert op_time_s(work, DEVICE) == op_time_s(flash, DEVICE) == op_time_s(flash, slower)
 
 
+@pytest.mark.parametrize(("flash1", "flash2"), [
+    (WorkKind.FLASH1_ATTENTION, WorkKind.FLASH2_ATTENTION),
+    (WorkKind.FLASH1_ATTENTION_BWD, WorkKind.FLASH2_ATTENTION_BWD),
+])
+def test_the_first_flash_attention_runs_at_half_of_flash2(flash1, flash2):
+    # FlashAttention-2 is "around 2x" faster than the first FlashAttention: the same 1e11 FLOPs take
+    # twice FlashAttention-2's compute time, on a device where FlashAttention-2 is the flash kernel
+    # and on one where it reaches only a fraction of it.
+    for device in (DEVICE, dataclasses.replace(DEVICE, flash2_attention_ratio=(0.5, 0.25))):
+        fast, slow = (op_time_s(OpWork(kind, flops=1e11, bytes=1e6), device) - LAUNCH_OVERHEAD_S for kind in (flash2, flash1))
+        assert slow == pytest.approx(2 * fast)
+
+
 def test_hopper_profiles_price_flash2_at_the_measured_fractions():
     # FlashAttention-2 on H100: 329.5 / 631.8 TFLOP/s forward (tritonbench), 322 / 561 backward
     # (FlashAttention-3 paper): 0.52 and 0.57 of the Hopper-native kernels. A100: its own kernel.

@@ -1,6 +1,7 @@
 """planner.trace: capture fallbacks, layer split, FLOPs, saved-activation bytes, ops, rendering."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import planner
+from costmodel.compute import LAUNCH_OVERHEAD_S
 from costmodel.profile_loader import load_device
 from planner import eager_run, measure
 from planner.errors import PlannerError, PlannerErrorKind
@@ -206,7 +208,7 @@ def test_ops_carry_shapes_heads_and_features():
     attention = [op for op in block.ops if op.kind == OpKind.ATTENTION]
     assert len(attention) == 1
     assert attention[0].target == "scaled_dot_product_attention"
-    assert attention[0].attrs == {"heads": 64, "kv_heads": 8}
+    assert attention[0].attrs == {"heads": 64, "kv_heads": 8, "causal": True}
     assert attention[0].out_shape == (1, 64, 512, 128)
     # 2 * s^2 * head_dim * heads for each of QK^T and AV.
     assert attention[0].fwd_flops == 2 * 2 * 512**2 * 8192
@@ -329,6 +331,23 @@ def test_key_value_heads_repeated_before_the_attention_call_are_counted_once():
     # The attention call sees 4 key/value heads (repeated); the module keeps 2 as its repeat factor.
     graph = trace(f"{FIXTURES}:repeated_kv_lm", seq_len=32)
     assert (graph.dims.heads, graph.dims.kv_heads) == (4, 2)
+
+
+def test_attention_is_causal_by_its_flag_and_priced_at_the_half_a_fused_kernel_computes():
+    # is_causal=True, by keyword or by position, marks the call causal; a causal mask passed as a
+    # tensor does not (a kernel given a mask computes every score).
+    masked = trace(f"{FIXTURES}:masked_attention_lm", seq_len=32)
+    causal = [op.attrs["causal"] for layer in masked.layers for op in layer.ops if op.kind == OpKind.ATTENTION]
+    assert causal == [False, True]
+    assert all(op.attrs["causal"] for layer in trace(f"{FIXTURES}:repeated_kv_lm", seq_len=32).layers
+               for op in layer.ops if op.kind == OpKind.ATTENTION)
+    # The same call unmasked computes twice the causal call's work, forward and backward: of the
+    # time of each, only the launch overheads (one forward and one backward kernel) do not double.
+    device = load_device("h100-sxm")
+    op = next(op for layer in masked.layers for op in layer.ops if op.kind == OpKind.ATTENTION and op.attrs["causal"])
+    whole = dataclasses.replace(op, attrs={**op.attrs, "causal": False})
+    overheads_s = 2 * LAUNCH_OVERHEAD_S
+    assert op_time_s(whole, device, "bf16", 1) - overheads_s == pytest.approx(2 * (op_time_s(op, device, "bf16", 1) - overheads_s))
 
 
 def test_the_module_level_run_multiplies_half_precision_in_fp32_and_rounds_back():

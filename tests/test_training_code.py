@@ -30,11 +30,11 @@ def test_a_direct_construction_gets_the_same_enums():
 def test_choices_list_the_default_first():
     for name, default in TrainingCode().options().items():
         assert TrainingCode.choices(name)[0] == default
-    assert TrainingCode.choices("attention") == ("flash", "flash2", "unfused")
+    assert TrainingCode.choices("attention") == ("flash", "flash2", "flash1", "unfused")
 
 
 @pytest.mark.parametrize("choices, message", [
-    ({"attention": "xformers"}, r"^attention='xformers': use one of 'flash', 'flash2', 'unfused'$"),
+    ({"attention": "xformers"}, r"^attention='xformers': use one of 'flash', 'flash2', 'flash1', 'unfused'$"),
     ({"tp_overlap": "yes"}, r"^tp_overlap='yes': use true or false$"),
     ({"fetch": "blocking"}, r"^fetch: not a training-code choice; use attention, tp_overlap, loss, zero3_fetch, dp_sync, elementwise, pp_buffers, cp_comm, sp_gather, pp_outputs$"),
 ])

@@ -11,7 +11,7 @@ keys is a point; explicit `points` follow:
     global_batches: [512]                   # sequences per optimizer step
     seq_lens: [2048, 4096]                  # tokens per sequence
     dtype: bf16                             # optional: bf16 (default), fp16, fp8 or fp32
-    attention: flash                        # optional: flash (default), flash2 or unfused
+    attention: flash                        # optional: flash (default), flash2, flash1 or unfused
     loss: torch                             # optional: torch (default) or fused (cross-entropy kernel)
     tp_overlap: false                       # optional: TP collectives overlapped with GEMMs (as --tp-comm-overlap)
     zero3_fetch: prefetch                   # optional: prefetch (default) or blocking (as --zero3-fetch)
