@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.published_rows import Row, load_rows, spec_key  # noqa: E402
+from benchmarks.published_rows import Row, load_rows, row_policies, spec_key  # noqa: E402
 from costmodel import load_cluster  # noqa: E402
 from planner.api import make_config, plan  # noqa: E402
 from planner.config import ParallelConfig, Schedule  # noqa: E402
@@ -78,10 +78,10 @@ def outside_space(evaluator: Evaluator, config: ParallelConfig, global_batch: in
     return ""
 
 
-def uniform_split(evaluator: Evaluator, config: ParallelConfig, global_batch: int):
-    """The estimate of `config` with equal layer counts per pipeline chunk."""
-    problem = evaluator.stage_problem(config, [evaluator.policies(config)])
-    return evaluator.estimate(config, global_batch, boundaries=split_uniform(problem).boundaries)
+def uniform_split(evaluator: Evaluator, config: ParallelConfig, global_batch: int, policies=None):
+    """The estimate of `config` (with `policies` per layer when given) with equal layer counts per pipeline chunk."""
+    problem = evaluator.stage_problem(config, [evaluator.policies(config, policies)])
+    return evaluator.estimate(config, global_batch, boundaries=split_uniform(problem).boundaries, recompute_per_layer=policies)
 
 
 def megatron_rule(evaluator: Evaluator, global_batch: int):
@@ -125,12 +125,13 @@ def run_case(job: list[Row]) -> dict:
     for row in job:
         try:
             config = make_config(row.config, evaluator.cluster.num_devices, row.global_batch)
-            published = evaluator.estimate(config, row.global_batch)
+            policies = row_policies(graph, row)
+            published = evaluator.estimate(config, row.global_batch, recompute_per_layer=policies)
         except PlannerError as error:
             out["rows"].append({"id": row.id, "error": error.message})
             continue
         out["rows"].append({"id": row.id, "config": config, "published": published,
-                            "uniform": uniform_split(evaluator, config, row.global_batch),
+                            "uniform": uniform_split(evaluator, config, row.global_batch, policies),
                             "outside": outside_space(evaluator, config, row.global_batch)})
     return out
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.published_rows import GOAL_GROUPS, Row, fitting_configs, load_rows  # noqa: E402
+from benchmarks.published_rows import GOAL_GROUPS, Row, fitting_configs, load_rows, row_policies  # noqa: E402
 from planner.api import evaluate  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
 from planner.models import resolve_model  # noqa: E402
@@ -38,9 +38,10 @@ def evaluate_row(row: Row, contract_flags: bool = False) -> Estimate:
     software = {} if contract_flags else dict(
         attention=row.attention, tp_overlap=row.tp_overlap, loss=row.loss, zero3_fetch=row.zero3_fetch,
         dp_sync=row.dp_sync, pp_buffers=row.pp_buffers, sp_gather=row.sp_gather)
+    policies = row_policies(graph, row)
     for config in fitting_configs(row):
         est = evaluate(graph, row.cluster_spec(), config, global_batch=row.global_batch, dtype=row.dtype, fixes=False,
-                       **software)
+                       recompute_per_layer=policies, **software)
         if est.fits:
             break
     return est

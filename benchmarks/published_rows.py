@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from planner.graph import LayerKind, ModelGraph, Recompute
+
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "published-runs.json"
 
 # Groups the cost-model accuracy goal is stated for (issue: Megatron-LM 2021 Tables 1-2,
@@ -34,7 +36,8 @@ FILL_RULES = {
                                                     "time by the 96-formula to 0.1 TFLOP/s",
     "recompute, zero_stage": "when the source gives none: the least memory-saving choice under which the run fits "
                              "(ZeRO 0..3, then recompute none, selective, full), since the run did fit; "
-                             "'FSDP ...' means ZeRO-3",
+                             "'FSDP ...' means ZeRO-3; torchtitan's 'selective layer' is full recompute on every "
+                             "second block (LAYER_FREQUENCY_RECOMPUTE)",
     "model.ffn_hidden": "4 x hidden when absent (GPT)",
     "arch": "llama when the row has kv_heads or a non-4h FFN with a 'Llama' name, else gpt",
     "dtype": "fp16 on V100 (no bf16), fp8 when the precision names fp8 (fp8 linear GEMMs, the rest bf16), "
@@ -120,6 +123,7 @@ class Row:
     dp_sync: str = "overlapped"
     pp_buffers: str = "transient"
     sp_gather: str = "kept"
+    checkpoint_every: int = 1
 
     def cluster_spec(self) -> str | dict:
         """The cluster to evaluate on: the `DEVICE:NODESxGPUS` shorthand, as a cluster mapping with the
@@ -155,13 +159,33 @@ def _device(gpu: str) -> str | None:
 
 def _recompute(text) -> str:
     text = str(text or "none").lower()
-    if text.startswith("full"):
+    if text.startswith("full") or text == LAYER_FREQUENCY_RECOMPUTE:
         return "full"
     if text.startswith("selective op"):
         return "selective_op"
     if text.startswith("selective"):
         return "selective"
     return "none"
+
+
+# torchtitan's "selective layer" checkpointing (`selective_ac_option` an integer n, its docs' example 2)
+# wraps every n-th block in a full activation checkpoint (the 2nd, 4th, ...) and no other.
+LAYER_FREQUENCY_RECOMPUTE = "selective layer"
+LAYER_FREQUENCY = 2
+
+
+def row_policies(graph: ModelGraph, row: Row) -> tuple[Recompute, ...] | None:
+    """The row's recompute per layer of `graph` where it checkpoints every n-th block
+    (`Row.checkpoint_every` > 1): full on the n-th, 2n-th, ... block, none elsewhere; else None
+    (its configuration's policy on every block)."""
+    if row.checkpoint_every == 1:
+        return None
+    policies, block = [], 0
+    for layer in graph.layers:
+        block += layer.kind == LayerKind.BLOCK
+        full = layer.kind == LayerKind.BLOCK and block % row.checkpoint_every == 0
+        policies.append(Recompute.FULL if full else Recompute.NONE)
+    return tuple(policies)
 
 
 def _zero(value) -> int:
@@ -265,7 +289,8 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
                         bool(run.get("unverified")), attention, open_choices, tp_overlap, dtype, loss, zero3_fetch,
                         _stated_nic(hw.get("interconnect")),
                         "blocking" if run["group"] in BLOCKING_DP_SYNC_GROUPS else "overlapped",
-                        sp_gather="regathered" if run["group"] in MEGATRON_CODE_GROUPS else "kept"))
+                        sp_gather="regathered" if run["group"] in MEGATRON_CODE_GROUPS else "kept",
+                        checkpoint_every=LAYER_FREQUENCY if str(plan.get("recompute")).lower() == LAYER_FREQUENCY_RECOMPUTE else 1))
     return rows, skipped
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Sequence
 from pathlib import Path
 
 from costmodel.errors import ProfileError
@@ -94,7 +95,8 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
              dtype: str | None = None, attention: str | None = None, tp_overlap: bool | None = None, loss: str | None = None,
              zero3_fetch: str | None = None, dp_sync: str | None = None, elementwise: str | None = None,
              pp_buffers: str | None = None, cp_comm: str | None = None, sp_gather: str | None = None,
-             pp_outputs: str | None = None, boundaries: tuple[int, ...] | None = None, fixes: bool = True) -> Estimate:
+             pp_outputs: str | None = None, boundaries: tuple[int, ...] | None = None,
+             recompute_per_layer: Sequence[str] | None = None, fixes: bool = True) -> Estimate:
     """Predict step time, throughput, MFU and per-stage memory of one configuration.
 
     `model` is as for `plan`. `config` is the degrees a user gives (`make_config`), a ParallelConfig, or a Plan: a plan is
@@ -104,6 +106,9 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
     `boundaries`, for degrees given: the pipeline split as pp*vpp+1 cut points over the traced graph's
     layers (`trace(...).layers`; chunk c holds layers [boundaries[c], boundaries[c+1])); by default the
     memory-aware split, refined by where the schedule puts its heavy stages.
+    `recompute_per_layer`, for degrees given: a recompute policy per traced layer (names as
+    `--recompute`), overriding the configuration's; e.g. full on every other block, as torchtitan's
+    layer-frequency checkpointing (`selective_ac_option = "2"`) runs.
     `fixes`: where the degrees given do not fit, price the single changes that would
     (`Estimate.fixes`, `planner.fit_fixes`).
 
@@ -137,7 +142,8 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
         full = make_config(config, hardware.num_devices, global_batch)
         if not isinstance(config, ParallelConfig):  # degrees a user gives: sequence parallelism where it can run
             full = dataclasses.replace(full, sequence_parallel=sequence_parallel_for(graph.stream_tokens, full.tp, full.cp))
-        estimate = evaluator.estimate(full, global_batch, boundaries=_checked_boundaries(boundaries, full, len(graph.layers)))
+        estimate = evaluator.estimate(full, global_batch, boundaries=_checked_boundaries(boundaries, full, len(graph.layers)),
+                                      recompute_per_layer=_checked_policies(recompute_per_layer, graph))
         notes = idle_recompute_note(evaluator, full, estimate, global_batch) + whole_weights_note(evaluator, full)
         notes += memory_shaped_note(evaluator, full, estimate, global_batch) if boundaries is None else ()
         if fixes and boundaries is None:
@@ -145,8 +151,9 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
         if seq_len is None and not isinstance(model, ModelGraph):
             notes += (f"no seq_len given: priced at {graph.seq_len} tokens per sequence, the model's own",)
         return dataclasses.replace(estimate, notes=estimate.notes + notes) if notes else estimate
-    if boundaries is not None:
-        raise invalid("boundaries: a plan is priced at its own split; give the degrees instead of the plan to price another")
+    if boundaries is not None or recompute_per_layer is not None:
+        raise invalid("boundaries, recompute_per_layer: a plan is priced at its own split and recompute; give the degrees "
+                      "instead of the plan to price others")
     full, boundaries, policies = _planned_choices(planned, graph, global_batch)
     return evaluator.estimate(full, global_batch, boundaries=boundaries, recompute_per_layer=policies)
 
@@ -161,6 +168,17 @@ def _checked_boundaries(boundaries, config: ParallelConfig, layers: int) -> tupl
         raise invalid(f"boundaries={list(cuts)}: need pp*vpp+1 = {chunks + 1} increasing integers from 0 to the graph's "
                       f"{layers} layers (chunk c holds layers boundaries[c] to boundaries[c+1]-1)")
     return tuple(int(b) for b in cuts)
+
+
+def _checked_policies(policies: Sequence[str] | None, graph: ModelGraph) -> tuple[Recompute, ...] | None:
+    """`policies` as Recompute values, one per layer of `graph`, each one the trace priced; None passes."""
+    if policies is None:
+        return None
+    priced = {str(policy) for policy in graph.recompute_policies}
+    if len(policies) != len(graph.layers) or any(str(policy) not in priced for policy in policies):
+        raise invalid(f"recompute_per_layer: need one of {', '.join(sorted(priced))} for each of the graph's "
+                      f"{len(graph.layers)} layers (got {len(policies)} values)")
+    return tuple(Recompute(str(policy)) for policy in policies)
 
 
 def _planned_choices(planned: Plan, graph: ModelGraph, global_batch: int) -> tuple[ParallelConfig, tuple[int, ...], tuple[Recompute, ...]]:

@@ -329,6 +329,23 @@ def test_evaluate_prices_a_split_the_user_gives(small_graph):
             planner.evaluate(small_graph, "a100-80g:1x4", {"pp": 2, "tp": 1}, global_batch=8, boundaries=bad)
 
 
+def test_evaluate_prices_a_recompute_policy_per_layer_the_user_gives(small_graph):
+    # Full recompute on every other block (torchtitan's layer-frequency checkpointing) is priced as
+    # the evaluator prices those policies: one forward of each such block more than no recompute,
+    # one forward of each other block less than full recompute, on one device (nothing overlaps).
+    config = {"dp": 1, "tp": 1, "pp": 1}
+    policies = tuple("full" if layer.kind == LayerKind.BLOCK and i % 2 else "none" for i, layer in enumerate(small_graph.layers))
+    every_other = planner.evaluate(small_graph, "a100-80g:1x1", config, global_batch=4, recompute_per_layer=policies)
+    none, full = (planner.evaluate(small_graph, "a100-80g:1x1", {**config, "recompute": r}, global_batch=4) for r in ("none", "full"))
+    assert every_other.time_breakdown["recompute_s"] == pytest.approx(full.time_breakdown["recompute_s"] * policies.count("full")
+                                                               / sum(layer.kind == LayerKind.BLOCK for layer in small_graph.layers))
+    assert none.step_time_s < every_other.step_time_s < full.step_time_s
+    assert full.peak_memory_bytes < every_other.peak_memory_bytes < none.peak_memory_bytes
+    for bad in (policies[:-1], ("sometimes",) * len(policies)):
+        with pytest.raises(PlannerError, match=r"^recompute_per_layer: need one of .* for each of the graph's 14 layers"):
+            planner.evaluate(small_graph, "a100-80g:1x1", config, global_batch=4, recompute_per_layer=bad)
+
+
 def test_tensor_parallelism_that_splits_few_block_weights_says_so():
     # HF GPT-2's Conv1D applies a transposed weight by addmm, which the layout does not split: tp 2
     # leaves every block weight whole. The same blocks of nn.Linear are split, and not noted.

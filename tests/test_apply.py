@@ -372,6 +372,8 @@ def trained(spec_dir, tmp_path_factory) -> dict[str, tuple[Plan, Path, dict]]:
         ("logits_model_pp", _plan(LOGITS_MODEL, "cpu:1x2", pp=2, tp=1, dp=1, schedule="1f1b", micro_batch=2),
          LOGITS_MODEL),
         ("encoder_model_dp_zero3", _plan(ENCODER_MODEL, "cpu:1x2", dp=2, tp=1, pp=1, zero=3, micro_batch=2), ENCODER_MODEL),
+        # torch's encoder layers hold their nn.MultiheadAttention as `self_attn`.
+        ("encoder_model_selective", _plan(ENCODER_MODEL, "cpu:1x2", dp=2, tp=1, pp=1, recompute="selective"), ENCODER_MODEL),
         ("user_heads_tp", _plan(USER_HEADS_MODEL, "cpu:1x2", tp=2, pp=1), USER_HEADS_MODEL),
         ("user_mqa_tp", _plan(USER_MQA_MODEL, "cpu:1x2", tp=2, pp=1), USER_MQA_MODEL),
         ("user_width_tp", _plan(USER_WIDTH_MODEL, "cpu:1x2", tp=2, pp=1), USER_WIDTH_MODEL),
@@ -568,8 +570,8 @@ def test_zero3_under_zero_bubble_fails_before_process_group(spec_dir, monkeypatc
     ("capped_logits_lm", {"pp": 2}, r"the model's forward does more after it \(call_function truediv\)"),
     # Expert parallelism splits the zoo's GroupedLinear experts; a ModuleList of them would stay whole.
     ("list_experts_lm", {"dp": 2, "ep": 2, "zero": 0}, r"ep=2: Plan.apply splits experts held as the zoo's GroupedLinear"),
-    # Selective recompute wraps each block's `attn`, which torch's encoder layers call `self_attn`.
-    ("encoder_lm", {"dp": 2, "recompute": "selective"}, r"layer encoder.layers.0 has no 'attn' child"),
+    # Selective recompute wraps each block's attention child; these blocks are the attention itself.
+    ("repeated_kv_lm", {"dp": 2, "recompute": "selective"}, r"layer 1 has no attention child \(attn, self_attn, "),
 ])
 def test_plan_apply_refuses_what_it_would_run_wrongly(monkeypatch, factory, constraints, message):
     # Each would train another model or hold other memory than planned, silently: the planner's
@@ -1077,6 +1079,15 @@ def test_layout_naming_a_missing_module_fails(spec_dir, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(PlannerError, match=r"lacks module 'layers.0.attn.qkv_proj'"):
         plan.apply(_build(str(spec_dir / "gpt.yaml")))
+
+
+def test_selective_recompute_wraps_the_self_attention_of_torch_encoder_layers(trained):
+    # nn.TransformerEncoderLayer holds its nn.MultiheadAttention as `self_attn`: selective recompute
+    # checkpoints it in both blocks, and the model trains as one process does.
+    plan, _, result = trained["encoder_model_selective"]
+    assert set(plan.recompute_per_layer()) == {"none", "selective"}
+    assert result["recomputed"] == {"encoder.layers.0": "selective", "encoder.layers.1": "selective"}
+    _check(trained["encoder_model_selective"])
 
 
 def test_blocks_in_a_torch_encoder_train_as_one_process_does(trained):

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from benchmarks.published_rows import _device, load_rows
+import planner
+from benchmarks.published_rows import _device, load_rows, row_policies
 from costmodel.profile_files import list_devices
 
 
@@ -40,6 +41,22 @@ def test_rows_are_skipped_only_for_a_missing_number(tmp_path):
     rows, skipped = load_rows(None, path)
     assert [row.id for row in rows] == ["kept"]
     assert dict(skipped) == {"tpu": MISSING, "no-seq": MISSING, "no-tp": MISSING, "no-metric": "no step time, tokens/s or TFLOP/s"}
+
+
+def test_layer_frequency_checkpointing_recomputes_every_second_block_whole(tmp_path):
+    # torchtitan's "selective layer" rows wrap every second block in a full checkpoint, no other layer.
+    run = _run("layer")
+    run["plan"]["recompute"] = "selective layer"
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"runs": [run, _run("plain")]}))
+    (row, plain), _ = load_rows(None, path)
+    assert (row.config["recompute"], row.checkpoint_every) == ("full", 2)
+    graph = planner.trace("gpt3-125m", seq_len=128)
+    policies = row_policies(graph, row)
+    assert [layer.name for layer, policy in zip(graph.layers, policies) if policy == "full"] == \
+        [f"layers.{i}" for i in range(1, 12, 2)]
+    assert set(policies) == {"full", "none"}
+    assert row_policies(graph, plain) is None
 
 
 def test_a_mixture_of_experts_row_keeps_its_experts_and_expert_parallelism(tmp_path):

@@ -2,7 +2,7 @@
 
 - `full`: the whole unit (a block) is wrapped with `checkpoint_wrapper`; only its input is kept
   and its forward runs again in backward.
-- `selective`: the block's attention module is checkpointed with selective activation
+- `selective`: the block's attention module (its child named in ATTENTION_CHILDREN) is checkpointed with selective activation
   checkpointing that keeps the matmul and collective outputs up to the attention kernel and
   recomputes everything else inside it (rotary embedding, head reshapes and the attention core).
   This is Korthikanti et al.'s attention-core recompute; it keeps the q/k/v projection outputs
@@ -27,8 +27,10 @@ from planner.graph import Recompute
 from planner.errors import unsupported
 from planner.op_sac import ATTENTION_OPS, OpSacCounter
 
-# Child of a block that holds the attention (zoo layout: `attn` with q/k/v/o projections).
-ATTENTION_CHILD = "attn"
+# Names of the child of a block that holds its attention, the first a block has: the zoo's and GPT-2's
+# `attn`, Hugging Face decoders' and torch's encoder/decoder layers' `self_attn`, BERT's `attention`,
+# Megatron's `self_attention`.
+ATTENTION_CHILDREN = ("attn", "self_attn", "attention", "self_attention")
 
 _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -113,10 +115,9 @@ def check_recompute(model: nn.Module, memory_plan: dict) -> None:
 
 
 def _attention_of(root: nn.Module, layer: str) -> str:
-    fqn = f"{layer}.{ATTENTION_CHILD}"
-    try:
-        root.get_submodule(fqn)
-    except AttributeError:
-        raise unsupported(f"recompute: layer {layer} has no {ATTENTION_CHILD!r} child for selective "
-                          f"recompute; re-plan with --recompute full or none") from None
-    return fqn
+    children = dict(root.get_submodule(layer).named_children())
+    name = next((name for name in ATTENTION_CHILDREN if name in children), None)
+    if name is None:
+        raise unsupported(f"recompute: layer {layer} has no attention child ({', '.join(ATTENTION_CHILDREN)}) for "
+                          f"selective recompute; re-plan with --recompute full or none")
+    return f"{layer}.{name}"
