@@ -35,7 +35,7 @@ def solver_split(evaluator, config: ParallelConfig, policies: tuple[Recompute, .
         return (0, len(evaluator.graph.layers)), True
     problem = problem or evaluator.stage_problem(config, [policies], headroom)
     try:
-        return split_dp(problem).boundaries, True
+        return split_dp(problem, explain=False).boundaries, True
     except PlannerError:
         return split_time_only(problem).boundaries, False
 

@@ -34,6 +34,9 @@ from planner.errors import invalid
 from planner.milp import SolveStatus
 
 
+# How far above its caps `StageProblem.no_split_fits` must find every split before it answers: its
+# prefix-sum differences and the DP's segment sums round apart by a few units in the last place.
+PROOF_MARGIN = 1e-9
 # The per-layer arrays of a `StageProblem`, [L, C] each.
 LAYER_ARRAYS = ("layer_time_s", "layer_static_bytes", "layer_act_bytes", "layer_transient_bytes", "layer_work_bytes")
 
@@ -192,6 +195,32 @@ class StageProblem:
         transient_sum = segment_sums(transient[None, :])[0]
         largest_work = segment_maxima(work) if self.devices == self.num_stages else self._chunk_work_bytes(work)
         return segment_sums(additive) + np.maximum(transient_sum, largest_work)[None] + self.stage_overhead_bytes[:, None, None]
+
+    def no_split_fits(self) -> bool:
+        """True only when no split (with choice 0 on every layer) fits memory, found in O(S L).
+
+        A segment's memory never falls when it takes one more layer at either end (sums of
+        non-negative bytes and a running maximum), so of the ends stage s-1 can reach below j the
+        last one gives stage s its lightest segment ending at j: the ends each stage can reach
+        follow from that one segment each. False where the last layer is reachable with the caps
+        raised by PROOF_MARGIN: some split may fit, which the exact DP decides.
+        """
+        additive, transient, work = self._layer_values(np.zeros(self.num_layers, dtype=int))
+        prefix = np.concatenate([np.zeros((self.num_stages, 1)), np.cumsum(additive, axis=1)], axis=1)
+        transient_prefix = np.concatenate([[0.0], np.cumsum(transient)])
+        ends, positions = np.arange(1, self.num_layers + 1), np.arange(self.num_layers + 1)
+        largest_work = segment_maxima(work) if self.devices == self.num_stages else None
+        reached = positions == 0
+        for stage in range(self.num_stages):
+            last = np.maximum.accumulate(np.where(reached, positions, -1))[:-1]  # last end reached below each end
+            start = np.maximum(last, 0)
+            work_bytes = largest_work[ends, start] if largest_work is not None else self._chunk_work_bytes(work)
+            segment_bytes = (prefix[stage, ends] - prefix[stage, start] + self.stage_overhead_bytes[stage]
+                             + np.maximum(transient_prefix[ends] - transient_prefix[start], work_bytes))
+            reached = np.concatenate([[False], (last >= 0) & (segment_bytes <= self.mem_cap_bytes[stage] * (1 + PROOF_MARGIN))])
+            if not reached.any():
+                return True
+        return not reached[self.num_layers]
 
     def stage_mem_bytes(self, boundaries, choices: np.ndarray) -> np.ndarray:
         """[S] memory of each stage of the split `boundaries` (every stage holding a layer) on its

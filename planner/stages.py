@@ -14,7 +14,8 @@ Problem and result types: `planner.stage_problem`; the MILP with per-layer choic
 * `split_uniform`: equal layer counts, the baseline a user would otherwise write by hand.
 
 Memory feasibility is exact too: the split of least memory pressure (a min-max DP over the segments'
-memory) fits iff any split fits (`raise_if_no_split_fits`).
+memory) fits iff any split fits (`raise_if_no_split_fits`). Where nothing fits, `StageProblem.no_split_fits`
+says so in O(S L), before the S x L x L tables are built.
 """
 from __future__ import annotations
 
@@ -32,11 +33,13 @@ GIB_BYTES = 2**30  # only for rendering error messages
 UNBOUNDED_BYTES = 1e30
 
 
-def split_dp(problem: StageProblem) -> StageSplit:
+def split_dp(problem: StageProblem, explain: bool = True) -> StageSplit:
     """Exact optimal split for one choice per layer (see the module docstring for the method).
 
     Args:
         problem: a StageProblem with C == 1.
+        explain: where no split fits, name the memory the least-pressured split needs (an S x L x L
+            table); without, `StageProblem.no_split_fits` may say only that none fits, in O(S L).
 
     Returns:
         The optimal StageSplit (status "optimal", gap 0).
@@ -53,6 +56,9 @@ def split_dp(problem: StageProblem) -> StageSplit:
     fast = _balanced_split_if_it_fits(problem, choices)
     if fast is not None:
         return make_split(problem, fast, choices, "dp", SolveStatus.OPTIMAL, 0.0, time.perf_counter() - start_s)
+    if not explain and problem.no_split_fits():
+        raise PlannerError(PlannerErrorKind.INSUFFICIENT_MEMORY,
+                           f"no split of {problem.num_layers} layers into {problem.num_stages} stages fits memory")
     segment_mem_bytes = problem.segment_mem_bytes(choices)
     raise_if_no_split_fits(problem, segment_mem_bytes)
     segment_time_s = segment_sums(problem.layer_time_s[:, 0][None, :] / problem.stage_speed[:, None])

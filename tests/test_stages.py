@@ -133,6 +133,23 @@ def test_dp_matches_brute_force(problem):
     assert (split.status, split.gap, split.method) == (SolveStatus.OPTIMAL, 0.0, "dp")
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(stage_problems(max_choices=1), stage_problems(max_choices=1, shared_devices=True)))
+def test_the_linear_proof_that_nothing_fits_agrees_with_the_exact_dp(problem):
+    # The O(S L) reachability proof answers exactly where the DP's S x L x L memory table raises
+    # (integer bytes: no rounding for its margin to absorb), interleaved chunks included; without an
+    # explanation the DP raises on the proof alone, with the same verdict.
+    outcomes = []
+    for explain in (True, False):
+        try:
+            outcomes.append(split_dp(problem, explain=explain).boundaries)
+        except PlannerError as error:
+            assert error.kind == PlannerErrorKind.INSUFFICIENT_MEMORY
+            outcomes.append(None)
+    assert outcomes[0] == outcomes[1]
+    assert problem.no_split_fits() is (outcomes[0] is None)
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(stage_problems(max_choices=3), stage_problems(max_choices=3, shared_devices=True)))
 def test_ilp_matches_brute_force_within_gap(problem):
