@@ -137,8 +137,9 @@ def measure_attention(device, dtypes, shapes, min_run_time_s, advance) -> dict[s
     by dtype, ascending in FLOPs.
 
     FLOPs are the causal kernel's work, CAUSAL_WORK_FRACTION of the 4·s²·d that the two GEMMs over
-    one head's full score matrix count (as `FlopCounterMode` counts attention in the trace); times are the whole call's over batch x heads; the backward is the
-    forward+backward time less the forward.
+    one head's full score matrix count (as `FlopCounterMode` counts attention in the trace); times
+    are the whole call's over batch x heads; the backward is the forward+backward time less the
+    forward.
     """
     sdpa = torch.nn.functional.scaled_dot_product_attention
     out = {}
