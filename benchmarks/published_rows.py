@@ -279,6 +279,7 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
             config["vpp"] = plan["vpp"]
         if isinstance(plan.get("ep"), int) and plan["ep"] > 1:
             config["ep"] = plan["ep"]
+        layer_frequency = str(plan.get("recompute")).lower() == LAYER_FREQUENCY_RECOMPUTE
         attention = ("unfused" if run["group"] in UNFUSED_ATTENTION_GROUPS
                      else "flash1" if run["group"] in FLASH1_ATTENTION_GROUPS else "flash")
         tp_overlap = "--tp-comm-overlap" in flags or "asynctp" in run["id"].lower()
@@ -290,7 +291,7 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
                         _stated_nic(hw.get("interconnect")),
                         "blocking" if run["group"] in BLOCKING_DP_SYNC_GROUPS else "overlapped",
                         sp_gather="regathered" if run["group"] in MEGATRON_CODE_GROUPS else "kept",
-                        checkpoint_every=LAYER_FREQUENCY if str(plan.get("recompute")).lower() == LAYER_FREQUENCY_RECOMPUTE else 1))
+                        checkpoint_every=LAYER_FREQUENCY if layer_frequency else 1))
     return rows, skipped
 
 

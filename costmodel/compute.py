@@ -99,9 +99,9 @@ class WorkKind(StrEnum):
     kernels, at the device's `flash2_attention_ratio` of those rates (below 1 where the device has
     newer attention kernels than FlashAttention-2 uses, as Hopper has). FLASH1_ATTENTION /
     FLASH1_ATTENTION_BWD: the same run by the first FlashAttention's kernels, at
-    FLASH1_TO_FLASH2_RATE of FlashAttention-2's. MEMORY: elementwise, norm, embedding lookup: bound by memory bandwidth. LOSS: a
-    loss over the logits, priced as MEMORY unless an op table measured it (on CPUs cross-entropy's
-    exp and log over every logit, not the bytes, set its time).
+    FLASH1_TO_FLASH2_RATE of FlashAttention-2's. MEMORY: elementwise, norm, embedding lookup: bound
+    by memory bandwidth. LOSS: a loss over the logits, priced as MEMORY unless an op table measured
+    it (on CPUs cross-entropy's exp and log over every logit, not the bytes, set its time).
     """
 
     MATMUL = "matmul"
@@ -142,7 +142,8 @@ def kernel_fraction(kind: WorkKind, device: DeviceSpec) -> float:
     if kind not in _FLASH2_RATIO_INDEX:
         return 1.0
     fraction = device.flash2_attention_ratio[_FLASH2_RATIO_INDEX[kind]]
-    return fraction * FLASH1_TO_FLASH2_RATE if kind in (WorkKind.FLASH1_ATTENTION, WorkKind.FLASH1_ATTENTION_BWD) else fraction
+    first_generation = kind in (WorkKind.FLASH1_ATTENTION, WorkKind.FLASH1_ATTENTION_BWD)
+    return fraction * FLASH1_TO_FLASH2_RATE if first_generation else fraction
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ Problem and result types: `planner.stage_problem`; the MILP with per-layer choic
 * `split_uniform`: equal layer counts, the baseline a user would otherwise write by hand.
 
 Memory feasibility is exact too: the split of least memory pressure (a min-max DP over the segments'
-memory) fits iff any split fits (`raise_if_no_split_fits`). Where nothing fits, `StageProblem.no_split_fits`
-says so in O(S L), before the S x L x L tables are built.
+memory) fits iff any split fits (`raise_if_no_split_fits`). Where nothing fits,
+`StageProblem.no_split_fits` says so in O(S L), before the S x L x L tables are built.
 """
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 
 - `full`: the whole unit (a block) is wrapped with `checkpoint_wrapper`; only its input is kept
   and its forward runs again in backward.
-- `selective`: the block's attention module (its child named in ATTENTION_CHILDREN) is checkpointed with selective activation
-  checkpointing that keeps the matmul and collective outputs up to the attention kernel and
-  recomputes everything else inside it (rotary embedding, head reshapes and the attention core).
+- `selective`: the block's attention module (its child named in ATTENTION_CHILDREN) is
+  checkpointed with selective activation checkpointing that keeps the matmul and collective
+  outputs up to the attention kernel and recomputes everything else inside it (rotary embedding,
+  head reshapes and the attention core).
   This is Korthikanti et al.'s attention-core recompute; it keeps the q/k/v projection outputs
   rather than exactly the core inputs, so it holds about one (batch x seq x hidden) tensor per
   layer less than the planner's SELECTIVE measurement when the core saves its output. What follows
