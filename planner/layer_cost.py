@@ -228,6 +228,18 @@ def _layer_level_works(layer: Layer, ctx: LayerContext, split: int) -> tuple[lis
     return [OpWork(WorkKind.MATMUL, layer.fwd_flops * share, 0.0)], [OpWork(WorkKind.MATMUL, layer.bwd_flops * share, 0.0)]
 
 
+def _unheld_works(layer: Layer, ctx: LayerContext, split: int) -> tuple[list[OpWork], list[OpWork]]:
+    """The layer's FLOPs that none of its ops holds, priced as one matmul: a module-level trace's ops
+    are its leaf modules, so functional code inside a module (an attention call, a routing einsum)
+    is measured in the layer's FLOPs only (op-level checkpointing, which keeps attention's outputs,
+    is taken not to rerun them). Graph traces hold every FLOP in an op: nothing then."""
+    unheld = layer.fwd_flops - sum(op.fwd_flops for op in layer.ops)
+    if unheld <= 0:
+        return [], []
+    work = OpWork(WorkKind.MATMUL, unheld * ctx.batch_scale / (split * ctx.cp), 0.0)
+    return [work], [work] * MATMUL_BWD_GEMMS
+
+
 def _gathered_kv_bytes(layer: Layer, ctx: LayerContext) -> float:
     """What attention's context-parallel exchange adds to the activations kept for backward (before
     tp divides them by heads).
@@ -327,6 +339,9 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
                 attention_bwd += bwd
             if op.name not in kept:
                 op_sac_rerun += fwd
+        unheld_fwd, unheld_bwd = _unheld_works(layer, ctx, plan.tp)
+        fwd_works += unheld_fwd
+        bwd_works += unheld_bwd
     else:
         fwd_works, bwd_works = _layer_level_works(layer, ctx, plan.tp)
         attention_fwd, attention_bwd, op_sac_rerun = [], [], fwd_works

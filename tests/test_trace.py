@@ -12,10 +12,13 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import planner
-from costmodel.compute import LAUNCH_OVERHEAD_S
-from costmodel.profile_loader import load_device
+from costmodel.compute import LAUNCH_OVERHEAD_S, OpWork, WorkKind
+from costmodel.compute import op_time_s as work_time_s
+from costmodel.profile_loader import load_cluster, load_device
 from planner import eager_run, measure
+from planner.config import ParallelConfig
 from planner.errors import PlannerError, PlannerErrorKind
+from planner.estimate import Evaluator
 from planner.graph import LayerKind, OpKind, Recompute
 from planner.layer_cost import op_time_s
 from planner.lm_loss import with_language_model_loss
@@ -313,6 +316,29 @@ def test_a_module_level_trace_prices_no_selective_recompute():
     assert graph.recompute_policies == (Recompute.NONE, Recompute.FULL)
     with pytest.raises(PlannerError, match=r"recompute=selective: not priced for this model .* use none or full"):
         planner.evaluate(graph, "a100-80g:1x1", {"tp": 1, "pp": 1, "recompute": "selective"}, global_batch=1)
+
+
+def test_a_module_level_trace_prices_the_flops_no_op_holds():
+    # Its ops are the leaf modules: the attention each block calls inside itself is in the block's
+    # FLOPs only. Those FLOPs are priced as one matmul, forward and backward (they went unpriced).
+    graph = trace(f"{FIXTURES}:branching_attention_lm", seq_len=32)
+    assert graph.trace_method == "module"
+    index, block = next((i, layer) for i, layer in enumerate(graph.layers) if layer.kind == LayerKind.BLOCK)
+    unheld = block.fwd_flops - sum(op.fwd_flops for op in block.ops)
+    assert unheld > 0
+    held_only = dataclasses.replace(graph, layers=tuple(dataclasses.replace(layer, fwd_flops=layer.fwd_flops - unheld)
+                                                        if i == index else layer for i, layer in enumerate(graph.layers)))
+    config = ParallelConfig(dp=1, micro_batch=graph.micro_batch)
+    costs = []
+    for g in (graph, held_only):
+        evaluator = Evaluator(g, load_cluster("a100-80g:1x1"))
+        device, node = evaluator.stage_devices(1)[0]
+        costs.append(evaluator.layer_cost(index, config, device, node, Recompute.NONE))
+    gemm_s = work_time_s(OpWork(WorkKind.MATMUL, unheld, 0.0), load_device("a100-80g"), "bf16")
+    assert costs[0].fwd_s - costs[1].fwd_s == pytest.approx(gemm_s, rel=1e-9)
+    assert costs[0].bwd_s - costs[1].bwd_s == pytest.approx(2 * gemm_s, rel=1e-9)
+    # Graph traces hold every FLOP in an op.
+    assert all(layer.fwd_flops == sum(op.fwd_flops for op in layer.ops) for layer in trace("llama3-8b", seq_len=256).layers)
 
 
 def test_op_level_checkpointing_counts_every_kept_output_even_those_freed_since():
