@@ -118,6 +118,7 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
         >>> est.config.dp, est.fits
         (4, True)
     """
+    from planner.attention_note import attention_kernel_note
     from planner.default_split import memory_shaped_note
     from planner.estimate import Evaluator
     from planner.fit_fixes import fit_fixes, idle_recompute_note
@@ -142,9 +143,10 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
         full = make_config(config, hardware.num_devices, global_batch)
         if not isinstance(config, ParallelConfig):  # degrees a user gives: sequence parallelism where it can run
             full = dataclasses.replace(full, sequence_parallel=sequence_parallel_for(graph.stream_tokens, full.tp, full.cp))
-        estimate = evaluator.estimate(full, global_batch, boundaries=_checked_boundaries(boundaries, full, len(graph.layers)),
-                                      recompute_per_layer=_checked_policies(recompute_per_layer, graph))
+        boundaries, policies = _checked_boundaries(boundaries, full, len(graph.layers)), _checked_policies(recompute_per_layer, graph)
+        estimate = evaluator.estimate(full, global_batch, boundaries=boundaries, recompute_per_layer=policies)
         notes = idle_recompute_note(evaluator, full, estimate, global_batch) + whole_weights_note(evaluator, full)
+        notes += attention_kernel_note(evaluator, full, estimate, global_batch, boundaries, policies)
         notes += memory_shaped_note(evaluator, full, estimate, global_batch) if boundaries is None else ()
         if fixes and boundaries is None:
             estimate = dataclasses.replace(estimate, fixes=fit_fixes(evaluator, full, estimate, global_batch))
@@ -257,6 +259,8 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
         PlannerError: INVALID_INPUT for bad input, INSUFFICIENT_MEMORY when nothing fits (the
             message says what would).
     """
+    from planner.attention_note import attention_kernel_note
+    from planner.estimate import Evaluator
     from planner.search import search
     from planner.training_code import TrainingCode
 
@@ -269,6 +273,10 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
     result = search(graph, hardware, global_batch=global_batch, dtype=dtype, code=code,
                     cluster_name=stored_reference(str(cluster)) if isinstance(cluster, (str, Path)) else hardware.name,
                     **constraints)
+    note = attention_kernel_note(Evaluator(graph, hardware, dtype, code=code), result.config, result.estimate, global_batch,
+                                 result.boundaries(), tuple(Recompute(p) for p in result.recompute_per_layer()))
+    if note:
+        result = dataclasses.replace(result, estimate=dataclasses.replace(result.estimate, notes=result.estimate.notes + note))
     # A model named by reference (a spec file's path, not just its stem) is kept, so that
     # `evaluate --plan` and `examples/train.py` find it again.
     return dataclasses.replace(result, model=stored_reference(model) if isinstance(model, str) else result.model,

@@ -346,6 +346,25 @@ def test_evaluate_prices_a_recompute_policy_per_layer_the_user_gives(small_graph
             planner.evaluate(small_graph, "a100-80g:1x1", config, global_batch=4, recompute_per_layer=bad)
 
 
+def test_attention_kernels_that_would_move_the_step_beyond_the_models_error_are_noted(small_graph):
+    # At 8K tokens most of GPT-3 125M's step is attention: on an H100 its FlashAttention-2 kernels
+    # (0.52 / 0.57 of the device's own) lengthen the step by far more than the model's error, and the
+    # note gives the step `--attention flash2` prices. Not where FlashAttention-2 is the device's flash
+    # kernel (A100), where it is the kernel priced already, or where attention is a small part (128 tokens).
+    long = planner.trace(SMALL, seq_len=8192)
+    config = {"tp": 1, "pp": 1, "dp": 1}
+    flash = planner.evaluate(long, "h100-sxm:1x1", config, global_batch=1)
+    flash2 = planner.evaluate(long, "h100-sxm:1x1", config, global_batch=1, attention="flash2")
+    assert flash2.step_time_s > 1.2 * flash.step_time_s
+    (note,) = [note for note in flash.notes if note.startswith("attention is priced at the device's own flash kernels")]
+    assert f"the step takes {flash2.step_time_s:.4g} s, {flash2.step_time_s / flash.step_time_s - 1:+.0%}" in note
+    planned = planner.plan(long, "h100-sxm:1x1", global_batch=1)
+    assert any(note.startswith("attention is priced at the device's own flash kernels") for note in planned.estimate.notes)
+    for quiet in (flash2, planner.evaluate(long, "a100-80g:1x1", config, global_batch=1),
+                  planner.evaluate(small_graph, "h100-sxm:1x1", config, global_batch=1)):
+        assert not any(note.startswith("attention is priced") for note in quiet.notes)
+
+
 def test_tensor_parallelism_that_splits_few_block_weights_says_so():
     # HF GPT-2's Conv1D applies a transposed weight by addmm, which the layout does not split: tp 2
     # leaves every block weight whole. The same blocks of nn.Linear are split, and not noted.
