@@ -237,11 +237,12 @@ def _graph_op(root: nn.Module, node: fx.Node, values: dict, flops: dict) -> Op |
 
 
 def _is_causal(node: fx.Node) -> bool:
-    """Whether an attention call masks causally by its `is_causal` flag (a causal mask passed as a
-    tensor does not count: a kernel given a mask computes every score)."""
+    """Whether an attention call masks causally by its `is_causal` flag, given as the constant True (a
+    causal mask passed as a tensor does not count: a kernel given a mask computes every score; nor
+    does a flag the graph computes, whose value the trace does not know)."""
     if "is_causal" in node.kwargs:
-        return bool(node.kwargs["is_causal"])
-    return len(node.args) > SDPA_IS_CAUSAL_POSITION and bool(node.args[SDPA_IS_CAUSAL_POSITION])
+        return node.kwargs["is_causal"] is True
+    return len(node.args) > SDPA_IS_CAUSAL_POSITION and node.args[SDPA_IS_CAUSAL_POSITION] is True
 
 
 def _indexes_by_tensor(node: fx.Node, values: dict) -> bool:
