@@ -14,7 +14,7 @@ import dataclasses
 from planner.config import ParallelConfig
 from planner.estimate import Evaluator
 from planner.graph import OpKind, Recompute
-from planner.layer_cost import AttentionKernel
+from planner.op_works import AttentionKernel
 from planner.result import Estimate
 
 # Step-time changes below this fraction go unnoted: about the cost model's error over the published

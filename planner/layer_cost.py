@@ -1,67 +1,31 @@
 """Price one layer for one micro-batch on one device, under a tensor- and context-parallel split.
 
-The traced op graph is turned into cost-model work: matmuls and attention by their FLOPs,
-everything else by the bytes it moves. Tensor parallelism divides the ops its layout shards
+The traced op graph is turned into cost-model work (`planner.op_works`). Tensor parallelism divides the ops its layout shards
 (`TpPlan`) and adds the layout's collectives; context parallelism divides every op by `cp` and adds
 the ring exchange of keys and values, overlapped with the attention kernels.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from enum import StrEnum
 
 from costmodel.comm import Collective, CommGroup, collective_time_s
-from costmodel.compute import (ATTENTION_BWD_WORK_RATIO, CAUSAL_WORK_FRACTION, MEMORY_BWD_TRAFFIC_RATIO, OpWork, WorkKind,
-                               base_dtype, bytes_per_element, layer_time_s)
+from costmodel.compute import OpWork, WorkKind, base_dtype, bytes_per_element, layer_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
 from costmodel.op_table import OpTable
 from planner.fusion import ElementwiseKernels, fused_works
 from planner.graph import Layer, Op, OpKind, Recompute
 from planner.layer_comm import CpComm, cp_exposed_s, ep_all_to_all_fwd_s, overlapped_tp_comm_s
 from planner.loss_cost import LossKernel, fused_loss_saving, loss_held_copies, loss_temp_copies
-from planner.op_kinds import VIEW_TARGETS
 from planner.op_sac_cost import op_sac_kept, op_sac_reruns_collectives
+from planner.op_works import (MATMUL_BWD_GEMMS, UNFUSED_SAVED_BYTES_PER_SCORE, AttentionKernel, input_bytes_of, op_works,
+                              score_elements)
 from planner.parallel_overhead import blocking_collective_kind, sync_wait_s, tp_host_s
 from planner.sp_gather import SpGather, kept_gathered_bytes
-
-class AttentionKernel(StrEnum):
-    """How the attention core runs: fused (scores stay on chip) with the device's own flash kernels
-    (FlashAttention-2 on Ampere; cuDNN or FlashAttention-3 on Hopper), FlashAttention-2's, at the
-    device's `flash2_attention_ratio` of those, or the first FlashAttention's, at
-    FLASH1_TO_FLASH2_RATE of FlashAttention-2's; or unfused (QK^T and AV as batched GEMMs with the
-    a*s*s scores in device memory through scale/mask/softmax/dropout kernels: Megatron-LM before
-    FlashAttention). README's `--attention` says which training code runs which."""
-
-    FLASH = "flash"
-    FLASH2 = "flash2"
-    FLASH1 = "flash1"
-    UNFUSED = "unfused"
-
-
-# The (forward, backward) work kinds of each fused attention kernel.
-_FUSED_ATTENTION_WORKS = {AttentionKernel.FLASH: (WorkKind.ATTENTION, WorkKind.ATTENTION_BWD),
-                          AttentionKernel.FLASH2: (WorkKind.FLASH2_ATTENTION, WorkKind.FLASH2_ATTENTION_BWD),
-                          AttentionKernel.FLASH1: (WorkKind.FLASH1_ATTENTION, WorkKind.FLASH1_ATTENTION_BWD)}
-
-
-# Unfused attention, bytes of device-memory traffic per score element (b*a*s*s) in the forward:
-# QK^T writes the scores (2), the fused scale-mask-softmax reads and writes them (4), dropout reads
-# them and writes its output and mask (2 + 2 + 1), AV reads the dropped-out probabilities (2).
-UNFUSED_FWD_BYTES_PER_SCORE = 13
-# The backward of each of those kernels moves about twice its forward bytes.
-UNFUSED_BWD_BYTES_PER_SCORE = 26
-# Bytes kept for backward per score element: softmax output (2), dropout mask (1) and dropout
-# output (2): the 5*a*s/h term of Korthikanti et al. 2022, Table 2.
-UNFUSED_SAVED_BYTES_PER_SCORE = 5
 
 # Megatron-style tensor parallelism without sequence parallelism leaves the layer norms, dropouts
 # and residual adds replicated: Korthikanti et al. 2022, Table 2 gives s*b*h*(10 + 24/t) of the
 # 34*s*b*h a GPT layer saves, i.e. 10/34 of the activations are not divided by t.
 UNSPLIT_ACTIVATION_FRACTION_WITHOUT_SP = 10 / 34
-
-# Backward of a matmul is two GEMMs (input gradient and weight gradient) of the forward's FLOPs.
-MATMUL_BWD_GEMMS = 2
-
 
 @dataclass(frozen=True)
 class TpPlan:
@@ -143,71 +107,9 @@ class LayerContext:
     oversubscription: float = 1.0  # the cluster's, for groups that span nodes
 
 
-def score_elements(op: Op) -> float:
-    """Elements of the attention score tensor (b * heads * s * s) of an attention op."""
-    return float(op.out_shape[0] * op.out_shape[1] * op.out_shape[2] ** 2)
-
-
-def input_bytes_of(layer: Layer) -> dict[str, float]:
-    """Bytes each op of `layer` reads: its producers' outputs (an input from outside: its own output's size)."""
-    produced = {op.name: op.out_bytes for op in layer.ops}
-    return {op.name: float(sum(produced.get(name, op.out_bytes) for name in op.inputs)) for op in layer.ops}
-
-
 def _op_works(op: Op, ctx: LayerContext, split: int, input_bytes: float | None = None) -> tuple[list[OpWork], list[OpWork]]:
     """Forward and backward work of one op, divided by its tensor-parallel split and by cp."""
-    share = ctx.batch_scale / (split * ctx.cp)
-    if op.kind == OpKind.ATTENTION and ctx.attention == AttentionKernel.UNFUSED:
-        scores = score_elements(op) * share
-        flops = op.fwd_flops * share
-        fwd = [OpWork(WorkKind.MATMUL, flops, 0.0), OpWork(WorkKind.MEMORY, 0.0, UNFUSED_FWD_BYTES_PER_SCORE * scores)]
-        bwd = [OpWork(WorkKind.MATMUL, 2 * flops, 0.0), OpWork(WorkKind.MEMORY, 0.0, UNFUSED_BWD_BYTES_PER_SCORE * scores)]
-        return fwd, bwd
-    return _works(op, share, input_bytes, ctx.cp, ctx.attention)
-
-
-def _works(op: Op, share: float, input_bytes: float | None = None, cp: int = 1,
-           attention: AttentionKernel = AttentionKernel.FLASH) -> tuple[list[OpWork], list[OpWork]]:
-    """Forward and backward work of `share` of one op of the traced micro-batch.
-
-    `input_bytes` is what the op reads (its producers' outputs); when unknown each input is taken
-    to be the size of the output. Reductions such as the loss read far more than they write.
-    Attention's unit is one head of one sequence, whose queries context parallelism divides by `cp`;
-    an elementwise op's work is keyed by its name for a measured rate (`OpTable`). An op whose
-    output takes no gradient (`Op.takes_grad`) has no backward.
-    """
-    fwd, bwd = _fwd_bwd_works(op, share, input_bytes, cp, attention)
-    return (fwd, bwd) if op.takes_grad else (fwd, [])
-
-
-def _fwd_bwd_works(op: Op, share: float, input_bytes: float | None, cp: int,
-                   attention: AttentionKernel) -> tuple[list[OpWork], list[OpWork]]:
-    """`_works` of an op whose output takes a gradient."""
-    if op.target in VIEW_TARGETS and op.fwd_flops == 0:
-        return [], []
-    flops = op.fwd_flops * share
-    if op.kind == OpKind.ATTENTION:
-        work = CAUSAL_WORK_FRACTION if op.attrs.get("causal") else 1.0  # the trace counts the full score matrix
-        flops *= work
-        head_flops = work * op.fwd_flops / (op.out_shape[0] * op.out_shape[1] * cp)
-        fwd_kind, bwd_kind = _FUSED_ATTENTION_WORKS[attention]
-        return ([OpWork(fwd_kind, flops, 0.0, unit_flops=head_flops)],
-                [OpWork(bwd_kind, ATTENTION_BWD_WORK_RATIO * flops, 0.0, unit_flops=ATTENTION_BWD_WORK_RATIO * head_flops)])
-    if op.kind == OpKind.MATMUL or (flops > 0 and op.kind == OpKind.OTHER):
-        io_bytes = op.out_bytes * share
-        gemm = OpWork(WorkKind.MATMUL, flops, io_bytes)
-        return [gemm], [gemm] * MATMUL_BWD_GEMMS
-    read = op.out_bytes * len(op.inputs) if input_bytes is None else input_bytes
-    traffic = (op.out_bytes + read) * share
-    kind = WorkKind.LOSS if op.kind == OpKind.LOSS else WorkKind.MEMORY
-    return ([OpWork(kind, 0.0, traffic, op.target)],
-            [OpWork(kind, 0.0, MEMORY_BWD_TRAFFIC_RATIO * traffic, f"{op.target}:bwd")])
-
-
-def op_time_s(op: Op, device: DeviceSpec, dtype: str, shards: int, table: OpTable | None = None) -> float:
-    """Forward+backward seconds of one op of the traced micro-batch with its work split `shards` ways."""
-    fwd, bwd = _works(op, 1.0 / shards)
-    return layer_time_s(fwd + bwd, device, dtype, table) if fwd or bwd else 0.0
+    return op_works(op, ctx.batch_scale / (split * ctx.cp), input_bytes, ctx.cp, ctx.attention)
 
 
 def _split_of(op: Op, plan: TpPlan) -> int:

@@ -17,7 +17,8 @@ from costmodel.comm import Collective, collective_time_s
 from costmodel.hardware import DeviceSpec, NodeSpec
 from planner.apply_pins import apply_pins
 from planner.graph import EXPERTS_MODULE, Layer, LayerKind, ModelGraph, Op, OpKind
-from planner.layer_cost import TpPlan, op_time_s
+from planner.layer_cost import TpPlan
+from planner.op_works import op_time_s
 from planner.mesh import axis_group
 from planner.sharding import Layout, solve_layout
 from planner.tp_strategies import Placement, TensorLayout, weight_split_dim

@@ -6,7 +6,7 @@ those choices, each with PyTorch's or FSDP2's behaviour (what `Plan.apply` runs)
 
 | field | choices (default first) | priced in |
 |-------|-------------------------|-----------|
-| attention | flash, flash2, flash1, unfused | `planner.layer_cost.AttentionKernel` |
+| attention | flash, flash2, flash1, unfused | `planner.op_works.AttentionKernel` |
 | tp_overlap | False, True | tensor-parallel collectives overlapped with GEMMs (`planner.layer_cost`) |
 | loss | torch, inplace, fused | `planner.loss_cost.LossKernel` |
 | zero3_fetch | prefetch, blocking | `planner.state_cost.Zero3Fetch` |
@@ -25,7 +25,7 @@ from enum import StrEnum
 from planner.errors import invalid
 from planner.fusion import ElementwiseKernels
 from planner.layer_comm import CpComm
-from planner.layer_cost import AttentionKernel
+from planner.op_works import AttentionKernel
 from planner.loss_cost import LossKernel
 from planner.pipeline_buffers import PipeBuffers, PipeOutputs
 from planner.sp_gather import SpGather

@@ -26,7 +26,7 @@ from planner.estimate import COL, Evaluator
 from planner.mesh import axis_group, mesh_groups, stage_devices
 from planner.graph import LayerKind, OpKind, Recompute
 from planner.layer_comm import overlapped_tp_comm_s
-from planner.layer_cost import AttentionKernel
+from planner.op_works import AttentionKernel
 from planner.op_sac_cost import op_sac_reruns_collectives
 from planner.loss_cost import LOSS_PARALLEL_TEMP_INPUT_COPIES, LOSS_TEMP_INPUT_COPIES
 from planner.stages import split_dp

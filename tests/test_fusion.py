@@ -18,7 +18,7 @@ from planner.errors import PlannerError
 from planner.estimate import Evaluator
 from planner.fusion import FUSIBLE_KINDS, ElementwiseKernels, fused_regions, fused_works
 from planner.graph import Op, OpKind
-from planner.layer_cost import op_time_s
+from planner.op_works import op_time_s
 from planner.op_kinds import VIEW_TARGETS
 from planner.sweeps.executors import PlanSettings, plan_point
 from planner.sweeps.spec import load_sweep_spec

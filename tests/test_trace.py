@@ -20,7 +20,7 @@ from planner.config import ParallelConfig
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.estimate import Evaluator
 from planner.graph import LayerKind, OpKind, Recompute
-from planner.layer_cost import op_time_s
+from planner.op_works import op_time_s
 from planner.lm_loss import with_language_model_loss
 from planner.op_sac_cost import op_sac_kept
 from planner.models import resolve_model
