@@ -42,8 +42,9 @@ FILL_RULES = {
     "arch": "llama when the row has kv_heads or a non-4h FFN with a 'Llama' name, else gpt",
     "dtype": "fp16 on V100 (no bf16), fp8 when the precision names fp8 (fp8 linear GEMMs, the rest bf16), "
              "bf16 otherwise",
-    "tp_overlap": "on when the source's flags include --tp-comm-overlap (Megatron-Core userbuffer overlap) or the run "
-                  "names AsyncTP (PyTorch's async tensor parallelism)",
+    "tp_overlap": "full when the source's flags include --tp-comm-overlap (Megatron-Core userbuffer overlap); forward "
+                  "when the run names AsyncTP (PyTorch's async tensor parallelism of 2024, the forward pass's "
+                  "collectives only: planner.layer_comm.TpOverlap); none otherwise",
     "zero_stage (Megatron-Core)": "1 when the source's flags include --overlap-param-gather, which needs the distributed "
                                   "optimizer (ZeRO-1)",
     "attention": "unfused for runs published before FlashAttention (May 2022) and the frameworks of that era "
@@ -115,7 +116,7 @@ class Row:
     unverified: bool
     attention: str
     open_choices: tuple[str, ...] = ()
-    tp_overlap: bool = False
+    tp_overlap: str = "none"
     dtype: str = "bf16"
     loss: str = "torch"
     zero3_fetch: str = "prefetch"
@@ -282,7 +283,7 @@ def load_rows(groups: tuple[str, ...] | None = None, path: Path = REFERENCE) -> 
         layer_frequency = str(plan.get("recompute")).lower() == LAYER_FREQUENCY_RECOMPUTE
         attention = ("unfused" if run["group"] in UNFUSED_ATTENTION_GROUPS
                      else "flash1" if run["group"] in FLASH1_ATTENTION_GROUPS else "flash")
-        tp_overlap = "--tp-comm-overlap" in flags or "asynctp" in run["id"].lower()
+        tp_overlap = "full" if "--tp-comm-overlap" in flags else "forward" if "asynctp" in run["id"].lower() else "none"
         dtype = "fp8" if "fp8" in str(run.get("precision", "")).lower() else "bf16"
         loss = "fused" if run["group"] in FUSED_LOSS_GROUPS else "inplace" if run["group"] in MEGATRON_CODE_GROUPS else "torch"
         zero3_fetch = "blocking" if run["group"] in BLOCKING_ZERO3_GROUPS else "prefetch"

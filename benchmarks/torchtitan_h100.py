@@ -25,8 +25,8 @@ last stage keeps every micro-batch's output until the step ends (`--pp-outputs k
 `Schedule.step()` did then, and torchtitan's Llama returns fp32 logits (`self.output(h).float()`). torchtitan reports the caching allocator's reserved peak
 (`torch.cuda.memory_stats()["reserved_bytes.all.peak"]`), which counts fragmentation but not the CUDA
 context, so it is compared with the predicted peak less `costmodel.memory.CUDA_CONTEXT_BYTES` (the
-prediction already holds the allocator's share, `ALLOCATOR_FRAGMENTATION_FRACTION`). Float8 is priced as fp8 GEMMs (`--dtype fp8`); AsyncTP as overlapped
-tensor-parallel collectives (`--tp-comm-overlap`). Attention is FlashAttention-2's kernels
+prediction already holds the allocator's share, `ALLOCATOR_FRAGMENTATION_FRACTION`). Float8 is priced as fp8 GEMMs (`--dtype fp8`); AsyncTP as the forward
+pass's tensor-parallel collectives overlapped (`--tp-comm-overlap forward`, async TP of 2024). Attention is FlashAttention-2's kernels
 (`--attention flash2`): torchtitan calls PyTorch's SDPA, which on H100 ran FlashAttention-2 in the
 nightlies of December 2024 (pytorch/pytorch#142132, torch 2.6.0.dev20241204; cuDNN attention was
 opt-in from 2.5.1, pytorch/pytorch#138522).
@@ -118,7 +118,7 @@ def evaluate_row(row: Row):
     dtype = "fp8" if row.float8 else "bf16"
     graph = trace(row.model, seq_len=row.seq_len, dtype=dtype)
     return evaluate(graph, f"{DEVICE}:{nodes}x{min(row.gpus, GPUS_PER_NODE)}",
-                    config, global_batch=row.global_batch, dtype=dtype, tp_overlap=row.async_tp,
+                    config, global_batch=row.global_batch, dtype=dtype, tp_overlap="forward" if row.async_tp else "none",
                     elementwise="fused" if row.compiled else "eager", attention="flash2", pp_outputs="kept",
                     boundaries=torchtitan_split(graph, row.pp * vpp) if row.pp > 1 else None)
 

@@ -92,7 +92,7 @@ def make_config(constraints: dict | ParallelConfig, num_devices: int, global_bat
 
 
 def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_batch: int | None = None, seq_len: int | None = None,
-             dtype: str | None = None, attention: str | None = None, tp_overlap: bool | None = None, loss: str | None = None,
+             dtype: str | None = None, attention: str | None = None, tp_overlap: str | None = None, loss: str | None = None,
              zero3_fetch: str | None = None, dp_sync: str | None = None, elementwise: str | None = None,
              pp_buffers: str | None = None, cp_comm: str | None = None, sp_gather: str | None = None,
              pp_outputs: str | None = None, boundaries: tuple[int, ...] | None = None,
@@ -213,7 +213,7 @@ def _planned_choices(planned: Plan, graph: ModelGraph, global_batch: int) -> tup
 
 
 def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype: str = "bf16", attention: str = "flash",
-         tp_overlap: bool = False, loss: str = "torch", zero3_fetch: str = "prefetch", dp_sync: str = "overlapped",
+         tp_overlap: str = "none", loss: str = "torch", zero3_fetch: str = "prefetch", dp_sync: str = "overlapped",
          elementwise: str = "eager", pp_buffers: str = "preallocated", cp_comm: str = "all_gather", sp_gather: str = "kept",
          pp_outputs: str = "dropped", **constraints) -> Plan:
     """Search the plan with the highest throughput that fits in memory.
@@ -225,8 +225,11 @@ def plan(model, cluster, *, global_batch: int, seq_len: int | None = None, dtype
         global_batch: sequences per optimizer step.
         seq_len: tokens per sequence (default: the model's).
         dtype: compute dtype.
-        attention: attention kernel of the training code, "flash" or "unfused".
-        tp_overlap: the training code overlaps tensor-parallel collectives with GEMMs.
+        attention: attention kernel of the training code, "flash" (the device's own), "flash2", "flash1"
+            or "unfused" (`planner.op_works.AttentionKernel`).
+        tp_overlap: which tensor-parallel collectives the training code overlaps with GEMMs, "none",
+            "full" (Megatron-Core `--tp-comm-overlap`; True means it too) or "forward" (the forward
+            pass's only: PyTorch's async TP of 2024; `planner.layer_comm.TpOverlap`).
         loss: cross-entropy kernel of the training code, "torch" (fp32 logits, `F.cross_entropy`),
             "inplace" (fp32 logits worked in place: Megatron's vocab-parallel cross-entropy) or "fused"
             (one kernel over the half-precision logits, e.g. flash-attn's xentropy, or a torch.compile'd loss).

@@ -51,8 +51,8 @@ def _add_sweep_args(sub) -> None:
     sweep.add_argument("--dtype", choices=TRAINING_DTYPES)
     sweep.add_argument("--attention", choices=["flash", "flash2", "flash1", "unfused"])
     sweep.add_argument("--loss", choices=["torch", "inplace", "fused"])
-    sweep.add_argument("--tp-comm-overlap", dest="tp_overlap", action="store_const", const=True,
-                       help="TP collectives overlapped with GEMMs (Megatron-Core --tp-comm-overlap, async TP)")
+    sweep.add_argument("--tp-comm-overlap", dest="tp_overlap", nargs="?", const="full", choices=["none", "full", "forward"],
+                       help="TP collectives overlapped with GEMMs (as for plan)")
     sweep.add_argument("--zero3-fetch", dest="zero3_fetch", choices=["prefetch", "blocking"],
                        help="how the training code fetches ZeRO-3 parameters (as for plan)")
     sweep.add_argument("--dp-sync", dest="dp_sync", choices=["overlapped", "blocking"],
@@ -98,8 +98,11 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool, from_pla
                             help="cross-entropy kernel of the training code (torch: fp32 logits and F.cross_entropy; "
                                  "inplace: fp32 logits worked in place, Megatron's vocab-parallel cross-entropy; "
                                  "fused: one kernel over the half-precision logits, e.g. flash-attn's xentropy, or a torch.compile'd loss)")
-        parser.add_argument("--tp-comm-overlap", action="store_const", const=True,
-                            help="the training code overlaps tensor-parallel collectives with GEMMs (Megatron-Core --tp-comm-overlap, async TP)")
+        parser.add_argument("--tp-comm-overlap", nargs="?", const="full", choices=["none", "full", "forward"],
+                            help="which tensor-parallel collectives the training code overlaps with GEMMs (full, the "
+                                 "value when none is given: forward, recomputed forward and backward, Megatron-Core "
+                                 "--tp-comm-overlap; forward: the forward pass's only, PyTorch's async TP of 2024; "
+                                 "none: exposed, the default)")
         parser.add_argument("--zero3-fetch", choices=["prefetch", "blocking"],
                             help="how the training code fetches ZeRO-3 parameters (prefetch: FSDP, overlapped with compute; "
                                  "blocking: DeepSpeed ZeRO-3 of spring 2021, each fetch stalls compute)")

@@ -12,7 +12,7 @@ compute, recompute, exposed tensor/context/expert-parallel communication, expose
 - FSDP (ZeRO-3) gathers of the next layer overlap with the current layer's compute, per micro-batch
   (unless the training code fetches them blocking, `state_cost.Zero3Fetch`);
 - TP/SP collectives are exposed (they sit between dependent matmuls), unless the training code
-  pipelines them with the GEMMs (`tp_overlap`, `layer_comm.overlapped_tp_comm_s`);
+  pipelines them with the GEMMs (`tp_overlap`: all, or the forward pass's only, `layer_comm.TpOverlap`);
 - the CP ring overlaps with attention and keeps its links busy: DP and FSDP traffic over the same
   links hides only in the compute it leaves, over other links in the ring's exposed time too
   (`mesh.cp_shares_shard_links`, `LayerCost.windows_s`); EP all-to-all is exposed;

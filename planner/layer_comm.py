@@ -94,14 +94,36 @@ def layer_tokens(layer: Layer) -> float:
     return 0.0
 
 
+class TpOverlap(StrEnum):
+    """Which tensor-parallel collectives the training code pipelines with the GEMMs beside them
+    (`overlapped_tp_comm_s`); the rest wait exposed.
+
+    NONE: none (plain tensor parallelism: PyTorch's DTensor styles, Megatron without the flag).
+    FULL: those of the forward, the recomputed forward and the backward (Megatron-Core
+    `--tp-comm-overlap`: Transformer Engine's userbuffers overlap the forward's all-gathers and
+    reduce-scatters and the backward's dgrad and wgrad collectives).
+    FORWARD: those of the forward pass only; the recomputed forward and the backward run theirs
+    exposed. PyTorch's async TP of 2024 (torch 2.4-2.6, `enable_async_tp`): its authors measured
+    up to 20-29% forward speedups but 8% end to end on Llama 3 8B and 70B ("[Distributed w/
+    TorchTitan] Introducing Async Tensor Parallelism in PyTorch", discuss.pytorch.org/t/209487,
+    Aug 2024), the gain of a forward-only overlap; the inductor pass of its author's branch then
+    returned early on backward graphs' reduce-scatters (yifuwang/pytorch,
+    torch/_inductor/fx_passes/micro_pipeline_tp.py, `fuse_matmul_reduce_scatter`).
+    """
+
+    NONE = "none"
+    FULL = "full"
+    FORWARD = "forward"
+
+
 def overlapped_tp_comm_s(comm_s: float, gemm_s: float, tp: int) -> float:
     """Exposed seconds of tensor-parallel collectives pipelined with the GEMMs they feed or drain.
 
-    Communication-overlapped tensor parallelism (Megatron-Core `--tp-comm-overlap` through
-    Transformer Engine userbuffers; PyTorch async TP, Wang et al. 2023 "Overlap communication with
-    dependent computation via decomposition") splits each all-gather / reduce-scatter into its tp
-    ring steps and runs each beside one chunk of the GEMM: the collective hides behind the GEMMs
-    except for one step that has no chunk beside it, and except where it is longer than they are.
+    Communication-overlapped tensor parallelism (`TpOverlap`; Wang et al. 2023 "Overlap
+    communication with dependent computation via decomposition") splits each all-gather /
+    reduce-scatter into its tp ring steps and runs each beside one chunk of the GEMM: the collective
+    hides behind the GEMMs except for one step that has no chunk beside it, and except where it is
+    longer than they are.
 
     Args:
         comm_s: the collectives' time when exposed.

@@ -14,7 +14,7 @@ from costmodel.hardware import DeviceSpec, NodeSpec
 from costmodel.op_table import OpTable
 from planner.fusion import ElementwiseKernels, fused_works
 from planner.graph import Layer, Op, OpKind, Recompute
-from planner.layer_comm import CpComm, cp_exposed_s, ep_all_to_all_fwd_s, overlapped_tp_comm_s
+from planner.layer_comm import CpComm, TpOverlap, cp_exposed_s, ep_all_to_all_fwd_s, overlapped_tp_comm_s
 from planner.loss_cost import LossKernel, fused_loss_saving, loss_held_copies, loss_temp_copies
 from planner.op_sac_cost import op_sac_kept, op_sac_reruns_collectives
 from planner.op_works import (MATMUL_BWD_GEMMS, UNFUSED_SAVED_BYTES_PER_SCORE, AttentionKernel, input_bytes_of, op_works,
@@ -99,7 +99,7 @@ class LayerContext:
     hidden: int = 0
     table: OpTable | None = None
     attention: AttentionKernel = AttentionKernel.FLASH
-    tp_overlap: bool = False
+    tp_overlap: TpOverlap = TpOverlap.NONE
     loss: LossKernel = LossKernel.TORCH
     elementwise: ElementwiseKernels = ElementwiseKernels.EAGER
     cp_comm: CpComm = CpComm.ALL_GATHER
@@ -263,11 +263,14 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
                     for kind, size, _ in plan.collectives]
     tp_fwd_s = sum(collective_s)
     tp_exposed_fwd_s = tp_exposed_bwd_s = tp_fwd_s
-    if ctx.tp_overlap and ctx.device.comm_overlaps_compute and tp_fwd_s > 0:
+    if ctx.tp_overlap is not TpOverlap.NONE and ctx.device.comm_overlaps_compute and tp_fwd_s > 0:
         gemm_fwd_s, gemm_bwd_s = (_time_s([w for w in works if w.kind == WorkKind.MATMUL], ctx)
                                   for works in (fwd_works, bwd_works))
         tp_exposed_fwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_fwd_s, plan.tp)
-        tp_exposed_bwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_bwd_s, plan.tp)
+        if ctx.tp_overlap is TpOverlap.FULL:
+            tp_exposed_bwd_s = overlapped_tp_comm_s(tp_fwd_s, gemm_bwd_s, plan.tp)
+    # the recomputed forward overlaps its collectives as the backward does
+    tp_rerun_s = tp_exposed_fwd_s if ctx.tp_overlap is TpOverlap.FULL else tp_fwd_s
     # Waiting at the layer's collectives counts with the first kind of them the layer has.
     cp_fwd_s, cp_bwd_s = cp_exposed_s(layer, ctx, attention_fwd_s, attention_bwd_s)
     ep_fwd_s = ep_all_to_all_fwd_s(layer, ctx)
@@ -285,6 +288,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
         wait_fwd_s, wait_bwd_s = sync_wait_s(ctx, fwd_s, bwd_s)
         if waited_at == "tp":
             tp_exposed_fwd_s, tp_exposed_bwd_s = tp_exposed_fwd_s + wait_fwd_s, tp_exposed_bwd_s + wait_bwd_s
+            tp_rerun_s += wait_fwd_s
         elif waited_at == "cp":
             cp_comm_s += wait_fwd_s + wait_bwd_s
             cp_fwd_comm_s += wait_fwd_s
@@ -293,7 +297,7 @@ def price_layer(layer: Layer, plan: TpPlan, ctx: LayerContext) -> LayerCost:
     recompute_s = {
         Recompute.NONE: 0.0,
         Recompute.SELECTIVE: attention_fwd_s,
-        Recompute.FULL: fwd_s + tp_exposed_fwd_s + cp_fwd_s + ep_fwd_s,  # the forward, its collectives included
+        Recompute.FULL: fwd_s + tp_rerun_s + cp_fwd_s + ep_fwd_s,  # the forward, its collectives included
         # op-level checkpointing keeps no collective's output: the context-parallel exchange runs again too
         Recompute.SELECTIVE_OP: (_time_s(op_sac_rerun, ctx) if op_sac_rerun else 0.0) + cp_fwd_s
                                 + sum(t for t, rerun in zip(collective_s, op_sac_reruns_collectives(layer, plan.collectives)) if rerun),

@@ -7,7 +7,7 @@ those choices, each with PyTorch's or FSDP2's behaviour (what `Plan.apply` runs)
 | field | choices (default first) | priced in |
 |-------|-------------------------|-----------|
 | attention | flash, flash2, flash1, unfused | `planner.op_works.AttentionKernel` |
-| tp_overlap | False, True | tensor-parallel collectives overlapped with GEMMs (`planner.layer_cost`) |
+| tp_overlap | none, full, forward | `planner.layer_comm.TpOverlap` (true and false, its switch of old, mean full and none) |
 | loss | torch, inplace, fused | `planner.loss_cost.LossKernel` |
 | zero3_fetch | prefetch, blocking | `planner.state_cost.Zero3Fetch` |
 | dp_sync | overlapped, blocking | `planner.state_cost.DpSync` |
@@ -24,7 +24,7 @@ from enum import StrEnum
 
 from planner.errors import invalid
 from planner.fusion import ElementwiseKernels
-from planner.layer_comm import CpComm
+from planner.layer_comm import CpComm, TpOverlap
 from planner.op_works import AttentionKernel
 from planner.loss_cost import LossKernel
 from planner.pipeline_buffers import PipeBuffers, PipeOutputs
@@ -36,13 +36,16 @@ from planner.state_cost import DpSync, Zero3Fetch
 # (`flash2` is PyTorch's SDPA on Hopper up to torch 2.10), and context parallelism runs either exchange.
 APPLIED_BESIDES_DEFAULTS = {"attention": ("flash2",), "cp_comm": ("a2a",)}
 
+# Values a field took when it was a switch (true/false), as the choices they mean.
+SWITCH_VALUES = {"tp_overlap": {True: TpOverlap.FULL.value, False: TpOverlap.NONE.value}}
+
 
 @dataclass(frozen=True)
 class TrainingCode:
     """The training code's kernels and state synchronisation (module docstring)."""
 
     attention: AttentionKernel = AttentionKernel.FLASH
-    tp_overlap: bool = False
+    tp_overlap: TpOverlap = TpOverlap.NONE
     loss: LossKernel = LossKernel.TORCH
     zero3_fetch: Zero3Fetch = Zero3Fetch.PREFETCH
     dp_sync: DpSync = DpSync.OVERLAPPED
@@ -56,9 +59,8 @@ class TrainingCode:
         """Plain values become their choice's enum member (`TrainingCode(loss="fused")`), which the
         cost model compares by identity; an unknown one raises ValueError (`of` says more)."""
         for f in fields(self):
-            default = getattr(type(self), f.name)
-            if not isinstance(default, bool):
-                object.__setattr__(self, f.name, type(default)(getattr(self, f.name)))
+            value = _unswitched(f.name, getattr(self, f.name))
+            object.__setattr__(self, f.name, type(getattr(type(self), f.name))(value))
 
     @classmethod
     def of(cls, **choices) -> TrainingCode:
@@ -73,38 +75,36 @@ class TrainingCode:
         for name, value in choices.items():
             if name not in names:
                 raise invalid(f"{name}: not a training-code choice; use {', '.join(names)}")
-            default = getattr(cls, name)
-            if isinstance(default, bool):
-                if not isinstance(value, bool):
-                    raise invalid(f"{name}={value!r}: use true or false")
-                values[name] = value
-                continue
-            kind = type(default)
+            kind = type(getattr(cls, name))
             try:
-                values[name] = kind(value)
+                values[name] = kind(_unswitched(name, value))
             except ValueError:
                 raise invalid(f"{name}={value!r}: use one of {', '.join(repr(k.value) for k in kind)}") from None
         return cls(**values)
 
-    def options(self) -> dict[str, str | bool]:
+    def options(self) -> dict[str, str]:
         """Every field as plain values, in field order: the keyword arguments of `planner.plan`."""
         return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
 
-    def changed(self) -> dict[str, str | bool]:
+    def changed(self) -> dict[str, str]:
         """`options` that differ from the defaults."""
         default = TrainingCode().options()
         return {name: value for name, value in self.options().items() if value != default[name]}
 
-    def not_applied(self) -> dict[str, str | bool]:
+    def not_applied(self) -> dict[str, str]:
         """`changed` choices that `Plan.apply` does not run: it runs PyTorch's and FSDP2's own."""
         return {name: value for name, value in self.changed().items() if value not in APPLIED_BESIDES_DEFAULTS.get(name, ())}
 
     @classmethod
-    def choices(cls, name: str) -> tuple[str | bool, ...]:
+    def choices(cls, name: str) -> tuple[str, ...]:
         """The plain values field `name` takes, its default first."""
-        default = getattr(cls, name)
-        return (False, True) if isinstance(default, bool) else tuple(kind.value for kind in type(default))
+        return tuple(kind.value for kind in type(getattr(cls, name)))
 
 
-def _plain(value: StrEnum | bool) -> str | bool:
-    return value if isinstance(value, bool) else value.value
+def _unswitched(name: str, value):
+    """`value`, or the choice it means where field `name` was a switch and `value` is true or false."""
+    return SWITCH_VALUES[name][value] if isinstance(value, bool) and name in SWITCH_VALUES else value
+
+
+def _plain(value: StrEnum) -> str:
+    return value.value

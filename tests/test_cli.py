@@ -729,12 +729,21 @@ def test_training_code_flags_offer_exactly_the_cost_models_choices(command):
     flags = {"tp_overlap": "tp_overlap" if command == "sweep" else "tp_comm_overlap"}
     for name, default in TrainingCode().options().items():
         action = actions[flags.get(name, name)]
-        if isinstance(default, bool):
-            assert action.nargs == 0  # a switch
-            continue
         assert tuple(action.choices) == TrainingCode.choices(name)
         assert action.default is None
         assert inspect.signature(plan).parameters[name].default == default
+
+
+def test_tp_comm_overlap_alone_means_full_overlap(capsys):
+    # `--tp-comm-overlap` was a switch: given without a value it keeps meaning Megatron-Core's overlap.
+    args = ["evaluate", *RUN_ARGS, "--tp", "4", "--pp", "1", "--json"]
+    steps = {}
+    for flag in ([], ["--tp-comm-overlap"], ["--tp-comm-overlap", "full"], ["--tp-comm-overlap", "forward"]):
+        code, out, _ = run([*args, *flag], capsys)
+        assert code == 0
+        steps[" ".join(flag)] = json.loads(out)["step_time_s"]
+    assert steps["--tp-comm-overlap"] == steps["--tp-comm-overlap full"]
+    assert steps["--tp-comm-overlap full"] < steps["--tp-comm-overlap forward"] < steps[""]
 
 
 @pytest.mark.parametrize("pp,named", [(1, False), (2, True)])

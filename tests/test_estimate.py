@@ -863,10 +863,32 @@ def test_tp_overlap_hides_tensor_parallel_communication_only(gpt350m):
     cluster = load_cluster("a100-80g:1x8")
     config = ParallelConfig(dp=4, tp=2, num_microbatches=4)
     exposed = Evaluator(gpt350m, cluster).estimate(config, 16).time_breakdown
-    overlapped = Evaluator(gpt350m, cluster, code=TrainingCode.of(tp_overlap=True)).estimate(config, 16).time_breakdown
+    overlapped = Evaluator(gpt350m, cluster, code=TrainingCode.of(tp_overlap="full")).estimate(config, 16).time_breakdown
     assert overlapped["compute_s"] == exposed["compute_s"]
     # With tp = 2 at least one of the two ring steps of every collective stays exposed.
     assert exposed["tp_comm_s"] / 2 <= overlapped["tp_comm_s"] < exposed["tp_comm_s"]
+
+
+@pytest.mark.parametrize("recompute", [Recompute.NONE, Recompute.FULL])
+def test_forward_tp_overlap_hides_the_forward_pass_collectives_only(gpt350m, recompute):
+    # A gpt3-350m block at tp = 2 on NVSwitch: its collectives are shorter than the GEMMs beside
+    # them, so an overlapped one exposes one of its two ring steps, half its time. The forward and
+    # the backward each run the same collectives (time C per pass, 2C when exposed): full overlap
+    # exposes C/2 + C/2, forward-only C/2 + C. The recomputed forward runs its collectives again:
+    # overlapped (C/2) under full overlap, exposed (C) under forward-only.
+    config = ParallelConfig(dp=4, tp=2, num_microbatches=4)
+    cluster = load_cluster("a100-80g:1x8")
+    node = cluster.groups[0].node
+    block = next(i for i, layer in enumerate(gpt350m.layers) if layer.kind == LayerKind.BLOCK)
+    costs = {overlap: Evaluator(gpt350m, cluster, code=TrainingCode.of(tp_overlap=overlap)).layer_cost(
+                 block, config, node.device, node, recompute) for overlap in ("none", "full", "forward")}
+    pass_s = costs["none"].tp_comm_s / 2
+    assert pass_s > 0
+    assert costs["full"].tp_comm_s == pytest.approx(pass_s)
+    assert costs["forward"].tp_comm_s == pytest.approx(pass_s * 3 / 2)
+    assert costs["forward"].recompute_s == pytest.approx(costs["none"].recompute_s)
+    rerun_saving_s = costs["none"].recompute_s - costs["full"].recompute_s
+    assert rerun_saving_s == pytest.approx(pass_s / 2 if recompute is Recompute.FULL else 0.0, abs=1e-15)
 
 
 @pytest.fixture(scope="module")

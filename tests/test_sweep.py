@@ -107,15 +107,16 @@ def test_a_device_file_is_its_own_cluster_even_under_a_built_in_name(tmp_path):
 def test_tp_overlap_is_a_sweep_setting(tmp_path):
     path = write(tmp_path, "models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\n"
                            "tp_overlap: true\nconstraints: {tp: 4}\n")
-    spec = load_sweep_spec(path)
-    assert spec.code.tp_overlap and spec.settings == "dtype=bf16 attention=flash tp_overlap=True tp=4"
-    assert load_sweep_spec(path, {"tp_overlap": None}).code.tp_overlap  # an absent flag keeps the file's value
+    spec = load_sweep_spec(path)  # true: the switch of old, full overlap
+    assert spec.code.tp_overlap == "full" and spec.settings == "dtype=bf16 attention=flash tp_overlap=full tp=4"
+    assert load_sweep_spec(path, {"tp_overlap": None}).code.tp_overlap == "full"  # an absent flag keeps the file's value
+    assert load_sweep_spec(path, {"tp_overlap": "forward"}).code.tp_overlap == "forward"
     graph = planner.trace("gpt3-125m", seq_len=512)
     cluster = spec.clusters["a100-80g:1x8"]
     point = spec.points[0]
     # tp=4 in one node: the overlapped run exposes less TP communication, so it is faster.
     exposed = plan_point(point, graph, cluster, PlanSettings("bf16", TrainingCode(), {"tp": 4}, "tp=4"))
-    overlapped = plan_point(point, graph, cluster, PlanSettings("bf16", TrainingCode.of(tp_overlap=True), {"tp": 4}, "tp=4"))
+    overlapped = plan_point(point, graph, cluster, PlanSettings("bf16", TrainingCode.of(tp_overlap="full"), {"tp": 4}, "tp=4"))
     assert overlapped["step_time_s"] < exposed["step_time_s"]
 
 
@@ -182,7 +183,7 @@ def test_blocking_state_traffic_is_a_sweep_setting(tmp_path, key, default, zero)
     ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\nloss: chunked\n",
      "sweep.yaml:5: loss: 'chunked': use one of torch, inplace, fused"),
     ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64]\nseq_lens: [512]\ntp_overlap: yes please\n",
-     "sweep.yaml:5: tp_overlap: 'yes please': use true or false"),
+     "sweep.yaml:5: tp_overlap: 'yes please': use one of none, full, forward"),
     ("models: [gpt3-125m]\nclusters: [a100-80g:1x8]\nglobal_batches: [64, 64]\nseq_lens: [512]\n",
      "sweep.yaml:3: global_batches[1]: 64 is listed twice"),
 ])

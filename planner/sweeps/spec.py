@@ -13,7 +13,7 @@ keys is a point; explicit `points` follow:
     dtype: bf16                             # optional: bf16 (default), fp16, fp8 or fp32
     attention: flash                        # optional: flash (default), flash2, flash1 or unfused
     loss: torch                             # optional: torch (default) or fused (cross-entropy kernel)
-    tp_overlap: false                       # optional: TP collectives overlapped with GEMMs (as --tp-comm-overlap)
+    tp_overlap: none                        # optional: none (default), full or forward (as --tp-comm-overlap)
     zero3_fetch: prefetch                   # optional: prefetch (default) or blocking (as --zero3-fetch)
     dp_sync: overlapped                     # optional: overlapped (default) or blocking (as --dp-sync)
     elementwise: eager                      # optional: eager (default) or fused (as --elementwise)
@@ -49,7 +49,7 @@ from costmodel.profile_files import PROFILE_SUFFIXES
 from costmodel.profile_loader import load_cluster, load_device
 from planner.config import TRAINING_DTYPES
 from planner.errors import PlannerError, invalid
-from planner.training_code import TrainingCode
+from planner.training_code import SWITCH_VALUES, TrainingCode
 
 GRID_LIST_KEYS = ("models", "devices", "cluster_sizes", "clusters", "global_batches", "seq_lens")
 CODE_KEYS = tuple(TrainingCode().options())
@@ -179,7 +179,7 @@ def _validate(entries: dict[str, _Entry], base: Path) -> SweepSpec:
             hint = f"did you mean {near[0]}?" if near else f"use {', '.join(SPEC_KEYS)}"
             raise invalid(f"{entry.where}: unknown key; {hint}")
     dtype = _choice(entries, "dtype", TRAINING_DTYPES)
-    code = TrainingCode.of(**{key: _choice(entries, key, TrainingCode.choices(key)) for key in CODE_KEYS})
+    code = TrainingCode.of(**{key: _choice(entries, key, TrainingCode.choices(key), SWITCH_VALUES.get(key)) for key in CODE_KEYS})
     constraints = _constraints(entries.get("constraints"))
     clusters: dict[str, Cluster] = {}
     points = _grid_points(entries, base, clusters)
@@ -320,17 +320,16 @@ def _cluster(where: str, spelling: str, base: Path, clusters: dict[str, Cluster]
     return name
 
 
-def _choice(entries: dict[str, _Entry], key: str, allowed: tuple) -> str | bool:
-    """The key's value, one of `allowed` (strings, or False and True for a flag); the first when absent."""
+def _choice(entries: dict[str, _Entry], key: str, allowed: tuple[str, ...], switch: dict | None = None) -> str:
+    """The key's value, one of `allowed`, or true or false where the key was a switch (`switch`
+    maps them to choices); the first when absent."""
     if key not in entries:
         return allowed[0]
     entry = entries[key]
-    if allowed == (False, True):
-        if not isinstance(entry.value, bool):
-            raise invalid(f"{entry.where}: {entry.value!r}: use true or false")
-    elif entry.value not in allowed:
+    value = switch[entry.value] if switch and isinstance(entry.value, bool) else entry.value
+    if value not in allowed:
         raise invalid(f"{entry.where}: {entry.value!r}: use one of {', '.join(allowed)}")
-    return entry.value
+    return value
 
 
 def _constraints(entry: _Entry | None) -> dict:
