@@ -152,12 +152,13 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
             estimate = dataclasses.replace(estimate, fixes=fit_fixes(evaluator, full, estimate, global_batch))
         if seq_len is None and not isinstance(model, ModelGraph):
             notes += (f"no seq_len given: priced at {graph.seq_len} tokens per sequence, the model's own",)
-        return dataclasses.replace(estimate, notes=estimate.notes + notes) if notes else estimate
+        return dataclasses.replace(estimate, notes=estimate.notes + notes, training_code=code.options())
     if boundaries is not None or recompute_per_layer is not None:
         raise invalid("boundaries, recompute_per_layer: a plan is priced at its own split and recompute; give the degrees "
                       "instead of the plan to price others")
     full, boundaries, policies = _planned_choices(planned, graph, global_batch)
-    return evaluator.estimate(full, global_batch, boundaries=boundaries, recompute_per_layer=policies)
+    estimate = evaluator.estimate(full, global_batch, boundaries=boundaries, recompute_per_layer=policies)
+    return dataclasses.replace(estimate, training_code=code.options())
 
 
 def _checked_boundaries(boundaries, config: ParallelConfig, layers: int) -> tuple[int, ...] | None:

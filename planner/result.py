@@ -105,6 +105,7 @@ class Estimate:
     seq_len: int | None = None  # tokens per sequence priced (the model's own where none was given)
     global_batch: int | None = None  # sequences per optimizer step
     fixes: tuple[Fix, ...] = ()  # where it does not fit: the changes that would (`planner.fit_fixes`)
+    training_code: dict = field(default_factory=dict)  # `TrainingCode.options()` priced (`planner.evaluate`, `planner.plan`)
 
     def host_overflow(self) -> dict | None:
         """The stage row (of `memory`) whose offloaded optimizer states exceed its devices' share of
@@ -129,6 +130,8 @@ class Estimate:
             "pipeline_p2p_s": list(self.pipeline_p2p_s),
             "fixes": [fix.to_dict() for fix in self.fixes],
         }
+        if self.training_code:
+            out["training_code"] = dict(self.training_code)
         if self.config is not None:
             out["config"] = self.config.to_dict()
         if self.seq_len is not None:
@@ -154,6 +157,7 @@ class Estimate:
             seq_len=data.get("seq_len"),
             global_batch=data.get("global_batch"),
             fixes=tuple(Fix(**fix) for fix in data.get("fixes", ())),
+            training_code=data.get("training_code", {}),
         )
 
 

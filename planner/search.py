@@ -280,7 +280,7 @@ def search(graph: ModelGraph, cluster: Cluster, *, global_batch: int, dtype: str
         seq_len=graph.seq_len,
         dtype=dtype,
         config=best_config,
-        estimate=best_estimate,
+        estimate=dataclasses.replace(best_estimate, training_code=code.options()),
         layouts=layouts_for(evaluator, best_config),
         memory_plan=plan_memory,
         search={

@@ -407,6 +407,7 @@ def test_peak_memory_names_the_fullest_device_of_a_mixed_cluster(capsys):
 def test_tables_render_without_json(capsys):
     code, out, _ = run(["evaluate", *RUN_ARGS, "--tp", "2", "--pp", "2"], capsys)
     assert code == 0 and "step time" in out and "Memory per device" in out
+    assert "training code" not in out  # the defaults: no row
     code, out, _ = run(["plan", *RUN_ARGS], capsys)
     assert code == 0 and "Pipeline stages" in out
     code, out, _ = run(["inspect", *MODEL_ARGS], capsys)
@@ -732,6 +733,20 @@ def test_training_code_flags_offer_exactly_the_cost_models_choices(command):
         assert tuple(action.choices) == TrainingCode.choices(name)
         assert action.default is None
         assert inspect.signature(plan).parameters[name].default == default
+
+
+def test_evaluate_says_which_training_code_it_priced(capsys):
+    # The figures assume the training code's kernels and overlap: the JSON carries every choice, the
+    # tables name those besides the defaults, and a saved plan's choices come back with it.
+    args = ["evaluate", *RUN_ARGS, "--tp", "2", "--pp", "1", "--tp-comm-overlap", "forward", "--loss", "fused"]
+    code, out, _ = run([*args, "--json"], capsys)
+    assert code == 0
+    from planner.training_code import TrainingCode
+    assert json.loads(out)["training_code"] == {**TrainingCode().options(), "tp_overlap": "forward", "loss": "fused"}
+    code, out, _ = run(args, capsys)
+    assert code == 0 and "training code" in out and "tp_overlap=forward, loss=fused" in " ".join(out.split())
+    code, out, _ = run(["plan", *RUN_ARGS, "--loss", "fused"], capsys)
+    assert code == 0 and "loss=fused" in " ".join(out.split())
 
 
 def test_tp_comm_overlap_alone_means_full_overlap(capsys):

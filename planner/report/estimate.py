@@ -6,6 +6,7 @@ from rich.table import Table
 from rich.text import Text
 
 from planner.result import Estimate
+from planner.training_code import TrainingCode
 from planner.report.units import GIB, bar, fmt_bytes, fmt_seconds
 
 # A pipeline bubble above this share of the step gets a hint on how to shrink it.
@@ -32,11 +33,14 @@ def throughput_unit(estimate: Estimate) -> str:
 
 
 def summary_table(estimate: Estimate, title: str) -> Table:
+    """The headline figures, with a row of the training-code choices besides the defaults they assume."""
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value")
     if estimate.config is not None:
         table.add_row("config", estimate.config.short())
+    if changed := TrainingCode.of(**estimate.training_code).changed():
+        table.add_row("training code", ", ".join(f"{name}={value}" for name, value in changed.items()))
     table.add_row("step time", fmt_seconds(estimate.step_time_s))
     table.add_row("throughput", f"{estimate.tokens_per_s:,.0f} {throughput_unit(estimate)}/s")
     table.add_row("model TFLOP/s per device", f"{estimate.tflops_per_gpu:.1f}")
