@@ -14,7 +14,7 @@ import signal
 import sys
 from typing import TextIO
 
-from planner.cli_args import build_parser
+from planner.cli_args import ArgumentsError, parse_arguments
 from planner.config import CONFIG_KEYS
 from planner.errors import PlannerError, PlannerErrorKind, invalid
 from planner.output_paths import check_writable_dir, check_writable_file
@@ -43,7 +43,8 @@ def _evaluated_config(args):
         missing = [f"--{key.replace('_', '-')}" for key in ("model", "cluster", "global_batch") if getattr(args, key) is None]
         missing += [f"--{key}" for key in ("tp", "pp") if key not in degrees]
         if missing:
-            raise invalid(f"evaluate: {', '.join(missing)} required; give them, or --plan FILE to price a saved plan")
+            raise invalid(f"evaluate: {', '.join(missing)} required; give {'them' if len(missing) > 1 else 'it'}, "
+                          f"or --plan FILE to price a saved plan")
         return degrees
     if degrees:
         flags = ", ".join(f"--{key.replace('_', '-')}" for key in degrees)
@@ -219,7 +220,11 @@ def _fail(kind: PlannerErrorKind, message: str, exit_code: int, json_out) -> int
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parse_arguments(argv)
+    except ArgumentsError as error:
+        return _fail(PlannerErrorKind.INVALID_INPUT, str(error), 2, sys.stdout if "--json" in argv else None)
     from costmodel.errors import ProfileError
 
     signal.signal(signal.SIGTERM, _terminate)  # a sweep installs its own while it runs

@@ -23,8 +23,16 @@ class Origin:
         return ProfileError(f"{self.label}: {field_name}: {problem}")
 
 
+# Keys that mark a model spec passed where a profile goes (`planner.zoo.spec`).
+MODEL_SPEC_MARKERS = ("arch", "layers")
+
+
 def check_keys(origin: Origin, prefix: str, data: dict, allowed, required) -> None:
-    """Every key of `data` is in `allowed` (else the nearest valid one is named) and every `required` one is there."""
+    """Every key of `data` is in `allowed` (else the nearest valid one is named, or a model spec
+    passed by mistake is called one) and every `required` one is there."""
+    if not prefix and all(marker in data for marker in MODEL_SPEC_MARKERS) and not set(MODEL_SPEC_MARKERS) & set(allowed):
+        raise ProfileError(f"{origin.label}: a model spec (it has `arch` and `layers`), not a hardware profile; fix: pass "
+                           f"it as --model, and as the cluster a cluster file or DEVICE:NODESxGPUS")
     for key in data:
         if key not in allowed:
             close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)

@@ -78,7 +78,7 @@ def make_config(constraints: dict | ParallelConfig, num_devices: int, global_bat
     dp = values.get("dp", num_devices // model_parallel)
     if dp * model_parallel != num_devices:
         raise invalid(f"dp*tp*pp*cp = {dp}*{tp}*{pp}*{cp} = {dp * model_parallel}: must equal the cluster's {num_devices} devices; "
-                      f"drop dp to fill them")
+                      f"give dp={num_devices // model_parallel}, or leave dp out (it fills them)")
     micro_batch = values.get("micro_batch", 1)
     check_batch_split(global_batch, dp, micro_batch)
     vpp = values.get("vpp", 1)
@@ -190,9 +190,15 @@ def _planned_choices(planned: Plan, graph: ModelGraph, global_batch: int) -> tup
     names = tuple(layer.name for layer in graph.layers)
     params = tuple(layer.params for layer in graph.layers)
     if names != planned.layer_names or (planned.layer_params and params != planned.layer_params):
-        raise invalid(f"plan: made for {planned.model} as it was then ({len(planned.layer_names)} traced layers), not for "
-                      f"this model ({len(names)} traced layers, or other sizes or names); evaluate it with the model it was "
-                      f"planned for, or re-plan")
+        if len(names) != len(planned.layer_names):
+            differ = f"{len(planned.layer_names)} traced layers there, {len(names)} here"
+        else:
+            i = next(i for i, name in enumerate(names)
+                     if name != planned.layer_names[i] or (planned.layer_params and params[i] != planned.layer_params[i]))
+            differ = (f"layer {i} is {planned.layer_names[i]} there, {names[i]} here" if names[i] != planned.layer_names[i] else
+                      f"layer {i} ({names[i]}) holds {planned.layer_params[i]:,} parameters there, {params[i]:,} here")
+        raise invalid(f"plan: made for {planned.model} as it was then, not for this model ({differ}); evaluate it with the "
+                      f"model it was planned for, or re-plan")
     staged = [name for stage in planned.stages for name in stage.layer_names]
     if sorted(staged) != sorted(names):
         odd = sorted(set(staged) ^ set(names)) or sorted(name for name in set(staged) if staged.count(name) > 1)

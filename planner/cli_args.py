@@ -3,17 +3,45 @@ options, parsed so that a bad one is reported in one line with exit 2."""
 from __future__ import annotations
 
 import argparse
-import sys
+import difflib
 
 from planner.config import TRAINING_DTYPES
 
 
+class ArgumentsError(Exception):
+    """A bad command-line argument, as one line (`cli.main` reports it with exit 2, and under
+    --json as the error object too)."""
+
+
+# How close an unknown option must be to a known one to be named as what was meant (difflib ratio).
+OPTION_GUESS_CUTOFF = 0.75
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports bad arguments in one line (exit 2) instead of usage text."""
+    """argparse that raises ArgumentsError for bad arguments instead of printing usage text."""
 
     def error(self, message: str):
-        sys.stderr.write(f"paraplan: error: {message}\n")
-        raise SystemExit(2)
+        raise ArgumentsError(message)
+
+
+def parse_arguments(argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed (`build_parser`); ArgumentsError for a bad one, naming the subcommand's nearest
+    option for one it does not know (`--global_batch`: did you mean `--global-batch`?)."""
+    parser = build_parser()
+    try:
+        return parser.parse_args(argv)
+    except ArgumentsError as error:
+        message = str(error)
+        if not message.startswith("unrecognized arguments:"):
+            raise
+        subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        command = subcommands[next(token for token in argv if token in subcommands)]
+        known = [option for action in command._actions for option in action.option_strings if option.startswith("--")]
+        guesses = [difflib.get_close_matches(token.split("=")[0].replace("_", "-"), known, n=1, cutoff=OPTION_GUESS_CUTOFF)
+                   for token in message.split(":", 1)[1].split() if token.startswith("-")]
+        if named := [guess[0] for guess in guesses if guess]:
+            message += f"; did you mean {', '.join(named)}?"
+        raise ArgumentsError(message) from None
 
 
 def _positive(name: str):

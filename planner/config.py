@@ -96,9 +96,11 @@ class ParallelConfig:
                 raise invalid(f"{name}={value!r}: use one of {', '.join(str(member) for member in kind)}")
             object.__setattr__(self, name, kind(value))
         if (self.dp * self.cp) % self.ep_over_data:
-            raise invalid(f"ep={self.ep}: must divide dp*cp={self.dp * self.cp} (experts are sharded inside the data-parallel "
-                          f"group) or be tp={self.tp} times a divisor of it (tp folded into the expert groups); use an ep "
-                          f"dividing {self.dp * self.cp}")
+            shard = self.dp * self.cp
+            fitting = sorted({f * d for d in range(1, shard + 1) if shard % d == 0 for f in (1, self.tp)})
+            raise invalid(f"ep={self.ep}: must divide dp*cp={shard} (experts are sharded inside the data-parallel "
+                          f"group) or be tp={self.tp} times a divisor of it (tp folded into the expert groups); use ep "
+                          f"{', '.join(map(str, fitting))}")
         if self.dp % self.dp_replicate:
             raise invalid(f"dp_replicate={self.dp_replicate}: must divide dp={self.dp} (the replicas split the data-parallel ranks)")
         if self.dp_replicate > 1 and self.zero == 0:

@@ -22,6 +22,7 @@ from collections import Counter
 from typing import Callable
 
 from costmodel import memory as memory_model
+from costmodel.hardware import Cluster
 from costmodel.offload import host_state_bytes
 from planner.config import ParallelConfig
 from planner.errors import PlannerError, PlannerErrorKind, invalid
@@ -100,6 +101,16 @@ def _verdict(label: str, what: str, peak_bytes: float, need_bytes: float, usable
     return f"{label} ({what} then {'fits at' if peak_bytes <= usable_bytes else 'needs'} {peak_bytes / GIB:.1f} GiB)"
 
 
+def _whole_nodes(cluster: Cluster, devices: int) -> str:
+    """`devices`, rounded up to whole nodes of the devices' usual size beyond one node (what the
+    `DEVICE:NODESxGPUS` shorthand builds)."""
+    per_node = max(group.node.device.devices_per_node for group in cluster.groups)
+    if devices <= per_node:
+        return f"{devices} devices"
+    nodes = math.ceil(devices / per_node)
+    return f"{nodes * per_node} devices in {nodes} nodes of {per_node}"
+
+
 def nothing_fits(evaluator: Evaluator, global_batch: int, closest: tuple[float, ParallelConfig] | None, evaluated: int,
                  rejected: list[Rejection], host_miss=None, constraints: dict | None = None,
                  headroom: float = 0.0, retry: Callable[[dict], tuple[float, ParallelConfig] | None] = lambda extra: None) -> PlannerError:
@@ -145,8 +156,8 @@ def nothing_fits(evaluator: Evaluator, global_batch: int, closest: tuple[float, 
     offload_tried = constraints.get("allow_offload", True) and "offload_optimizer" not in constraints
     least = min(devices_for_states(evaluator, config, offload) for offload in {False, offload_tried})
     scaled = math.ceil(cluster.num_devices * need / usable)
-    remedies = [f"at least {max(least, scaled)} devices ({scaled} to spread the closest's peak within capacity; the model "
-                f"states alone, fully sharded, need {least})"] if _devices_can_help(evaluator, config, constraints, global_batch, usable) else []
+    remedies = [f"at least {_whole_nodes(cluster, max(least, scaled))} ({scaled} to spread the closest's peak within capacity; "
+                f"the model states alone, fully sharded, need {least})"] if _devices_can_help(evaluator, config, constraints, global_batch, usable) else []
     levers = []
     if constraints.get("micro_batch", 1) > 1:
         levers.append(("micro_batch=1", dataclasses.replace(

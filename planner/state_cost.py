@@ -229,8 +229,9 @@ def zero3_exposed_s(fetch: Zero3Fetch, precision: Precision, dense: float, exper
     scatter_s = 0.0 if pipelined else state_collective_s(Collective.REDUCE_SCATTER, GRAD_REDUCE_BYTES_PER_PARAM,
                                                          dense - frozen, expert, groups.shard, expert_group, node,
                                                          oversubscription)
-    if fetch is Zero3Fetch.BLOCKING:
-        fetch_s = max(gather_s, (dense + expert) * precision.weight_bytes / BLOCKING_FETCH_BYTES_PER_S)
+    if fetch is Zero3Fetch.BLOCKING:  # a group of one rank has nothing to fetch
+        fetched = dense * (groups.shard.size > 1) + expert * (expert_group.size > 1)
+        fetch_s = max(gather_s, fetched * precision.weight_bytes / BLOCKING_FETCH_BYTES_PER_S)
         if pipelined:
             return 0.0, fetch_s
         return fetch_s, fetch_s * (2 if refetch else 1) + max(0.0, scatter_s - bwd_window_s)

@@ -116,7 +116,9 @@ def _trace_cached(key: ModelSource | str | nn.Module | ModelSpec, seq_len: int, 
         with _META:
             model = source.build(seq_len=seq_len)
         inputs = _example_inputs(source, micro_batch, seq_len, _META)
-        notes = [f"dtype {dtype} measured as {MEASURE_DTYPES[dtype]}"] if dtype == "fp8" else []
+        notes = (["dtype fp8: traced in bf16, as fp8 recipes (torchao Float8Linear, Transformer Engine) keep weights and "
+                  "activations in bf16; the linear layers' GEMMs are priced at the fp8 peak, the rest in bf16"]
+                 if dtype == "fp8" else [])
         if seq_len > source.learned_positions > 0:
             notes.append(f"{source.name}'s learned position table of {source.learned_positions} positions is extended to "
                          f"{seq_len} (its weights included): no longer the published model")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -297,9 +298,13 @@ def test_a_fixed_recompute_policy_is_kept_on_every_block(gpipe_plan):
 
 def test_a_plan_evaluates_only_on_the_model_it_was_made_for(gpipe_plan, small_graph):
     # Another layer count, and the same 24 blocks with other sizes (gpt3-350m: hidden 1024, not 2048).
+    # The error says what differs.
     _, plan = gpipe_plan
-    for other in (small_graph, planner.trace("gpt3-350m", seq_len=2048)):
-        with pytest.raises(PlannerError, match=r"plan: made for gpt3-1.3b as it was then \(26 traced layers\), not for this model"):
+    sizes = planner.trace("gpt3-350m", seq_len=2048)
+    embedding = plan.layer_params[0]
+    for other, differ in ((small_graph, f"26 traced layers there, {len(small_graph.layers)} here"),
+                          (sizes, f"layer 0 (embed) holds {embedding:,} parameters there, {sizes.layers[0].params:,} here")):
+        with pytest.raises(PlannerError, match=re.escape(f"plan: made for gpt3-1.3b as it was then, not for this model ({differ}); ")):
             planner.evaluate(other, "a10g:1x4", plan, global_batch=64)
 
 

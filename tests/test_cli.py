@@ -23,6 +23,7 @@ import cli
 import planner
 from costmodel.memory import ALLOCATOR_FRAGMENTATION_FRACTION
 from costmodel.profile_loader import load_device
+from planner.cli_args import build_parser
 from planner.report.plan import PUBLISHED_MAPE, alternatives_table
 from planner.result import Alternative, Plan
 
@@ -701,6 +702,24 @@ def test_under_json_an_error_is_also_a_json_object_on_standard_output(capsys):
     assert err == f"paraplan: {error['message']}\n" and "no plan fits" in error["message"]
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["inspect", *MODEL_ARGS[:2], "--seq-len", "0"], "argument --seq-len: --seq-len=0: must be a positive integer"),
+    (["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--recompute", "some"], "argument --recompute: invalid choice: 'some'"),
+    (["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--micro_batch", "2"],
+     "unrecognized arguments: --micro_batch 2; did you mean --micro-batch?"),
+    (["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--foo", "3"], "unrecognized arguments: --foo 3"),
+])
+def test_a_bad_flag_is_one_line_and_under_json_a_json_object_too(capsys, argv, message):
+    # Flags argparse rejects are reported as every other bad input: one line on standard error, exit
+    # 2, and under --json the error object on standard output; an unknown flag close to one of the
+    # subcommand's names that one.
+    code, out, err = run(argv, capsys)
+    assert code == 2 and out == "" and err.startswith(f"paraplan: {message}") and err.count("\n") == 1
+    code, out, json_err = run([*argv, "--json"], capsys)
+    assert code == 2 and json_err == err
+    assert json.loads(out)["error"]["message"] == err.removeprefix("paraplan: ").rstrip("\n")
+
+
 @pytest.mark.parametrize("model", ["gpt3-125m", "tests.fixtures.custom_models:mismatched_inputs_factory"])
 def test_console_entry_exit_status_and_no_traceback(model):
     # In a fresh process, as a user runs it: a model no capture method can run prints only the
@@ -725,7 +744,7 @@ def test_training_code_flags_offer_exactly_the_cost_models_choices(command):
     from planner.api import plan
     from planner.training_code import TrainingCode
 
-    subparsers = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     actions = {action.dest: action for action in subparsers.choices[command]._actions}
     flags = {"tp_overlap": "tp_overlap" if command == "sweep" else "tp_comm_overlap"}
     for name, default in TrainingCode().options().items():

@@ -551,6 +551,12 @@ def test_blocking_zero3_fetches_stall_compute_at_the_implementation_rate(gpt350m
         assert exposed["prefetch"] == pytest.approx(copies_s, rel=1e-9)
         expected_s = [fetches * gpt350m.layers[i].params * 2 / BLOCKING_FETCH_BYTES_PER_S for i in blocks]
         assert exposed["blocking"] == pytest.approx(expected_s, rel=1e-9)
+    # One data-parallel rank holds every parameter: nothing to fetch, nothing stalls.
+    one = load_cluster("a100-80g:1x1")
+    device, node = stage_devices(one, 1)[0]
+    config = ParallelConfig(dp=1, zero=3, micro_batch=4, num_microbatches=2, recompute=Recompute.FULL)
+    evaluator = Evaluator(gpt350m, one, code=TrainingCode.of(zero3_fetch="blocking"))
+    assert not evaluator.layer_table(config, device, node, evaluator.policies(config))[blocks, COL["fsdp_exposed_s"]].any()
 
 
 @pytest.mark.parametrize("kernel", ["flash2", "flash1"])

@@ -315,6 +315,14 @@ def test_the_cluster_fingerprint_follows_the_op_tables_contents_and_omits_defaul
     assert "flash2_attention_ratio" in repr(_priced_fields(load_device("h100-sxm")))
 
 
+def test_a_model_spec_given_as_hardware_is_called_what_it_is(tmp_path):
+    (tmp_path / "tiny.yaml").write_text("arch: gpt\nlayers: 2\nhidden: 64\nheads: 4\nvocab: 9\n")
+    for load in (load_cluster, load_device):
+        with pytest.raises(ProfileError, match=r"tiny.yaml: a model spec \(it has `arch` and `layers`\), not a hardware "
+                                               r"profile; fix: pass it as --model"):
+            load(str(tmp_path / "tiny.yaml"))
+
+
 def test_a_device_file_with_a_wrong_key_is_read_as_a_device(tmp_path):
     (tmp_path / "typo.yaml").write_text("name: typo\npeak_flop_per_s: {bf16: 1.0e+12}\nmem_bytes: 1.0e+9\n")
     with pytest.raises(ProfileError, match=r"typo.yaml: peak_flop_per_s: unknown key.*peak_flops_per_s"):

@@ -356,6 +356,19 @@ def test_nothing_fits_says_what_would():
     assert least >= math.ceil(16 * graph.params / capacity) > 2
 
 
+def test_more_devices_are_named_in_whole_nodes_beyond_one_node():
+    # gpt3-13b on two a10g (24 GB): its states alone, fully sharded, need 9-10 of them, more than
+    # the a10g's usual node of 8 holds, so the remedy names two whole nodes, as the cluster
+    # shorthand builds them (a10g:2x8), with the count the peak needs beside it.
+    graph = planner.trace("gpt3-13b", seq_len=1024)
+    with pytest.raises(PlannerError) as error:
+        planner.plan(graph, "a10g:1x2", global_batch=8, allow_offload=False)
+    found = re.search(r"at least (\d+) devices in (\d+) nodes of 8 \((\d+) to spread", error.value.message)
+    assert found is not None, error.value.message
+    devices, nodes, needed = map(int, found.groups())
+    assert 8 < needed <= devices == nodes * 8 < needed + 8
+
+
 def test_nothing_fits_names_the_priced_peak_of_the_closest_miss():
     # gpt3-1.3b at 2048 tokens on one a10g: every configuration misses, and some are rejected on their
     # memory floor alone. The closest named is the smallest peak over all of them, priced (a floor is

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -301,6 +303,7 @@ BAD_SPECS = [
     ({"arch": "gpt", "layers": 2, "hidden": 64, "heads": 4, "head_dim": 32, "vocab": 9}, "head_dim"),
     ({"arch": "lama", "layers": 2}, "arch"),
     ({"layers": 2}, "arch"),
+    ({"arch": "gpt", "layers": 20000, "hidden": 64, "heads": 4, "vocab": 9}, "layers"),
 ]
 
 
@@ -327,6 +330,20 @@ def test_unknown_key_suggests_nearest_valid_key():
         parse_spec(BAD_SPECS[0][0], "bad.yaml")
     with pytest.raises(PlannerError, match=r"did you mean `llama`\?"):
         parse_spec({"arch": "lama"}, "bad.yaml")
+
+
+def test_an_unknown_key_far_from_every_spec_key_lists_them():
+    with pytest.raises(PlannerError, match=r"field `foo`: unknown key; fix: use one of the documented keys \(arch, layers, hidden,"):
+        parse_spec({"arch": "gpt", "layers": 2, "foo": 3}, "bad.yaml")
+
+
+@pytest.mark.parametrize("profile, what", [("clusters/dgx-h100-su.yaml", "a cluster file (it has `groups`)"),
+                                           ("devices/h100-sxm.yaml", "a device profile (it has `peak_flops_per_s`)"),
+                                           ("links/ib-ndr400.yaml", "a link profile (it has `bw_bytes_per_s`)")])
+def test_a_hardware_profile_given_as_a_model_is_called_what_it_is(profile, what):
+    path = Path(__file__).resolve().parents[1] / "profiles" / profile
+    with pytest.raises(PlannerError, match=rf"^{re.escape(str(path))}: {re.escape(what)}, not a model spec; fix: pass it as "):
+        load_spec(path)
 
 
 def test_spec_text_errors_are_one_line():

@@ -7,7 +7,7 @@ write their own.
 Keys (`*` = required):
 
     arch*            gpt | llama | moe | bert | vit
-    layers*          transformer blocks
+    layers*          transformer blocks (at most MAX_LAYERS, 2048)
     hidden*          model width
     heads*           attention heads; must divide `hidden` unless `head_dim` is given
     kv_heads         key/value heads (grouped-query attention); must divide `heads`.
@@ -46,7 +46,6 @@ Example::
 """
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import dataclass
 from enum import StrEnum
@@ -56,8 +55,9 @@ from typing import Any
 import yaml
 
 from costmodel.strict_parse import load_text
-from planner.errors import PlannerError, invalid
+from planner.errors import invalid
 from planner.graph import ModelDims
+from planner.zoo.spec_errors import field_error, nearest_hint, one_line, show, unknown_key_error
 
 # Published context lengths used when a spec gives no `max_seq_len`: GPT-3 (Brown et al. 2020,
 # Sec. 2.1: n_ctx = 2048), BERT (Devlin et al. 2019, Sec. A.2: 512 positions), Llama 2 (Touvron
@@ -69,6 +69,9 @@ DEFAULT_ROPE_MAX_SEQ_LEN = 4096
 DEFAULT_ROPE_THETA = 10000.0
 # ImageNet-1k classes (ViT fine-tuning head, Dosovitskiy et al. 2021).
 DEFAULT_VIT_CLASSES = 1000
+# Twice the deepest transformer trained (DeepNet, Wang et al. 2022, arXiv 2203.00555: 1,000 layers);
+# the trace builds every block, so a deeper spec is taken for a typo rather than traced for minutes.
+MAX_LAYERS = 2048
 # Dense MLP width of GPT/BERT/ViT as a multiple of `hidden` (Vaswani et al. 2017).
 DENSE_FFN_MULTIPLE = 4
 
@@ -198,7 +201,7 @@ def load_spec(path: str | Path) -> ModelSpec:
         raise invalid(f"{path}: model spec file not found; fix: check the path, or use a "
                       f"built-in name (`paraplan models` lists them)") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise invalid(f"{path}: cannot read the model spec ({_one_line(exc)}); "
+        raise invalid(f"{path}: cannot read the model spec ({one_line(exc)}); "
                       f"fix: pass a readable UTF-8 YAML or JSON file") from None
     return parse_spec_text(text, str(path))
 
@@ -225,7 +228,7 @@ def parse_spec_text(text: str, origin: str) -> ModelSpec:
         shape = '{"key": value, ...}' if is_json else "one `key: value` per line"
         mark = getattr(exc, "problem_mark", None)
         where = f"{origin}:{mark.line + 1}" if mark is not None else origin
-        problem = getattr(exc, "problem", None) or _one_line(exc)
+        problem = getattr(exc, "problem", None) or one_line(exc)
         raise invalid(f"{where}: not valid {'JSON' if is_json else 'YAML'} ({problem}); "
                       f"fix: write a mapping, {shape}, each key once") from None
     return parse_spec(data, origin)
@@ -250,15 +253,15 @@ def parse_spec(data: Any, origin: str) -> ModelSpec:
                       f"one per line")
     for key in data:
         if not isinstance(key, str) or key not in _KEYS:
-            raise _unknown_key_error(origin, key)
+            raise unknown_key_error(origin, key, data, list(_KEYS))
     arch = _parse_arch(data, origin)
     values = {key: _checked_value(origin, key, data[key]) for key in data}
     for key, (_, accepted, required) in _KEYS.items():
         if key in values and arch not in accepted:
-            raise _field_error(origin, key, f"not used by arch {arch}",
+            raise field_error(origin, key, f"not used by arch {arch}",
                                f"remove it (it applies to arch {_names(accepted)})")
         if key not in values and arch in required:
-            raise _field_error(origin, key, f"missing (required for arch {arch})",
+            raise field_error(origin, key, f"missing (required for arch {arch})",
                                f"add `{key}: <positive integer>`")
     if arch == Arch.MOE:
         values = _moe_widths(values, origin)
@@ -269,11 +272,11 @@ def parse_spec(data: Any, origin: str) -> ModelSpec:
 
 def _parse_arch(data: dict, origin: str) -> Arch:
     if "arch" not in data:
-        raise _field_error(origin, "arch", "missing", f"add `arch: <{_names(_ALL)}>`")
+        raise field_error(origin, "arch", "missing", f"add `arch: <{_names(_ALL)}>`")
     arch = data["arch"]
     if not isinstance(arch, str) or arch not in Arch.__members__.values():
-        raise _field_error(origin, "arch", f"unknown architecture {_show(arch)}",
-                           f"use one of {_names(_ALL)}{_nearest_hint(arch, list(Arch))}")
+        raise field_error(origin, "arch", f"unknown architecture {show(arch)}",
+                           f"use one of {_names(_ALL)}{nearest_hint(arch, list(Arch))}")
     return Arch(arch)
 
 
@@ -283,22 +286,22 @@ def _checked_value(origin: str, key: str, value: Any) -> Any:
         return value
     if expected is bool:
         if not isinstance(value, bool):
-            raise _field_error(origin, key, f"expected true or false, got {_show(value)}",
+            raise field_error(origin, key, f"expected true or false, got {show(value)}",
                                f"write `{key}: true` or `{key}: false`")
         return value
     if expected is float:
         value = _number_text(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                 math.isfinite(value) and value > 0):
-            raise _field_error(origin, key, f"expected a positive number, got {_show(value)}",
+            raise field_error(origin, key, f"expected a positive number, got {show(value)}",
                                f"write e.g. `{key}: 500000`")
         return float(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _field_error(origin, key, f"expected an integer, got {_show(value)}",
+        raise field_error(origin, key, f"expected an integer, got {show(value)}",
                            f"write a whole number, e.g. `{key}: 8`")
     if value < 0 or (value == 0 and key not in _MAY_BE_ZERO):
         bound = "zero or more" if key in _MAY_BE_ZERO else "positive"
-        raise _field_error(origin, key, f"must be {bound}, got {value}",
+        raise field_error(origin, key, f"must be {bound}, got {value}",
                            f"use a {bound} integer")
     return value
 
@@ -320,10 +323,10 @@ def _moe_widths(values: dict, origin: str) -> dict:
     if "ffn_hidden" in values:
         return values
     if values.get("dense_layers", 0):
-        raise _field_error(origin, "ffn_hidden", "missing (required for the dense_layers of arch moe)",
+        raise field_error(origin, "ffn_hidden", "missing (required for the dense_layers of arch moe)",
                            "add `ffn_hidden: <positive integer>`, the dense layers' MLP width")
     if "moe_ffn_hidden" not in values:
-        raise _field_error(origin, "moe_ffn_hidden", "missing (arch moe needs an expert width)",
+        raise field_error(origin, "moe_ffn_hidden", "missing (arch moe needs an expert width)",
                            "add `moe_ffn_hidden: <positive integer>` (or `ffn_hidden`)")
     return {**values, "ffn_hidden": values["moe_ffn_hidden"]}
 
@@ -348,53 +351,30 @@ def _with_defaults(arch: Arch, values: dict) -> dict:
 
 
 def _check_consistency(spec: ModelSpec, origin: str, head_dim_given: bool) -> None:
+    if spec.layers > MAX_LAYERS:
+        raise field_error(origin, "layers", f"{spec.layers} is more than {MAX_LAYERS}",
+                          "check the count (the deepest trained transformers have about 1,000 layers)")
     if spec.hidden % spec.heads and not head_dim_given:
-        raise _field_error(origin, "heads", f"{spec.heads} does not divide hidden {spec.hidden}",
+        raise field_error(origin, "heads", f"{spec.heads} does not divide hidden {spec.hidden}",
                            f"pick heads from the divisors of {spec.hidden}, or give `head_dim` (llama, moe)")
     if spec.heads % spec.kv_heads:
-        raise _field_error(origin, "kv_heads", f"{spec.kv_heads} does not divide heads "
+        raise field_error(origin, "kv_heads", f"{spec.kv_heads} does not divide heads "
                            f"{spec.heads}", f"pick kv_heads from the divisors of {spec.heads}")
     if spec.arch in _ROPE and spec.head_dim % 2:
         field = "head_dim" if head_dim_given else "heads"
-        raise _field_error(origin, field, f"head dimension {spec.head_dim} is odd, rotary embeddings need "
+        raise field_error(origin, field, f"head dimension {spec.head_dim} is odd, rotary embeddings need "
                            f"it even", "use an even head_dim, or heads that make hidden / heads even")
     if spec.arch == Arch.MOE:
         if spec.top_k > spec.experts:
-            raise _field_error(origin, "top_k", f"{spec.top_k} exceeds experts {spec.experts}",
+            raise field_error(origin, "top_k", f"{spec.top_k} exceeds experts {spec.experts}",
                                f"use top_k <= {spec.experts}")
         if spec.dense_layers >= spec.layers:
-            raise _field_error(origin, "dense_layers", f"{spec.dense_layers} leaves no MoE layer "
+            raise field_error(origin, "dense_layers", f"{spec.dense_layers} leaves no MoE layer "
                                f"out of {spec.layers}", f"use dense_layers < {spec.layers}")
     if spec.arch == Arch.VIT and spec.image_size % spec.patch_size:
-        raise _field_error(origin, "patch_size", f"{spec.patch_size} does not divide image_size "
+        raise field_error(origin, "patch_size", f"{spec.patch_size} does not divide image_size "
                            f"{spec.image_size}", f"pick a divisor of {spec.image_size}")
-
-
-def _unknown_key_error(origin: str, key: Any) -> PlannerError:
-    return _field_error(origin, str(key) if isinstance(key, str) else _show(key), "unknown key",
-                        f"use one of the documented keys{_nearest_hint(key, list(_KEYS))}")
-
-
-def _nearest_hint(word: Any, choices: list[str]) -> str:
-    if not isinstance(word, str):
-        return ""
-    nearest = difflib.get_close_matches(word, choices, n=1)
-    return f" (did you mean `{nearest[0]}`?)" if nearest else ""
-
-
-def _field_error(origin: str, key: str, problem: str, fix: str) -> PlannerError:
-    return invalid(_one_line(f"{origin}: field `{key}`: {problem}; fix: {fix}"))
 
 
 def _names(archs: frozenset) -> str:
     return "|".join(a.value for a in Arch if a in archs)
-
-
-def _show(value: Any) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= 40 else shown[:37] + "..."
-
-
-def _one_line(text: Any) -> str:
-    return " ".join(str(text).split())
-
