@@ -25,17 +25,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_arguments(argv: list[str]) -> argparse.Namespace:
-    """`argv` parsed (`build_parser`); ArgumentsError for a bad one, naming the subcommand's nearest
-    option for one it does not know (`--global_batch`: did you mean `--global-batch`?)."""
+    """`argv` parsed (`build_parser`); ArgumentsError for a bad one, naming the subcommands where none
+    is given and the subcommand's nearest option for one it does not know (`--global_batch`: did you
+    mean `--global-batch`?)."""
     parser = build_parser()
     try:
         return parser.parse_args(argv)
     except ArgumentsError as error:
         message = str(error)
-        if not message.startswith("unrecognized arguments:"):
-            raise
         subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-        command = subcommands[next(token for token in argv if token in subcommands)]
+        command = subcommands.get(argv[0]) if argv else None
+        if command is None and message.endswith("required: command"):
+            raise ArgumentsError(f"{message}; give one of {', '.join(subcommands)} first (paraplan -h)") from None
+        if command is None or not message.startswith("unrecognized arguments:"):
+            raise
         known = [option for action in command._actions for option in action.option_strings if option.startswith("--")]
         guesses = [difflib.get_close_matches(token.split("=")[0].replace("_", "-"), known, n=1, cutoff=OPTION_GUESS_CUTOFF)
                    for token in message.split(":", 1)[1].split() if token.startswith("-")]

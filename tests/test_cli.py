@@ -708,6 +708,7 @@ def test_under_json_an_error_is_also_a_json_object_on_standard_output(capsys):
     (["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--micro_batch", "2"],
      "unrecognized arguments: --micro_batch 2; did you mean --micro-batch?"),
     (["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1", "--foo", "3"], "unrecognized arguments: --foo 3"),
+    ([], "the following arguments are required: command; give one of models, hardware, inspect,"),
 ])
 def test_a_bad_flag_is_one_line_and_under_json_a_json_object_too(capsys, argv, message):
     # Flags argparse rejects are reported as every other bad input: one line on standard error, exit
