@@ -59,7 +59,7 @@ class TrainingCode:
         """Plain values become their choice's enum member (`TrainingCode(loss="fused")`), which the
         cost model compares by identity; an unknown one raises ValueError (`of` says more)."""
         for f in fields(self):
-            value = _unswitched(f.name, getattr(self, f.name))
+            value = unswitched(f.name, getattr(self, f.name))
             object.__setattr__(self, f.name, type(getattr(type(self), f.name))(value))
 
     @classmethod
@@ -77,7 +77,7 @@ class TrainingCode:
                 raise invalid(f"{name}: not a training-code choice; use {', '.join(names)}")
             kind = type(getattr(cls, name))
             try:
-                values[name] = kind(_unswitched(name, value))
+                values[name] = kind(unswitched(name, value))
             except ValueError:
                 raise invalid(f"{name}={value!r}: use one of {', '.join(repr(k.value) for k in kind)}") from None
         return cls(**values)
@@ -101,7 +101,7 @@ class TrainingCode:
         return tuple(kind.value for kind in type(getattr(cls, name)))
 
 
-def _unswitched(name: str, value):
+def unswitched(name: str, value):
     """`value`, or the choice it means where field `name` was a switch and `value` is true or false."""
     return SWITCH_VALUES[name][value] if isinstance(value, bool) and name in SWITCH_VALUES else value
 

@@ -49,7 +49,7 @@ from costmodel.profile_files import PROFILE_SUFFIXES
 from costmodel.profile_loader import load_cluster, load_device
 from planner.config import TRAINING_DTYPES
 from planner.errors import PlannerError, invalid
-from planner.training_code import SWITCH_VALUES, TrainingCode
+from planner.training_code import TrainingCode, unswitched
 
 GRID_LIST_KEYS = ("models", "devices", "cluster_sizes", "clusters", "global_batches", "seq_lens")
 CODE_KEYS = tuple(TrainingCode().options())
@@ -179,7 +179,7 @@ def _validate(entries: dict[str, _Entry], base: Path) -> SweepSpec:
             hint = f"did you mean {near[0]}?" if near else f"use {', '.join(SPEC_KEYS)}"
             raise invalid(f"{entry.where}: unknown key; {hint}")
     dtype = _choice(entries, "dtype", TRAINING_DTYPES)
-    code = TrainingCode.of(**{key: _choice(entries, key, TrainingCode.choices(key), SWITCH_VALUES.get(key)) for key in CODE_KEYS})
+    code = TrainingCode.of(**{key: _choice(entries, key, TrainingCode.choices(key)) for key in CODE_KEYS})
     constraints = _constraints(entries.get("constraints"))
     clusters: dict[str, Cluster] = {}
     points = _grid_points(entries, base, clusters)
@@ -320,13 +320,13 @@ def _cluster(where: str, spelling: str, base: Path, clusters: dict[str, Cluster]
     return name
 
 
-def _choice(entries: dict[str, _Entry], key: str, allowed: tuple[str, ...], switch: dict | None = None) -> str:
-    """The key's value, one of `allowed`, or true or false where the key was a switch (`switch`
-    maps them to choices); the first when absent."""
+def _choice(entries: dict[str, _Entry], key: str, allowed: tuple[str, ...]) -> str:
+    """The key's value, one of `allowed`, or true or false where the key was a switch
+    (`training_code.unswitched` names the choices they mean); the first when absent."""
     if key not in entries:
         return allowed[0]
     entry = entries[key]
-    value = switch[entry.value] if switch and isinstance(entry.value, bool) else entry.value
+    value = unswitched(key, entry.value)
     if value not in allowed:
         raise invalid(f"{entry.where}: {entry.value!r}: use one of {', '.join(allowed)}")
     return value
