@@ -7,8 +7,9 @@ predicted peak memory over the device's capacity: every row ran, so a row over 1
 prediction proven too high.
 
 With `--contract-flags` each row is priced with only the command-line contract's options (degrees,
-micro-batch, ZeRO, recompute, dtype, cluster), the training code's kernels and overlap at their
-defaults: what a caller that knows nothing of the row's software gets.
+micro-batch, ZeRO, recompute, dtype, cluster) as the source states them, the training code's kernels
+and overlap at their defaults and a ZeRO stage or recompute the source leaves open left to
+`evaluate` (`planner.open_choices`): what a caller that knows nothing of the row's software gets.
 
 Usage: python benchmarks/published.py [--all-groups] [--contract-flags] [--csv out.csv]
 """
@@ -32,13 +33,18 @@ from planner.zoo.spec import parse_spec  # noqa: E402
 
 def evaluate_row(row: Row, contract_flags: bool = False) -> Estimate:
     """The row's own configuration priced (open choices filled by FILL_RULES); PlannerError if it cannot be.
-    `contract_flags`: the training software's options (FILL_RULES attention .. sp_gather) left at their defaults."""
+    `contract_flags`: the training software's options (FILL_RULES attention .. sp_gather) left at their
+    defaults, and the ZeRO stage and recompute the source leaves open left out, for `evaluate` to choose
+    (`planner.open_choices`), as a caller passing the source's own figures does."""
     source = resolve_model(parse_spec(row.spec, f"{row.id}.yaml"))
     graph = trace(source, seq_len=row.seq_len)
     software = {} if contract_flags else dict(
         attention=row.attention, tp_overlap=row.tp_overlap, loss=row.loss, zero3_fetch=row.zero3_fetch,
         dp_sync=row.dp_sync, pp_buffers=row.pp_buffers, sp_gather=row.sp_gather)
     policies = row_policies(graph, row)
+    if contract_flags and policies is None:
+        stated = {key: value for key, value in row.config.items() if key not in row.open_choices}
+        return evaluate(graph, row.cluster_spec(), stated, global_batch=row.global_batch, dtype=row.dtype, fixes=False)
     for config in fitting_configs(row):
         est = evaluate(graph, row.cluster_spec(), config, global_batch=row.global_batch, dtype=row.dtype, fixes=False,
                        recompute_per_layer=policies, **software)

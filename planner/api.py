@@ -11,7 +11,7 @@ from costmodel.hardware import Cluster
 from costmodel.profile_loader import load_cluster
 from planner.config import CONFIG_KEYS, ParallelConfig, Schedule, check_batch_split, sequence_parallel_for
 from planner.errors import check_positive_int, invalid
-from planner.graph import ModelGraph, Recompute
+from planner.graph import LayerKind, ModelGraph, Recompute
 from planner.result import Estimate, Plan, stored_reference
 
 # Degrees `make_config` divides by before ParallelConfig validates them.
@@ -111,6 +111,9 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
     layer-frequency checkpointing (`selective_ac_option = "2"`) runs.
     `fixes`: where the degrees given do not fit, price the single changes that would
     (`Estimate.fixes`, `planner.fit_fixes`).
+    Degrees given without `zero` or `recompute` leave them open: ZeRO 0 and no recompute where they
+    fit at a split memory did not shape, else the fastest choice that fits, with a note
+    (`planner.open_choices`).
 
     Example::
 
@@ -122,6 +125,7 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
     from planner.default_split import memory_shaped_note
     from planner.estimate import Evaluator
     from planner.fit_fixes import fit_fixes, idle_recompute_note
+    from planner.open_choices import fastest_fitting, open_keys
     from planner.tp_plan import whole_weights_note
     from planner.training_code import TrainingCode
 
@@ -145,9 +149,14 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
             full = dataclasses.replace(full, sequence_parallel=sequence_parallel_for(graph.stream_tokens, full.tp, full.cp))
         boundaries, policies = _checked_boundaries(boundaries, full, len(graph.layers)), _checked_policies(recompute_per_layer, graph)
         estimate = evaluator.estimate(full, global_batch, boundaries=boundaries, recompute_per_layer=policies)
-        notes = idle_recompute_note(evaluator, full, estimate, global_batch) + whole_weights_note(evaluator, full)
-        notes += attention_kernel_note(evaluator, full, estimate, global_batch, boundaries, policies)
-        notes += memory_shaped_note(evaluator, full, estimate, global_batch) if boundaries is None else ()
+        shaped = memory_shaped_note(evaluator, full, estimate, global_batch) if boundaries is None else ()
+        notes = ()
+        if isinstance(config, dict) and boundaries is None and policies is None:
+            given = full
+            full, estimate, notes = fastest_fitting(evaluator, full, estimate, global_batch, open_keys(config), shaped)
+            shaped = shaped if full == given else memory_shaped_note(evaluator, full, estimate, global_batch)
+        notes += idle_recompute_note(evaluator, full, estimate, global_batch) + whole_weights_note(evaluator, full)
+        notes += attention_kernel_note(evaluator, full, estimate, global_batch, boundaries, policies) + shaped
         if fixes and boundaries is None:
             estimate = dataclasses.replace(estimate, fixes=fit_fixes(evaluator, full, estimate, global_batch))
         if seq_len is None and not isinstance(model, ModelGraph):
@@ -197,6 +206,10 @@ def _planned_choices(planned: Plan, graph: ModelGraph, global_batch: int) -> tup
                      if name != planned.layer_names[i] or (planned.layer_params and params[i] != planned.layer_params[i]))
             differ = (f"layer {i} is {planned.layer_names[i]} there, {names[i]} here" if names[i] != planned.layer_names[i] else
                       f"layer {i} ({names[i]}) holds {planned.layer_params[i]:,} parameters there, {params[i]:,} here")
+            if names == planned.layer_names and graph.seq_len != planned.seq_len and all(
+                    graph.layers[j].kind == LayerKind.EMBEDDING for j in range(len(names)) if params[j] != planned.layer_params[j]):
+                raise invalid(f"seq_len={graph.seq_len}: the model's position table grows past the plan's {planned.seq_len} "
+                              f"tokens ({differ}), so the plan does not hold this model; re-plan at this sequence length")
         raise invalid(f"plan: made for {planned.model} as it was then, not for this model ({differ}); evaluate it with the "
                       f"model it was planned for, or re-plan")
     staged = [name for stage in planned.stages for name in stage.layer_names]

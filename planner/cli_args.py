@@ -163,18 +163,29 @@ def _add_model_args(parser: argparse.ArgumentParser, needs_batch: bool, from_pla
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _add_config_args(parser: argparse.ArgumentParser, recompute_default: str) -> None:
-    parser.add_argument("--tp", type=_positive("tp"))
-    parser.add_argument("--pp", type=_positive("pp"))
-    parser.add_argument("--dp", type=_positive("dp"))
-    parser.add_argument("--cp", type=_positive("cp"))
-    parser.add_argument("--ep", type=_positive("ep"))
-    parser.add_argument("--vpp", type=_positive("vpp"))
-    parser.add_argument("--micro-batch", type=_positive("micro-batch"))
-    parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
+def _add_config_args(parser: argparse.ArgumentParser, searched: bool) -> None:
+    """The configuration flags: `evaluate` prices them (defaults after each help), `plan` fixes each one given
+    and searches the rest."""
+    def unset(default: str) -> str:
+        return " (searched when not given)" if searched else f" ({default})" if default == "required" else f" (default: {default})"
+
+    parser.add_argument("--tp", type=_positive("tp"), help="tensor-parallel degree: ranks splitting each layer's matmuls"
+                        + unset("required"))
+    parser.add_argument("--pp", type=_positive("pp"), help="pipeline-parallel degree: stages" + unset("required"))
+    parser.add_argument("--dp", type=_positive("dp"), help="data-parallel degree: replicas" + unset("what fills the devices"))
+    parser.add_argument("--cp", type=_positive("cp"), help="context-parallel degree: ranks splitting each sequence" + unset("1"))
+    parser.add_argument("--ep", type=_positive("ep"), help="expert-parallel degree of an MoE, inside dp x cp" + unset("1"))
+    parser.add_argument("--vpp", type=_positive("vpp"), help="pipeline chunks per stage (interleaved schedule)" + unset("1"))
+    parser.add_argument("--micro-batch", type=_positive("micro-batch"), help="sequences per micro-batch" + unset("1"))
+    open_choice = "0 and none where they fit, else the fastest choice that fits"
+    parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
+                        help="ZeRO stage: 1 shards the optimizer states, 2 also the gradients, 3 also the weights (FSDP)"
+                             + unset(open_choice))
     parser.add_argument("--recompute", choices=["none", "selective", "full", "selective_op"],
-                        help=f"selective_op: torchtitan's op-level selective checkpointing (default: {recompute_default})")
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"])
+                        help="activation recompute; selective_op: torchtitan's op-level selective checkpointing"
+                             + unset(open_choice))
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"],
+                        help="pipeline schedule" + unset("interleaved with --vpp above 1, else 1f1b"))
     parser.add_argument("--offload-optimizer", action="store_const", const=True,
                         help="keep Adam states in host memory and update on the CPU (ZeRO-Offload)")
     parser.add_argument("--dp-replicate", type=_positive("dp-replicate"),
@@ -186,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     sub.add_parser("models", help="list built-in models")
     hardware = sub.add_parser("hardware", help="list built-in devices and clusters, or show one")
-    hardware.add_argument("name", nargs="?")
+    hardware.add_argument("name", nargs="?", help="a device, link or cluster name, or a profile file, to show in detail")
     inspect = sub.add_parser("inspect", help="per-layer FLOPs, parameters and activation bytes")
     _add_model_args(inspect, needs_batch=False)
     inspect.add_argument("--micro-batch", type=_positive("micro-batch"), help="sequences per forward (default: 1, or the "
@@ -195,12 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="training dtype the model is traced in (activation bytes follow it)")
     evaluate = sub.add_parser("evaluate", help="predict one parallel configuration")
     _add_model_args(evaluate, needs_batch=True, from_plan=True)
-    _add_config_args(evaluate, recompute_default="none")
+    _add_config_args(evaluate, searched=False)
     evaluate.add_argument("--plan", metavar="FILE", help="price a saved plan (.json/.yaml from `plan --out`) as planned: its degrees, "
                                                       "stage split, per-layer recompute and training code; instead of --tp/--pp/...")
     plan = sub.add_parser("plan", help="search the best plan")
     _add_model_args(plan, needs_batch=True)
-    _add_config_args(plan, recompute_default="search every policy the trace measured")
+    _add_config_args(plan, searched=True)
     plan.add_argument("--out", help="write the plan to .json or .yaml (missing folders are created)")
     plan.add_argument("--explain", action="store_true", help="also list rejected options and why")
     plan.add_argument("--no-offload", dest="allow_offload", action="store_false",
