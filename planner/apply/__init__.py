@@ -53,8 +53,8 @@ from planner.apply.expert_parallel import apply_expert_parallel, expert_mesh
 from planner.apply.head_counts import check_head_counts, localize_head_counts
 from planner.apply.pipeline import StageModule, build_schedule, check_runs_in_order, check_schedule, chunk_units
 from planner.apply.recompute import apply_recompute, check_recompute
-from planner.apply.tensor_parallel import TensorParallelPlan, retie, shared_parameters, tensor_parallel_plan
-from planner.apply.tied import TiedCopy, sum_tied_gradients, tie_across_stages
+from planner.apply.tensor_parallel import TensorParallelPlan, tensor_parallel_plan
+from planner.apply.tied import TiedCopy, retie, shared_parameters, sum_tied_gradients, tie_across_stages
 from planner.apply.validate import (APPLIED_MARK, ModelMatch, check_arguments, check_one_input, check_world_size,
                                    default_device, hardware_note, match_model, precision_note, world_size)
 from planner.config import Schedule

@@ -15,12 +15,15 @@ output back, so any mix of placements the sharding ILP chooses composes:
   on `heads`), the middle (attention core, activation) runs on local heads / feature slices;
   otherwise colwise input linears gather their outputs. The output projection is rowwise (reduces
   straight into the stream layout), colwise, or replicate (gathers a feature-split input first).
+  A container the plan leaves whole runs as written (torch's nn.MultiheadAttention). One whose only
+  input Linear is a fused projection (GPT-2's q, k and v side by side) is refused where its output
+  would be used on local slices, which would mix q, k and v heads (`_check_unfused`).
 - embedding: `rowwise` -> vocab-parallel (RowwiseParallel), `replicate` -> plain.
 - head: colwise keeps the logits split over the vocabulary for a vocab-parallel cross entropy
   (`loss_parallel`, Megatron's parallel cross entropy; a pipeline's last stage too, as in torchtitan);
   rowwise gathers them; `replicate` -> plain. A head tied to the embedding (GPT) shares its weight
   split by vocabulary in both (rowwise embedding, colwise head), as Megatron-LM shares it:
-  `parallelize_module` distributes each module's weight on its own, so `retie` points both at one
+  `parallelize_module` distributes each module's weight on its own, so `tied.retie` points both at one
   DTensor again (`validate` refuses a plan that splits a tied weight two ways).
 - mixture of experts (a container with `experts` of `GroupedLinear` projections): routing runs on
   the full, replicated input (the router as a Linear; colwise gathers its logits); the experts'
@@ -185,6 +188,18 @@ def _check_heads(fqn: str, module: nn.Module, inputs: list[str], tp: int) -> Non
                               f"re-plan with a tp that divides the key/value heads")
 
 
+def _check_unfused(fqn: str, module: nn.Module, inputs: list[str], output: str, attention: bool) -> None:
+    """Refuses a container whose only input Linear is wider or narrower than its output projection's
+    input: a fused projection (GPT-2's q, k and v side by side; a gate and an up projection), whose
+    contiguous column slices would hand each rank q heads for k heads (another model, trained silently)."""
+    width, read = getattr(module, inputs[0]).out_features, getattr(module, output).in_features
+    if len(inputs) == 1 and width != read:
+        held, cut, fix = (("q, k and v", "heads", "q, k, v") if attention else ("a gate and an up projection", "them", "gate and up"))
+        raise unsupported(f"layout {fqn}.{inputs[0]}: a fused projection ({width} outputs for {output}'s {read} inputs) "
+                          f"holds {held} side by side, which a column split would cut across {cut}; split it into "
+                          f"separate {fix} Linears, or plan with --tp 1")
+
+
 def _container_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stream: TensorLayout,
                       tp: int) -> dict[str, ParallelStyle]:
     """Styles of an attention or MLP container and its Linear children (see the module docstring)."""
@@ -194,12 +209,15 @@ def _container_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stre
     placements = {name: _placement(layouts, f"{fqn}.{name}") for name in linears}
     if others and any(p != Placement.REPLICATE for p in placements.values()):
         raise unsupported(f"layout {fqn}: tensor parallelism of nested module {others[0]} is not supported; use tp=1")
+    core = layouts.get(fqn)  # attention core placement; MLPs have none and follow their input linears
+    if core != Placement.HEADS and all(p == Placement.REPLICATE for p in placements.values()):
+        style = _convert(stream, R, R, stream)  # runs whole (torch's nn.MultiheadAttention, which has no o_proj)
+        return {fqn: style} if style is not None else {}
     outputs = [name for name in linears if name in OUTPUT_PROJECTIONS]
     if len(outputs) != 1:
         raise unsupported(f"module {fqn}: expected one output projection named one of {', '.join(OUTPUT_PROJECTIONS)}, "
                           f"found {outputs or 'none'}; tensor parallelism needs the zoo layout")
     inputs = [name for name in linears if name not in outputs]
-    core = layouts.get(fqn)  # attention core placement; MLPs have none and follow their input linears
     shared = _shared_key_value(module, inputs, tp) if core == Placement.HEADS else []
     split = [name for name in inputs if name not in shared]
     all_colwise = bool(split) and all(placements[name] == Placement.COLWISE for name in split) and all(
@@ -208,6 +226,7 @@ def _container_styles(fqn: str, module: nn.Module, layouts: dict[str, str], stre
         raise unsupported(f"layout {fqn}: attention on local heads needs colwise {', '.join(split)}; re-plan")
     middle = F if all_colwise and core != Placement.REPLICATE else R
     if middle == F:
+        _check_unfused(fqn, module, inputs, outputs[0], core is not None or head_count(module, QUERY_HEAD_ATTRS) is not None)
         _check_heads(fqn, module, split, tp)
     styles: dict[str, ParallelStyle] = {
         f"{fqn}.{name}": SharedKeyValueParallel(placements[name] == Placement.COLWISE, _head_dim(module, inputs),
@@ -332,7 +351,10 @@ def tensor_parallel_plan(model: nn.Module, units: list[str], block_fqns: list[st
                 elif any(isinstance(c, nn.Linear) for c in child.children()):
                     styles.update(_container_styles(fqn, child, layouts, stream, tp))
                 elif any(True for _ in child.parameters()) and _placement(layouts, fqn) != Placement.REPLICATE:
-                    raise unsupported(f"layout {fqn}: placement {layouts[fqn]!r} on a {type(child).__name__} cannot be applied")
+                    raise unsupported(f"layout {fqn}: Plan.apply splits a block's Linears only inside its attention, MLP "
+                                      f"or mixture-of-experts child (input Linears and an output projection named "
+                                      f"{', '.join(OUTPUT_PROJECTIONS)}), and this {type(child).__name__} sits directly "
+                                      f"in block {unit}; move it into such a child, or plan with --tp 1")
         elif isinstance(module, NORM_TYPES):
             styles.update(_norm_styles(unit, layouts, stream))
         elif not embedded and (isinstance(module, nn.Embedding) or any(isinstance(c, nn.Embedding) for c in module.children())):
@@ -363,23 +385,3 @@ def _check_whole_head_ties(fqn: str, head: nn.Module, model: nn.Module, styles: 
                 id(param) in own for param in model.get_submodule(name).parameters(recurse=False)):
             raise unsupported(f"layout {name}: the plan splits a weight the output head {fqn} ({type(head).__name__}) "
                               f"shares, and Plan.apply runs that head whole; plan with --tp 1 to apply it")
-
-
-def shared_parameters(module: nn.Module) -> list[list[tuple[str, str]]]:
-    """(module FQN, parameter name) of each user of every parameter `module` holds under more than one
-    name (tied weights, e.g. an input embedding and the output head)."""
-    users: dict[int, list[tuple[str, str]]] = {}
-    for fqn, child in module.named_modules():
-        for name, param in child.named_parameters(recurse=False):
-            users.setdefault(id(param), []).append((fqn, name))
-    return [names for names in users.values() if len(names) > 1]
-
-
-def retie(module: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
-    """Points every user of a tied parameter at the first user's again. `parallelize_module`
-    distributes each module's parameters on its own, which unties them; the plan splits a tied weight
-    the same way in every user (`validate`), so one DTensor serves them all."""
-    for (first_fqn, first_name), *others in tied:
-        param = module.get_submodule(first_fqn).get_parameter(first_name)
-        for fqn, name in others:
-            setattr(module.get_submodule(fqn), name, param)

@@ -6,6 +6,9 @@ every step's backward their gradients are summed over the stages that hold one: 
 shared weight is the sum over its uses, so every copy takes the same optimizer update. The group of
 a copy is the pipeline ranks that hold one at the rank's own (dp, cp, tp) coordinate, where FSDP and
 tensor parallelism shard the copies alike.
+
+Within a stage, a weight tied between modules stays one parameter through tensor parallelism
+(`shared_parameters` before `parallelize_module`, `retie` after it).
 """
 from __future__ import annotations
 
@@ -72,6 +75,26 @@ def tie_across_stages(plan: Plan, mesh: DeviceMesh, shared: tuple[tuple[str, ...
             dist.broadcast(_local(copy.param), src=copy.source, group=copy.group)
         copies.append(copy)
     return tuple(copies)
+
+
+def shared_parameters(module: nn.Module) -> list[list[tuple[str, str]]]:
+    """(module FQN, parameter name) of each user of every parameter `module` holds under more than one
+    name (tied weights, e.g. an input embedding and the output head)."""
+    users: dict[int, list[tuple[str, str]]] = {}
+    for fqn, child in module.named_modules():
+        for name, param in child.named_parameters(recurse=False):
+            users.setdefault(id(param), []).append((fqn, name))
+    return [names for names in users.values() if len(names) > 1]
+
+
+def retie(module: nn.Module, tied: list[list[tuple[str, str]]]) -> None:
+    """Points every user of a tied parameter at the first user's again. `parallelize_module`
+    distributes each module's parameters on its own, which unties them; the plan splits a tied weight
+    the same way in every user (`validate`), so one DTensor serves them all."""
+    for (first_fqn, first_name), *others in tied:
+        param = module.get_submodule(first_fqn).get_parameter(first_name)
+        for fqn, name in others:
+            setattr(module.get_submodule(fqn), name, param)
 
 
 def sum_tied_gradients(copies: tuple[TiedCopy, ...]) -> None:
