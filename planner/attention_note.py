@@ -15,11 +15,10 @@ from planner.config import ParallelConfig
 from planner.estimate import Evaluator
 from planner.graph import OpKind, Recompute
 from planner.op_works import AttentionKernel
-from planner.result import Estimate
+from planner.result import PUBLISHED_MAPE, Estimate
 
-# Step-time changes below this fraction go unnoted: about the cost model's error over the published
-# runs' goal groups (MAPE 5.5%, benchmarks/results/published.txt).
-ATTENTION_NOTE_FRACTION = 0.055
+# Step-time changes below this fraction go unnoted: the cost model's error over the published runs.
+ATTENTION_NOTE_FRACTION = PUBLISHED_MAPE
 
 
 def attention_kernel_note(evaluator: Evaluator, config: ParallelConfig, estimate: Estimate, global_batch: int,

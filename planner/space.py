@@ -173,6 +173,9 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict, gl
     if "zero" not in constraints and any(pp > 1 and dp * cp > 1 for dp, _, pp, cp, _ in space.degrees):
         space.rejected.append(Rejection("zero=2 with pp>1", "pipeline stages reduce the gradients once per step, so "
                                         "ZeRO-2 holds and moves what ZeRO-1 does; searched as zero=1"))
+    if "zero" not in constraints and any(pp == 1 and dp * cp > 1 for dp, _, pp, cp, _ in space.degrees):
+        space.rejected.append(Rejection("zero=2 over one micro-batch", "FSDP2 reduce-scatters the gradients in the one "
+                                        "backward, so ZeRO-1 holds and moves what ZeRO-2 does; searched as zero=1"))
     return space
 
 
@@ -271,16 +274,18 @@ def recompute_options(constraints: dict, measured: tuple[Recompute, ...]) -> lis
     return list(measured)
 
 
-def zero_options(constraints: dict, dp_cp: int, pp: int) -> list[int]:
+def zero_options(constraints: dict, dp_cp: int, pp: int, num_microbatches: int) -> list[int]:
     """The fixed ZeRO stage, else every stage that differs: no ZeRO-2 under pipelining, where it runs as
-    ZeRO-1 (pipeline stages reduce the whole gradients once per step: `state_cost.zero3_exposed_s`).
-    Without data parallelism only ZeRO-3 differs, without pipelining: FSDP2 on one rank keeps the fp32
-    master alone and casts each layer as it gathers it, where replication keeps a working copy too."""
+    ZeRO-1 (pipeline stages reduce the whole gradients once per step: `state_cost.zero3_exposed_s`),
+    nor over one micro-batch, where ZeRO-1 runs as ZeRO-2 (FSDP2 reduce-scatters the gradients in the
+    one backward). Without data parallelism only ZeRO-3 differs, without pipelining: FSDP2 on one rank
+    keeps the fp32 master alone and casts each layer as it gathers it, where replication keeps a
+    working copy too."""
     if "zero" in constraints:
         return [constraints["zero"]]
     if dp_cp == 1:
         return [0, 3] if pp == 1 else [0]
-    return [0, 1, 3] if pp > 1 else [0, 1, 2, 3]
+    return [0, 1, 3] if pp > 1 or num_microbatches == 1 else [0, 1, 2, 3]
 
 
 def replica_options(constraints: dict, degrees: tuple[int, int, int, int, int], zero: int,
@@ -310,7 +315,7 @@ def configs_for(degrees: tuple[int, int, int, int, int], graph: ModelGraph, glob
     for mb in micro_batches(global_batch // dp, constraints, graph.stream_tokens):
         m = global_batch // (dp * mb)
         for schedule, vpp in schedules(pp, len(graph.layers), m, constraints):
-            for zero in zero_options(constraints, dp * cp, pp):
+            for zero in zero_options(constraints, dp * cp, pp, m):
                 for replicas in replica_options(constraints, degrees, zero, devices_per_node):
                     for recompute in policies:
                         yield ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp, micro_batch=mb,

@@ -308,6 +308,16 @@ def test_a_plan_evaluates_only_on_the_model_it_was_made_for(gpipe_plan, small_gr
             planner.evaluate(other, "a10g:1x4", plan, global_batch=64)
 
 
+def test_a_plan_priced_past_its_position_table_says_so(gpipe_plan):
+    # gpt3-1.3b's learned position table holds 2048 positions; at 4096 tokens it grows, and the
+    # plan (made at 2048) no longer holds the model: the error names the sequence length, not a model change.
+    _, plan = gpipe_plan
+    longer = planner.trace("gpt3-1.3b", seq_len=4096)
+    with pytest.raises(PlannerError, match=re.escape("seq_len=4096: the model's position table grows past the plan's 2048 "
+                                                     "tokens (layer 0 (embed) holds ")):
+        planner.evaluate(longer, "a10g:1x4", plan, global_batch=64)
+
+
 def test_interleaved_stages_list_their_chunks(small_graph):
     # pp=2 x vpp=2 over the 14 layers: chunk c runs on stage c % 2, so stage 0 holds chunks 0 and 2
     # and stage 1 chunks 1 and 3; together the chunks tile the layers in order.

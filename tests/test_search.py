@@ -14,6 +14,7 @@ import json
 import math
 import re
 from itertools import combinations
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -859,3 +860,14 @@ def test_expert_parallelism_is_searched_over_dp_x_cp():
     inside_dp = [planner.plan(graph, "a100-80g:1x8", global_batch=8, tp=1, pp=1, dp=dp, ep=ep)
                  for dp in (1, 2, 4, 8) for ep in (1, 2, 4, 8) if ep <= dp]
     assert best.estimate.step_time_s < min(p.estimate.step_time_s for p in inside_dp)
+
+
+def test_zero_1_and_2_over_one_micro_batch_are_listed_once():
+    # The tiny Llama on 2 x 2 CPUs at tp 2: its plan runs one micro-batch of 4 at ZeRO-1, which FSDP2
+    # runs as ZeRO-2, so the ZeRO-2 twin (the same time and memory) is not an alternative.
+    plan = planner.plan(str(Path(__file__).resolve().parents[1] / "examples" / "tiny-llama.yaml"), "cpu:2x2",
+                        global_batch=8, seq_len=128, tp=2, dtype="fp32")
+    runs = [plan.config] + [a.config for a in plan.alternatives]
+    one_micro_batch = [dataclasses.replace(c, zero=2 if c.zero == 1 else c.zero) for c in runs if c.num_microbatches == 1]
+    assert plan.config.num_microbatches == 1 and plan.config.zero in (1, 2)
+    assert len(set(one_micro_batch)) == len(one_micro_batch)

@@ -23,7 +23,7 @@ from costmodel.profile_loader import load_cluster, load_device
 from planner.errors import PlannerError, PlannerErrorKind
 from planner.sweeps.executors import PlanSettings, base_row, failure, plan_file_name, plan_point
 from planner.sweeps.results import ADDED_COLUMNS, COLUMNS, ResultsFile, read_results, rows_without_plan
-from planner.sweeps.runner import sweep
+from planner.sweeps.runner import SweepSummary, sweep
 from planner.sweeps.spec import SweepPoint, load_sweep_spec, sweep_spec_from_dict
 from planner.training_code import TrainingCode
 
@@ -393,6 +393,21 @@ def test_rerun_plans_only_missing_points_and_matches_an_uninterrupted_run(tmp_pa
     # Other points with other settings would join rows a report then compares as planned alike.
     with pytest.raises(PlannerError, match="planned with 'dtype=bf16 attention=flash', this sweep uses 'dtype=fp16"):
         sweep({**GRID, "devices": ["a100-40g"], "dtype": "fp16"}, out, workers=1)
+
+
+def test_the_summary_of_a_run_that_planned_nothing_says_so():
+    from rich.console import Console
+
+    from planner.report.sweep_report import render_sweep_summary
+
+    def shown(planned: int) -> str:
+        console = Console(width=120, record=True)
+        console.print(render_sweep_summary(SweepSummary(Path("r.jsonl"), 6, planned, {"ok": 6}, 3.0, 2.0 if planned else 0.0)))
+        return console.export_text()
+
+    idle = shown(0)
+    assert "none: all 6 were already in the file" in idle and "points/s" not in idle
+    assert "2 (the other 4 were already in the file)" in shown(2) and "1.00 points/s" in shown(2)
 
 
 @pytest.mark.parametrize("edited", ["groups:\n  - {device: a100-80g, nodes: 2}\n",

@@ -7,7 +7,7 @@ from rich.console import Group
 from rich.table import Table
 
 from planner.config import ParallelConfig
-from planner.result import Plan
+from planner.result import PUBLISHED_MAPE, Plan
 from planner.report.estimate import memory_table, summary_table, throughput_unit, time_table, trace_notes
 from planner.report.units import bar, fmt_bytes, fmt_seconds
 
@@ -81,12 +81,6 @@ def memory_plan_table(plan: Plan) -> Table:
         table.add_row(f"recompute {policy}", f"{len(layers)} layers" + (f": {_layer_span(tuple(layers))}" if layers else ""))
     table.add_row("offload", str(memory.get("offload")))
     return table
-
-
-# The cost model's mean absolute error of throughput over the published runs of its goal groups
-# (`python benchmarks/published.py`, benchmarks/results/published.txt): plans closer than this are
-# not told apart by the model.
-PUBLISHED_MAPE = 0.059
 
 
 def parallel_axes(config: ParallelConfig) -> int:

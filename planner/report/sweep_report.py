@@ -38,13 +38,16 @@ def render_sweep_summary(summary: SweepSummary) -> Table:
     table.add_column("what", style="bold")
     table.add_column("value")
     earlier = summary.points - summary.planned
-    table.add_row("planned now", f"{summary.planned} (the other {earlier} {'was' if earlier == 1 else 'were'} already in the file)"
-                  if earlier else str(summary.planned))
+    if not summary.planned:
+        table.add_row("planned now", f"none: {'the one point was' if earlier == 1 else f'all {earlier} were'} already in the file")
+    else:
+        table.add_row("planned now", f"{summary.planned} (the other {earlier} {'was' if earlier == 1 else 'were'} already in the file)"
+                      if earlier else str(summary.planned))
     for status in PointStatus:
         if summary.status_counts.get(status):
             table.add_row(str(status), str(summary.status_counts[status]))
-    table.add_row("time", f"{fmt_seconds(summary.elapsed_s)} ({fmt_seconds(summary.planning_s)} planning, "
-                          f"{summary.points_per_s:.2f} points/s)")
+    table.add_row("time", f"{fmt_seconds(summary.elapsed_s)}" + (f" ({fmt_seconds(summary.planning_s)} planning, "
+                                                                  f"{summary.points_per_s:.2f} points/s)" if summary.planned else ""))
     return table
 
 

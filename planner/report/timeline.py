@@ -24,6 +24,8 @@ from planner.result import Plan
 # for transfers.
 COMPUTE_BAR = (-0.42, 0.62)  # (offset from the lane centre, height)
 TRANSFER_BAR = (0.24, 0.16)
+# Legend entries per row under the timeline: more run off an 11-inch figure's edges.
+TIMELINE_LEGEND_COLUMNS = 4
 # A micro-batch number is written in a bar at least this share of the time axis wide.
 MIN_LABELLED_BAR_FRACTION = 1 / 70
 FIGURE_WIDTH_IN = 13.0
@@ -110,7 +112,7 @@ def timeline_figure(plan: Plan) -> Figure:
     legend += [("p2p", "point-to-point transfer")] if "p2p" in present else []
     legend += [(kind, text) for kind, text, _ in tail if kind in present]
     axes.legend(handles=[Patch(facecolor=COLOURS[kind], label=text) for kind, text in legend],
-                loc="upper center", bbox_to_anchor=(0.5, -0.16 if config.pp > 2 else -0.3), ncols=len(legend), frameon=False)
+                loc="upper center", bbox_to_anchor=(0.5, -0.16 if config.pp > 2 else -0.3), ncols=min(len(legend), TIMELINE_LEGEND_COLUMNS), frameon=False)
     axes.set_yticks(range(config.pp), [_lane_label(plan, stage) for stage in range(config.pp)])
     axes.set_ylim(config.pp - 0.5, -0.5)
     axes.set_xlim(0, end_s * scale * 1.01)
