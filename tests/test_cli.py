@@ -801,3 +801,14 @@ def test_a_model_without_a_token_sequence_reads_in_samples(capsys):
     code, out, _ = run(["plan", *RUN_ARGS], capsys)
     text = " ".join(out.split())
     assert code == 0 and "global batch 32 x 128 tokens" in text and " tokens/s" in text and "samples" not in text
+
+
+def test_a_small_model_on_cpus_shows_its_memory_in_mib_and_its_flops_in_gflops(capsys):
+    # The tiny Llama on two CPU devices holds well under a GiB and runs well under a TFLOP/s: in GiB and
+    # TFLOP/s every figure read 0.0.
+    code, out, _ = run(["evaluate", "--model", str(REPO / "examples" / "tiny-llama.yaml"), "--cluster", "cpu:1x2",
+                        "--global-batch", "8", "--seq-len", "128", "--tp", "1", "--pp", "1", "--dtype", "fp32"], capsys)
+    text = " ".join(out.split())
+    assert code == 0 and "Memory per device by pipeline stage (MiB)" in text and " GFLOP/s " in text
+    code, out, _ = run(["evaluate", *RUN_ARGS, "--tp", "1", "--pp", "1"], capsys)
+    assert "Memory per device by pipeline stage (GiB)" in " ".join(out.split())

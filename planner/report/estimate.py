@@ -43,7 +43,8 @@ def summary_table(estimate: Estimate, title: str) -> Table:
         table.add_row("training code", ", ".join(f"{name}={value}" for name, value in changed.items()))
     table.add_row("step time", fmt_seconds(estimate.step_time_s))
     table.add_row("throughput", f"{estimate.tokens_per_s:,.0f} {throughput_unit(estimate)}/s")
-    table.add_row("model TFLOP/s per device", f"{estimate.tflops_per_gpu:.1f}")
+    table.add_row("model TFLOP/s per device", f"{estimate.tflops_per_gpu:.1f}" if estimate.tflops_per_gpu >= 1
+                  else f"{estimate.tflops_per_gpu * 1e3:.1f} GFLOP/s")
     table.add_row("MFU", f"{estimate.mfu:.1%}")
     # The fullest stage against its own device (on a mixed cluster the largest bytes may sit on the larger device).
     fullest = max(estimate.memory, key=lambda row: row["total_bytes"] / row["capacity_bytes"])
@@ -75,14 +76,16 @@ def time_table(estimate: Estimate) -> Table:
 
 
 def memory_table(estimate: Estimate) -> Table:
-    table = Table(title="Memory per device by pipeline stage (GiB)", title_justify="left")
+    # GiB, or MiB where the largest stage holds under one GiB (a small model on CPUs shows 0.0 GiB throughout)
+    unit, scale = ("GiB", GIB) if max(row["total_bytes"] for row in estimate.memory) >= GIB else ("MiB", 2**20)
+    table = Table(title=f"Memory per device by pipeline stage ({unit})", title_justify="left")
     for name in ("stage", "weights", "grads", "optim", "activ", "other", "total"):
         table.add_column(name, justify="right")
     table.add_column("of capacity")
     for row in estimate.memory:
         other = sum(row.get(part, 0.0) for part in ("comm_buffers_bytes", "temp_bytes", "overhead_bytes"))
         values = (row["weights_bytes"], row["grads_bytes"], row["optimizer_bytes"], row["activations_bytes"], other, row["total_bytes"])
-        table.add_row(str(row["stage"]), *(f"{v / GIB:.1f}" for v in values), bar(row["total_bytes"] / row["capacity_bytes"], 10))
+        table.add_row(str(row["stage"]), *(f"{v / scale:.1f}" for v in values), bar(row["total_bytes"] / row["capacity_bytes"], 10))
     priced = ", ".join(dict.fromkeys(f"{row['dtype']} on {row['device']}" for row in estimate.memory if "dtype" in row))
     host = max(estimate.memory, key=lambda row: (row.get("host_bytes", 0.0) / row["host_capacity_bytes"]
                                                  if row.get("host_capacity_bytes") else 0.0, row.get("host_bytes", 0.0)))
