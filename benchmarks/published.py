@@ -8,8 +8,9 @@ prediction proven too high.
 
 With `--contract-flags` each row is priced with only the command-line contract's options (degrees,
 micro-batch, ZeRO, recompute, dtype, cluster) as the source states them, the training code's kernels
-and overlap at their defaults and a ZeRO stage or recompute the source leaves open left to
-`evaluate` (`planner.open_choices`): what a caller that knows nothing of the row's software gets.
+and overlap at their defaults and a ZeRO stage or recompute the source leaves open left out (`evaluate`
+chooses the ZeRO stage, `planner.open_choices`, and recomputes nothing): what a caller that knows
+nothing of the row's software gets.
 
 Usage: python benchmarks/published.py [--all-groups] [--contract-flags] [--csv out.csv]
 """
@@ -34,8 +35,8 @@ from planner.zoo.spec import parse_spec  # noqa: E402
 def evaluate_row(row: Row, contract_flags: bool = False) -> Estimate:
     """The row's own configuration priced (open choices filled by FILL_RULES); PlannerError if it cannot be.
     `contract_flags`: the training software's options (FILL_RULES attention .. sp_gather) left at their
-    defaults, and the ZeRO stage and recompute the source leaves open left out, for `evaluate` to choose
-    (`planner.open_choices`), as a caller passing the source's own figures does."""
+    defaults, and the ZeRO stage and recompute the source leaves open left out, as a caller passing the
+    source's own figures does (`evaluate` chooses the stage, `planner.open_choices`)."""
     source = resolve_model(parse_spec(row.spec, f"{row.id}.yaml"))
     graph = trace(source, seq_len=row.seq_len)
     software = {} if contract_flags else dict(

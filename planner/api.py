@@ -111,9 +111,9 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
     layer-frequency checkpointing (`selective_ac_option = "2"`) runs.
     `fixes`: where the degrees given do not fit, price the single changes that would
     (`Estimate.fixes`, `planner.fit_fixes`).
-    Degrees given without `zero` or `recompute` leave them open: ZeRO 0 and no recompute where they
-    fit at a split memory did not shape, else the fastest choice that fits, with a note
-    (`planner.open_choices`).
+    Degrees given without `zero` leave it open: ZeRO 0 where it fits at a split memory did not shape,
+    else the fastest ZeRO stage that fits, with a note (`planner.open_choices`); recompute is never
+    assumed (`none` unless given).
 
     Example::
 
@@ -125,7 +125,7 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
     from planner.default_split import memory_shaped_note
     from planner.estimate import Evaluator
     from planner.fit_fixes import fit_fixes, idle_recompute_note
-    from planner.open_choices import fastest_fitting, open_keys
+    from planner.open_choices import fastest_fitting_zero, zero_is_open
     from planner.tp_plan import whole_weights_note
     from planner.training_code import TrainingCode
 
@@ -153,7 +153,8 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
         notes = ()
         if isinstance(config, dict) and boundaries is None and policies is None:
             given = full
-            full, estimate, notes = fastest_fitting(evaluator, full, estimate, global_batch, open_keys(config), shaped)
+            full, estimate, notes = (fastest_fitting_zero(evaluator, full, estimate, global_batch, shaped)
+                                     if zero_is_open(config) else (full, estimate, ()))
             shaped = shaped if full == given else memory_shaped_note(evaluator, full, estimate, global_batch)
         notes += idle_recompute_note(evaluator, full, estimate, global_batch) + whole_weights_note(evaluator, full)
         notes += attention_kernel_note(evaluator, full, estimate, global_batch, boundaries, policies) + shaped

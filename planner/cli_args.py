@@ -177,13 +177,12 @@ def _add_config_args(parser: argparse.ArgumentParser, searched: bool) -> None:
     parser.add_argument("--ep", type=_positive("ep"), help="expert-parallel degree of an MoE, inside dp x cp" + unset("1"))
     parser.add_argument("--vpp", type=_positive("vpp"), help="pipeline chunks per stage (interleaved schedule)" + unset("1"))
     parser.add_argument("--micro-batch", type=_positive("micro-batch"), help="sequences per micro-batch" + unset("1"))
-    open_choice = "0 and none where they fit, else the fastest choice that fits"
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
                         help="ZeRO stage: 1 shards the optimizer states, 2 also the gradients, 3 also the weights (FSDP)"
-                             + unset(open_choice))
+                             + unset("0 where it fits, else the fastest stage that fits"))
     parser.add_argument("--recompute", choices=["none", "selective", "full", "selective_op"],
                         help="activation recompute; selective_op: torchtitan's op-level selective checkpointing"
-                             + unset(open_choice))
+                             + unset("none"))
     parser.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb"],
                         help="pipeline schedule" + unset("interleaved with --vpp above 1, else 1f1b"))
     parser.add_argument("--offload-optimizer", action="store_const", const=True,
