@@ -173,7 +173,11 @@ def enumerate_degrees(graph: ModelGraph, cluster: Cluster, constraints: dict, gl
     if "zero" not in constraints and any(pp > 1 and dp * cp > 1 for dp, _, pp, cp, _ in space.degrees):
         space.rejected.append(Rejection("zero=2 with pp>1", "pipeline stages reduce the gradients once per step, so "
                                         "ZeRO-2 holds and moves what ZeRO-1 does; searched as zero=1"))
-    if "zero" not in constraints and any(pp == 1 and dp * cp > 1 for dp, _, pp, cp, _ in space.degrees):
+    one_micro_batch = bool(global_batch) and any(
+        pp == 1 and dp * cp > 1 and global_batch % dp == 0
+        and global_batch // dp in micro_batches(global_batch // dp, constraints, graph.stream_tokens)
+        for dp, _, pp, cp, _ in space.degrees)
+    if "zero" not in constraints and one_micro_batch:
         space.rejected.append(Rejection("zero=2 over one micro-batch", "FSDP2 reduce-scatters the gradients in the one "
                                         "backward, so ZeRO-1 holds and moves what ZeRO-2 does; searched as zero=1"))
     return space

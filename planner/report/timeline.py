@@ -112,7 +112,8 @@ def timeline_figure(plan: Plan) -> Figure:
     legend += [("p2p", "point-to-point transfer")] if "p2p" in present else []
     legend += [(kind, text) for kind, text, _ in tail if kind in present]
     axes.legend(handles=[Patch(facecolor=COLOURS[kind], label=text) for kind, text in legend],
-                loc="upper center", bbox_to_anchor=(0.5, -0.16 if config.pp > 2 else -0.3), ncols=min(len(legend), TIMELINE_LEGEND_COLUMNS), frameon=False)
+                loc="upper center", bbox_to_anchor=(0.5, -0.16 if config.pp > 2 else -0.3),
+                ncols=min(len(legend), TIMELINE_LEGEND_COLUMNS), frameon=False)
     axes.set_yticks(range(config.pp), [_lane_label(plan, stage) for stage in range(config.pp)])
     axes.set_ylim(config.pp - 0.5, -0.5)
     axes.set_xlim(0, end_s * scale * 1.01)
