@@ -7,9 +7,11 @@ balance, where no framework would run it. So `evaluate` prices ZeRO 0 first and 
 fits at a split memory did not shape (`default_split.memory_shaped_note`); otherwise it prices every
 ZeRO stage that shards (over the data-parallel and context-parallel ranks) and keeps the fastest
 that fits (on equal times, the lower stage). Sharding the states costs little time; recompute trades
-a third of the step for memory, so it is never assumed: a configuration that fits only with it is
-priced as given, with the recompute that would fit among its priced fixes (`planner.fit_fixes`). A
-ZeRO stage the caller gives is never changed.
+up to a third of the step for memory, so it is never assumed: a configuration that fits only with it
+is priced as given, with the recompute that would fit among its priced fixes (`planner.fit_fixes`).
+(Assumed where the memory model is high for a run's training code, recompute took NVIDIA's NeMo
+24.07 rows, which state neither, from 11.9% to 19.7% off in throughput.) A ZeRO stage the caller
+gives is never changed.
 """
 from __future__ import annotations
 
