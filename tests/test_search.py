@@ -862,6 +862,17 @@ def test_expert_parallelism_is_searched_over_dp_x_cp():
     assert best.estimate.step_time_s < min(p.estimate.step_time_s for p in inside_dp)
 
 
+def test_zero_2_over_one_micro_batch_is_explained_where_a_candidate_runs_one():
+    # gpt3-125m at 512 tokens on 8 A100s: dp 8 and 64 sequences let a replica run all 8 as one
+    # micro-batch; fixing the micro-batch at 2 leaves none that runs one.
+    graph = planner.trace("gpt3-125m", seq_len=512)
+    cluster = load_cluster("a100-80g:1x8")
+    explained = [r for r in enumerate_degrees(graph, cluster, {}, 64).rejected if r.what == "zero=2 over one micro-batch"]
+    assert explained and "searched as zero=1" in explained[0].reason
+    assert not any(r.what == "zero=2 over one micro-batch"
+                   for r in enumerate_degrees(graph, cluster, {"micro_batch": 2}, 64).rejected)
+
+
 def test_zero_1_and_2_over_one_micro_batch_are_listed_once():
     # The tiny Llama on 2 x 2 CPUs at tp 2: its plan runs one micro-batch of 4 at ZeRO-1, which FSDP2
     # runs as ZeRO-2, so the ZeRO-2 twin (the same time and memory) is not an alternative.
