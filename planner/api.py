@@ -125,7 +125,7 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
     from planner.default_split import memory_shaped_note
     from planner.estimate import Evaluator
     from planner.fit_fixes import fit_fixes, idle_recompute_note
-    from planner.open_choices import fastest_fitting_zero, zero_is_open
+    from planner.open_choices import fastest_fitting_zero
     from planner.tp_plan import whole_weights_note
     from planner.training_code import TrainingCode
 
@@ -151,10 +151,9 @@ def evaluate(model, cluster, config: dict | ParallelConfig | Plan, *, global_bat
         estimate = evaluator.estimate(full, global_batch, boundaries=boundaries, recompute_per_layer=policies)
         shaped = memory_shaped_note(evaluator, full, estimate, global_batch) if boundaries is None else ()
         notes = ()
-        if isinstance(config, dict) and boundaries is None and policies is None:
+        if isinstance(config, dict) and "zero" not in config and boundaries is None and policies is None:
             given = full
-            full, estimate, notes = (fastest_fitting_zero(evaluator, full, estimate, global_batch, shaped)
-                                     if zero_is_open(config) else (full, estimate, ()))
+            full, estimate, notes = fastest_fitting_zero(evaluator, full, estimate, global_batch, shaped)
             shaped = shaped if full == given else memory_shaped_note(evaluator, full, estimate, global_batch)
         notes += idle_recompute_note(evaluator, full, estimate, global_batch) + whole_weights_note(evaluator, full)
         notes += attention_kernel_note(evaluator, full, estimate, global_batch, boundaries, policies) + shaped

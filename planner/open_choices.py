@@ -23,15 +23,6 @@ from planner.estimate import Evaluator
 from planner.result import Estimate
 from planner.report.units import fmt_bytes
 
-# The key of the degrees a caller gives that this module fills when left out.
-OPEN_KEY = "zero"
-
-
-def zero_is_open(degrees: dict) -> bool:
-    """Whether the mapping a caller gave leaves the ZeRO stage out."""
-    return OPEN_KEY not in degrees
-
-
 def fastest_fitting_zero(evaluator: Evaluator, config: ParallelConfig, estimate: Estimate, global_batch: int,
                          shaped: tuple[str, ...]) -> tuple[ParallelConfig, Estimate, tuple[str, ...]]:
     """`config` (priced as `estimate`, with `memory_shaped_note`'s `shaped`) at the fastest ZeRO stage
